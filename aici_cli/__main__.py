@@ -1,0 +1,3 @@
+from aici_cli.cli import main
+
+main()

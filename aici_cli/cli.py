@@ -1,0 +1,149 @@
+"""The `aici-batch` command line: parse options into a `RunConfig`, call the library."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aici_cli import __version__
+from aici_cli.engine.loop import EngineConfig
+from aici_cli.jobs import Constraint, JobDefaults, UsageError
+from aici_cli.models import ModelError
+
+
+class FatalError(click.ClickException):
+    """A problem that stops the whole run: one line on stderr, exit code 2."""
+
+    exit_code = 2
+
+
+def _constraint(json_schema: str | None, regex: str | None,
+                choices: str | None) -> Constraint | None:
+    given = [x for x in (json_schema, regex, choices) if x is not None]
+    if len(given) > 1:
+        raise FatalError("give at most one of --json-schema, --regex, --choices")
+    if json_schema is not None:
+        try:
+            schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise FatalError(f"cannot read --json-schema {json_schema}: {e.strerror}") from None
+        except ValueError as e:
+            raise FatalError(f"--json-schema {json_schema} is not JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise FatalError(f"--json-schema {json_schema} must hold a JSON object")
+        return Constraint("json_schema", schema)
+    if regex is not None:
+        return Constraint("regex", regex)
+    if choices is not None:
+        options = [c for c in choices.split(",") if c]
+        if not options:
+            raise FatalError("--choices needs at least one non-empty choice")
+        return Constraint("choices", options)
+    return None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="aici-batch")
+def main() -> None:
+    """Batch constrained generation with local language models."""
+
+
+@main.command()
+@click.argument("input", metavar="INPUT")
+@click.option("-o", "--output", default="-", show_default=True,
+              help="Result JSONL file; '-' is stdout.")
+@click.option("--model", default=None,
+              help="Hugging Face model directory, .gguf file, or 'smollm2-135m-instruct' "
+                   "(the default, bundled offline).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto", show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 1024), default=8, show_default=True,
+              help="Sequences decoded together; finished rows are refilled at once.")
+@click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
+              help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0,
+              show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
+              help="Default per-line sampling seed.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
+              help="JSON Schema file enforced on every line without its own constraint.")
+@click.option("--regex", default=None, help="Regular expression enforced on every line.")
+@click.option("--choices", default=None, help="Comma-separated choices, e.g. 'yes,no'.")
+@click.option("--json-permissive", is_flag=True,
+              help="Let objects carry keys their schema does not declare (JSON Schema's own "
+                   "default). By default undeclared keys are disallowed where a schema is "
+                   "silent about them.")
+@click.option("--no-ff", is_flag=True, help="Sample forced tokens one by one (no fast-forward).")
+@click.option("--step-stats", is_flag=True, help="Add per-step records to each result line.")
+@click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
+              help="Write the run summary (JSON) here.")
+@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors.")
+def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
+        max_tokens: int, temperature: float, top_p: float, seed: int, stop: tuple[str, ...],
+        json_schema: str | None, regex: str | None, choices: str | None,
+        json_permissive: bool, no_ff: bool, step_stats: bool, stats_out: str | None,
+        quiet: bool) -> None:
+    """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
+    per input line.
+
+    \b
+    Examples:
+      aici-batch run prompts.jsonl -o results.jsonl --json-schema person.schema.json
+      cat prompts.jsonl | aici-batch run - > results.jsonl
+      aici-batch run prompts.jsonl --model ./my-hf-model --batch-size 16 --stats-out s.json
+
+    Exit status: 0 when every line succeeded, 1 when some lines ended in an error (all
+    results are still written), 2 when the run could not start.
+    """
+    from aici_cli.runner import RunConfig, run_batch  # heavy imports (torch) only here
+
+    config = RunConfig(
+        input=input,
+        output=output,
+        model=model,
+        device=device,
+        dtype=dtype,
+        engine=EngineConfig(
+            batch_size=batch_size,
+            fast_forward=not no_ff,
+            step_stats=step_stats,
+            strict_json=not json_permissive,
+        ),
+        defaults=JobDefaults(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=tuple(stop),
+            constraint=_constraint(json_schema, regex, choices),
+        ),
+        stats_out=stats_out,
+        quiet=quiet,
+    )
+    try:
+        outcome = run_batch(config)
+    except (UsageError, ModelError) as e:
+        raise FatalError(str(e)) from None
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head -1`): stop quietly, as shell tools do.
+        _silence_stdout()
+        sys.exit(0)
+    sys.exit(outcome.exit_code)
+
+
+def _silence_stdout() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def entry() -> Any:
+    return main()

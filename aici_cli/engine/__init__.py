@@ -1,0 +1,1 @@
+"""The decode loop: batching, per-row KV cache, masks, sampling."""

@@ -1,0 +1,381 @@
+"""The decode loop: rows refilled continuously, one batched forward pass per step.
+
+A step, top to bottom:
+  1. admit new lines into idle rows (their first pass is a prefill of the prompt plus any
+     tokens their controller forces at the start);
+  2. start filling token masks in a worker thread: they depend only on tokens already
+     known, so they overlap the forward pass (llguidance and torch both release the GIL);
+  3. one forward pass, over the fresh rows (prefill) or over the span of running rows,
+     each feeding 1 sampled token or several forced ones (fast-forward);
+  4. apply the masks in place, sample one token per row;
+  5. hand each row's token to its controller, which answers with forced tokens,
+     backtrack or stop; finished rows emit their result and free their row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+
+from aici_cli.control.base import Controller, ControllerError
+from aici_cli.control.grammar import GrammarCompiler, GrammarController, GrammarError
+from aici_cli.engine.cache import RowCache
+from aici_cli.engine.inputs import MaskShape, build_inputs
+from aici_cli.engine.sampling import row_generator, sample
+from aici_cli.engine.sequence import Finish, Sequence
+from aici_cli.jobs import Job, LineError, error_result
+from aici_cli.models import LoadedModel, ModelError, render_prompt
+from aici_cli.stats import StepTimes
+
+ControllerFactory = Callable[[Job], "Controller | None"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    batch_size: int = 8
+    fast_forward: bool = True
+    step_stats: bool = False
+    strict_json: bool = True
+    initial_capacity: int = 256
+
+
+def ms(t0: float, t1: float) -> float:
+    return (t1 - t0) * 1000.0
+
+
+class Engine:
+    """Runs jobs on one loaded model. `run` emits one result dict per job or line error."""
+
+    def __init__(self, lm: LoadedModel, config: EngineConfig,
+                 controller_factory: ControllerFactory | None = None) -> None:
+        self.lm = lm
+        self.config = config
+        self.model = lm.model
+        self.vocab_size = lm.vocab_size
+        self.eos = lm.eos_token_ids
+        model_cfg = self.model.config
+        self.max_positions = int(getattr(model_cfg, "max_position_embeddings", 1 << 15))
+        self.mask_shape = MaskShape.for_config(model_cfg)
+        self.pad_id = lm.tokenizer.pad_token_id or 0
+        self._compiler: GrammarCompiler | None = None
+        self.controller_factory = controller_factory
+        self.cache = RowCache(
+            num_layers=int(model_cfg.num_hidden_layers),
+            rows=config.batch_size,
+            capacity=min(config.initial_capacity, self.max_positions),
+        )
+        self.rows: list[Sequence | None] = [None] * config.batch_size
+        self.words = (self.vocab_size + 31) // 32
+        # bitmask[i]: allowed tokens of row i (bit t = token t), written by llguidance.
+        self.bitmask = torch.zeros((config.batch_size, self.words), dtype=torch.int32)
+        self.executor = llguidance.LLExecutor()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
+        self.step_times: list[StepTimes] = []
+        self.steps = 0
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(
+                self.lm.tokenizer, self.vocab_size, sorted(self.eos), self.config.strict_json
+            )
+        return self._compiler
+
+    # ----------------------------------------------------------------------------- run
+
+    @torch.inference_mode()
+    def run(self, items: Iterable[Job | LineError], emit: Callable[[dict[str, Any]], None],
+            should_admit: Callable[[], bool] = lambda: True) -> None:
+        """Drive every item to exactly one `emit`ted result; returns when all are done."""
+        source: Iterator[Job | LineError] | None = iter(items)
+        try:
+            while True:
+                if source is not None and should_admit():
+                    source = self._admit(source, emit)
+                if not any(self.rows):
+                    if source is None or not should_admit():
+                        return
+                    continue
+                fresh = [i for i, s in enumerate(self.rows) if s is not None and s.length == 0]
+                if fresh:
+                    self._step(fresh, emit)
+                else:
+                    live = [i for i, s in enumerate(self.rows) if s is not None]
+                    self._step(list(range(live[0], live[-1] + 1)), emit)
+        finally:
+            self.pool.shutdown(wait=True)
+
+    def _admit(self, source: Iterator[Job | LineError],
+               emit: Callable[[dict[str, Any]], None]) -> Iterator[Job | LineError] | None:
+        """Fill idle rows from `source`; returns None once it is exhausted."""
+        for row, seq in enumerate(self.rows):
+            while seq is None:
+                item = next(source, None)
+                if item is None:
+                    return None
+                if isinstance(item, LineError):
+                    emit(error_result(item))
+                    continue
+                seq = self._start(item, emit)
+                if seq is not None and seq.finish is not None:
+                    emit(self._result(seq))
+                    seq = None
+            self.rows[row] = seq
+        return source
+
+    def _start(self, job: Job, emit: Callable[[dict[str, Any]], None]) -> Sequence | None:
+        """Tokenize and build the controller; a failure becomes that line's error result."""
+        try:
+            prompt_ids = self._tokenize(job)
+            controller = self._controller(job)
+        except (GrammarError, ControllerError, ModelError) as e:
+            etype = getattr(e, "type", "model_error")
+            emit(error_result(LineError(job.index, job.id, etype, f"line {job.index}: {e}")))
+            return None
+        seq = Sequence(job, prompt_ids, controller, row_generator(job.seed))
+        if self.config.step_stats:
+            seq.steps = []
+        if controller is not None:
+            try:
+                t0 = time.perf_counter()
+                seq.apply(controller.start(prompt_ids))
+                seq.stats.controller_ms += ms(t0, time.perf_counter())
+            except ControllerError as e:
+                seq.finish = Finish("error", (e.type, e.message))
+        self._check_limits(seq)
+        return seq
+
+    def _tokenize(self, job: Job) -> list[int]:
+        tok = self.lm.tokenizer
+        if job.messages is not None:
+            text = render_prompt(tok, job.messages)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tok(job.prompt)["input_ids"]
+        if not ids:
+            raise ModelError("prompt encodes to no tokens")
+        limit = self.max_positions - job.max_tokens
+        if len(ids) > limit:
+            raise GrammarError(
+                "prompt_too_long",
+                f"prompt has {len(ids)} tokens; with max_tokens {job.max_tokens} the model's "
+                f"{self.max_positions} positions allow at most {max(limit, 0)}",
+            )
+        return list(ids)
+
+    def _controller(self, job: Job) -> Controller | None:
+        if self.controller_factory is not None:
+            custom = self.controller_factory(job)
+            if custom is not None:
+                return custom
+        if job.constraint is None:
+            return None
+        return GrammarController(self.compiler.compile(job.constraint), self.config.fast_forward)
+
+    # ---------------------------------------------------------------------------- step
+
+    def _step(self, rows: list[int], emit: Callable[[dict[str, Any]], None]) -> None:
+        t_start = time.perf_counter()
+        seqs = [self.rows[i] for i in rows]
+        fresh = seqs[0] is not None and seqs[0].length == 0
+        chunks = [s.pending if s is not None else [] for s in seqs]
+        lengths = [s.length if s is not None else 0 for s in seqs]
+        self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
+
+        masks = self.pool.submit(self._masks, rows, seqs)  # overlaps the forward pass
+
+        inputs = build_inputs(
+            rows if fresh else slice(rows[0], rows[-1] + 1), lengths, chunks,
+            self.cache.scratch_slot, self.pad_id, self.mask_shape, self.lm.device,
+        )
+        self.cache.plan = inputs.plan
+        t0 = time.perf_counter()
+        out = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            attention_mask=inputs.attention_mask,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=inputs.last,
+        )
+        logits = out.logits[:, 0, :].float()  # [b, V]
+        if logits.shape[-1] > self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        t1 = time.perf_counter()
+
+        disallowed, failed = masks.result()  # [b, V] bool or None; row -> error
+        t_mask_ready = time.perf_counter()
+        if disallowed is not None:
+            logits.masked_fill_(disallowed.to(logits.device, non_blocking=True), float("-inf"))
+            # A row whose mask allows nothing cannot continue; say so instead of sampling.
+            for k in torch.isneginf(logits.max(dim=-1).values).nonzero().flatten().tolist():
+                failed.setdefault(k, ControllerError("empty_mask", "the mask allows no token"))
+        t2 = time.perf_counter()
+
+        for k, err in failed.items():
+            seq = seqs[k]
+            assert seq is not None
+            seq.finish = Finish("error", (err.type, err.message))
+            self.rows[rows[k]] = None
+            emit(self._result(seq))
+            seqs[k] = None
+        real = [k for k, s in enumerate(seqs) if s is not None]
+        picked = sample(
+            logits[real].cpu() if len(real) < len(seqs) else logits.cpu(),
+            [seqs[k].job.temperature for k in real],  # type: ignore[union-attr]
+            [seqs[k].job.top_p for k in real],  # type: ignore[union-attr]
+            [seqs[k].generator for k in real],  # type: ignore[union-attr]
+        )
+        t3 = time.perf_counter()
+
+        times = StepTimes(
+            kind="prefill" if fresh else "decode",
+            rows=len(real),
+            tokens=sum(len(c) for c in chunks),
+            forward_ms=ms(t0, t1),
+            mask_ms=ms(t1, t2),
+            mask_wait_ms=ms(t1, t_mask_ready),
+            sample_ms=ms(t2, t3),
+        )
+        controller_ms = 0.0
+        for k, token in zip(real, picked):
+            seq = seqs[k]
+            assert seq is not None
+            controller_ms += self._commit(seq, token, times, t_start)
+        t4 = time.perf_counter()
+        times.controller_ms = controller_ms
+        times.step_ms = ms(t_start, t4)
+        self.step_times.append(times)
+        self.steps += 1
+        for k in real:
+            seq = seqs[k]
+            if seq is not None and seq.finish is not None:
+                self.rows[rows[k]] = None
+                emit(self._result(seq))
+
+    def _masks(
+        self, rows: list[int], seqs: list[Sequence | None]
+    ) -> tuple[torch.Tensor | None, dict[int, ControllerError]]:
+        """Runs in the worker thread, beside the forward pass.
+
+        Returns the disallowed tokens [b, V] (None: all allowed) and the controllers that
+        failed, by position in `rows`.
+        """
+        failed: dict[int, ControllerError] = {}
+        grammar: list[tuple[llguidance.LLMatcher, int]] = []
+        custom: list[tuple[int, int, Controller]] = []
+        for k, (row, seq) in enumerate(zip(rows, seqs)):
+            if seq is None or seq.controller is None:
+                continue
+            if isinstance(seq.controller, GrammarController):
+                grammar.append((seq.controller.matcher, row))
+            else:
+                custom.append((k, row, seq.controller))
+        if not grammar and not custom:
+            return None, failed
+        if grammar:
+            self.executor.unsafe_compute_mask_ptr(
+                grammar, self.bitmask.data_ptr(), self.words * 4, self.bitmask.shape[0]
+            )
+        constrained = {row for _, row in grammar}
+        for k, row, controller in custom:
+            try:
+                if controller.fill_mask(self.bitmask[row]):
+                    constrained.add(row)
+            except ControllerError as e:
+                failed[k] = e
+        bits = self.bitmask.numpy()[rows].view(np.uint8)  # [b, words * 4]
+        allowed = np.unpackbits(bits, axis=1, count=self.vocab_size, bitorder="little")
+        for k, row in enumerate(rows):
+            if row not in constrained:
+                allowed[k] = 1
+        return torch.from_numpy(allowed == 0), failed
+
+    def _commit(self, seq: Sequence, token: int, times: StepTimes, t_start: float) -> float:
+        """Append the sampled token, ask the controller what follows; returns its ms."""
+        now = time.perf_counter()
+        st = seq.stats
+        st.forward_passes += 1
+        st.forward_ms += times.forward_ms
+        st.mask_ms += times.mask_ms
+        st.sample_ms += times.sample_ms
+        seq.length += len(seq.pending)
+        seq.pending = []
+        if st.ttft_ms == 0.0:
+            st.ttft_ms = ms(seq.started, now)
+        ff_before = st.ff_tokens
+        controller_ms = 0.0
+        if token in self.eos:
+            seq.finish = Finish("stop")
+        else:
+            seq.output.append(token)
+            seq.pending.append(token)
+            if seq.controller is not None and not self._check_limits(seq):
+                t0 = time.perf_counter()
+                try:
+                    seq.apply(seq.controller.advance([token]))
+                except ControllerError as e:
+                    seq.finish = Finish("error", (e.type, e.message))
+                controller_ms = ms(t0, time.perf_counter())
+                st.controller_ms += controller_ms
+            self._check_limits(seq)
+        if seq.steps is not None:
+            seq.steps.append({
+                "step": len(seq.steps),
+                "kind": times.kind,
+                "sampled": 0 if seq.finish and token in self.eos else 1,
+                "forced": st.ff_tokens - ff_before,
+                "forward_ms": round(times.forward_ms, 3),
+                "mask_ms": round(times.mask_ms, 3),
+                "controller_ms": round(controller_ms, 3),
+                "sample_ms": round(times.sample_ms, 3),
+            })
+        return controller_ms
+
+    def _check_limits(self, seq: Sequence) -> bool:
+        """Finish on max_tokens or a stop string; True when the sequence is finished."""
+        if seq.finish is not None:
+            return True
+        if seq.job.stop:
+            text = self.lm.tokenizer.decode(seq.output, skip_special_tokens=True)
+            longest = max(len(s) for s in seq.job.stop)
+            start = max(0, seq._text_checked - longest + 1)
+            hits = [p for p in (text.find(s, start) for s in seq.job.stop) if p >= 0]
+            seq._text_checked = len(text)
+            if hits:
+                seq.finish = Finish("stop", text_end=min(hits))
+                return True
+        if len(seq.output) >= seq.job.max_tokens:
+            seq.finish = Finish("length")
+            return True
+        return False
+
+    def _result(self, seq: Sequence) -> dict[str, Any]:
+        finish = seq.finish or Finish("error", ("internal_error", "sequence ended unfinished"))
+        text = self.lm.tokenizer.decode(seq.output, skip_special_tokens=True)
+        if finish.text_end is not None:
+            text = text[: finish.text_end]
+        seq.stats.output_tokens = len(seq.output)
+        seq.stats.total_ms = ms(seq.started, time.perf_counter())
+        result: dict[str, Any] = {
+            "id": seq.job.id,
+            "index": seq.job.index,
+            "text": text,
+            "finish_reason": finish.reason,
+        }
+        if seq.controller is not None:
+            result.update(seq.controller.report(text))
+        if finish.error is not None:
+            etype, message = finish.error
+            result["error"] = {"type": etype, "message": f"line {seq.job.index}: {message}"}
+        result["stats"] = seq.stats.as_dict()
+        if seq.steps is not None:
+            result["steps"] = seq.steps
+        return result

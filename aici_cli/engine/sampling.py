@@ -1,0 +1,52 @@
+"""Token sampling: greedy at temperature 0, temperature/top-p otherwise.
+
+Each row draws its uniform number from its own `torch.Generator`, seeded from the line,
+so a line's output does not depend on which other lines share its batch. The draw is
+then turned into a token by inverse-CDF over the row's (filtered) distribution, batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def row_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def sample(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    generators: Sequence[torch.Generator],
+) -> list[int]:
+    """Pick one token per row. logits: [b, V] float32 on CPU, already masked (-inf)."""
+    greedy = logits.argmax(dim=-1)
+    if all(t <= 0.0 for t in temperatures):
+        return greedy.tolist()
+    out = greedy.tolist()
+    hot = [i for i, t in enumerate(temperatures) if t > 0.0]
+    temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32)[:, None]
+    probs = torch.softmax(logits[hot] / temps, dim=-1)  # [h, V]
+    top_p = torch.tensor([top_ps[i] for i in hot], dtype=torch.float32)[:, None]
+    if bool((top_p < 1.0).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    cdf = probs.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=generators[i]) for i in hot])[:, None] * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u, right=True).clamp(max=logits.shape[-1] - 1)[:, 0]
+    # searchsorted can land on a zero-probability token only through float rounding at the
+    # very end of the CDF; step back to the last token with mass.
+    for k, i in enumerate(hot):
+        tok = int(picked[k])
+        if probs[k, tok] <= 0:
+            tok = int((probs[k] > 0).nonzero()[-1])
+        out[i] = tok
+    return out

@@ -1,0 +1,90 @@
+"""One sequence's state in the engine: its tokens, its cache row, its controller, its stats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from aici_cli.control.base import Controller, ControllerError, Directive
+from aici_cli.jobs import Job
+
+
+@dataclass
+class SeqStats:
+    """Per-sequence counters; timings are wall-clock ms of the steps the row took part in."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    forward_passes: int = 0
+    ff_tokens: int = 0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    forward_ms: float = 0.0
+    mask_ms: float = 0.0
+    controller_ms: float = 0.0
+    sample_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for k, v in out.items():
+            if isinstance(v, float):
+                out[k] = round(v, 3)
+        return out
+
+
+@dataclass
+class Finish:
+    reason: str  # "stop" | "length" | "error"
+    error: tuple[str, str] | None = None  # (type, message)
+    text_end: int | None = None  # cut the text here (a stop string was found)
+
+
+@dataclass
+class Sequence:
+    """Invariant: `length` tokens of `prompt + output` are in the cache row; the rest,
+    `pending`, are appended but not yet fed to the model (fed by the next forward pass)."""
+
+    job: Job
+    prompt: list[int]
+    controller: Controller | None
+    generator: torch.Generator
+    started: float = field(default_factory=time.perf_counter)
+    output: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)
+    length: int = 0
+    stats: SeqStats = field(default_factory=SeqStats)
+    steps: list[dict[str, Any]] | None = None
+    finish: Finish | None = None
+    _text_checked: int = 0  # chars of decoded output already searched for stop strings
+
+    def __post_init__(self) -> None:
+        self.pending = list(self.prompt)
+        self.stats.prompt_tokens = len(self.prompt)
+
+    def apply(self, directive: Directive) -> None:
+        """Apply a controller's directive: backtrack, then force tokens, within max_tokens."""
+        if directive.backtrack:
+            self.backtrack(directive.backtrack)
+        forced = list(directive.forced)
+        budget = self.job.max_tokens - len(self.output)
+        if len(forced) > budget:
+            forced = forced[:budget]
+        self.output += forced
+        self.pending += forced
+        self.stats.ff_tokens += len(forced)
+        if directive.stop:
+            self.finish = Finish("stop")
+
+    def backtrack(self, n: int) -> None:
+        if n > len(self.output):
+            raise ControllerError(
+                "bad_backtrack",
+                f"backtrack of {n} tokens reaches past the prompt ({len(self.output)} generated)",
+            )
+        del self.output[len(self.output) - n :]
+        from_pending = min(n, len(self.pending))
+        del self.pending[len(self.pending) - from_pending :]
+        self.length -= n - from_pending

@@ -1,0 +1,101 @@
+"""`run_batch`: the library entry point behind `aici-batch run`.
+
+Reads input lines lazily, runs them on the engine, writes each result as soon as its
+sequence finishes, and returns the run summary. The CLI is a thin layer over this.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from aici_cli.engine.loop import Engine, EngineConfig
+from aici_cli.jobs import JobDefaults, ResultWriter, UsageError, open_input, read_jobs
+from aici_cli.models import load_model
+from aici_cli.stats import RunTally
+from aici_cli.ui import RunDisplay
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    input: str  # path or "-"
+    output: str = "-"  # path or "-"
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    defaults: JobDefaults = field(default_factory=JobDefaults)
+    stats_out: str | None = None
+    quiet: bool = False
+
+
+@dataclass
+class RunOutcome:
+    summary: dict[str, Any]
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.summary["errors"] else 0
+
+
+def _count_lines(path: str) -> int | None:
+    if path == "-":
+        return None
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def run_batch(config: RunConfig, stderr: IO[str] | None = None,
+              on_result: Callable[[dict[str, Any]], None] | None = None) -> RunOutcome:
+    """Run every input line to exactly one result line. Raises `UsageError`/`ModelError`
+    for problems that stop the whole run before any line is read."""
+    stderr = stderr or sys.stderr
+    source = open_input(config.input)
+    total = _count_lines(config.input)
+    lm = load_model(config.model, config.device, config.dtype)
+    out: IO[str]
+    if config.output == "-":
+        out = sys.stdout
+    else:
+        try:
+            out = open(config.output, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+        except OSError as e:
+            raise UsageError(f"cannot write {config.output}: {e.strerror}") from None
+    writer = ResultWriter(out)
+    tally = RunTally()
+    engine = Engine(lm, config.engine)
+    display = RunDisplay(stderr, total=total, quiet=config.quiet)
+    t0 = time.perf_counter()
+
+    def emit(result: dict[str, Any]) -> None:
+        writer.write(result)
+        tally.add(result)
+        display.advance(result)
+        if on_result is not None:
+            on_result(result)
+
+    try:
+        with display:
+            engine.run(read_jobs(source, config.defaults), emit)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+        if source is not sys.stdin.buffer:
+            source.close()
+    wall = time.perf_counter() - t0
+    meta = {
+        "model": lm.name,
+        "device": str(lm.device),
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "batch_size": config.engine.batch_size,
+    }
+    summary = tally.summary(engine.step_times, wall, meta)
+    if config.stats_out:
+        Path(config.stats_out).write_text(json.dumps(summary, indent=2) + "\n")
+    display.summary(summary)
+    return RunOutcome(summary)

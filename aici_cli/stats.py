@@ -1,0 +1,108 @@
+"""Per-step timings and the run summary (the `--stats-out` file and the summary table)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+STEP_FIELDS = ("forward_ms", "mask_ms", "controller_ms", "sample_ms", "overhead_ms", "step_ms")
+
+
+@dataclass
+class StepTimes:
+    """One engine step (one forward pass). `mask_ms` is the mask cost the step waited for
+    (mask filling runs beside the forward pass, so only what outlasts it shows here) plus
+    applying the masks; `overhead_ms` is everything in the step but the forward pass."""
+
+    kind: str  # "prefill" | "decode"
+    rows: int
+    tokens: int  # positions fed to the model
+    forward_ms: float = 0.0
+    mask_ms: float = 0.0
+    mask_wait_ms: float = 0.0
+    controller_ms: float = 0.0
+    sample_ms: float = 0.0
+    step_ms: float = 0.0
+
+    @property
+    def overhead_ms(self) -> float:
+        return max(0.0, self.step_ms - self.forward_ms)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def step_summary(steps: Iterable[StepTimes]) -> dict[str, dict[str, float]]:
+    steps = list(steps)
+    out: dict[str, dict[str, float]] = {}
+    for name in STEP_FIELDS:
+        vals = [float(getattr(s, name)) for s in steps]
+        out[name] = {
+            "p50": round(percentile(vals, 50), 3),
+            "p99": round(percentile(vals, 99), 3),
+            "mean": round(sum(vals) / len(vals), 3) if vals else 0.0,
+        }
+    return out
+
+
+@dataclass
+class RunTally:
+    """Counts results as they are written; `summary` turns them into the stats file."""
+
+    lines: int = 0
+    errors: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ff_tokens: int = 0
+    row_forward_passes: int = 0  # sum over sequences: each gives at most one sampled token
+    schema_lines: int = 0
+    valid: int = 0
+    error_types: dict[str, int] = field(default_factory=dict)
+
+    def add(self, result: dict[str, Any]) -> None:
+        self.lines += 1
+        st = result.get("stats", {})
+        self.prompt_tokens += int(st.get("prompt_tokens", 0))
+        self.output_tokens += int(st.get("output_tokens", 0))
+        self.ff_tokens += int(st.get("ff_tokens", 0))
+        self.row_forward_passes += int(st.get("forward_passes", 0))
+        if result.get("finish_reason") == "error":
+            self.errors += 1
+            etype = result.get("error", {}).get("type", "error")
+            self.error_types[etype] = self.error_types.get(etype, 0) + 1
+        elif "valid" in result:
+            self.schema_lines += 1
+            self.valid += bool(result["valid"])
+
+    def summary(self, steps: Sequence[StepTimes], wall_s: float,
+                meta: dict[str, Any]) -> dict[str, Any]:
+        # forward_passes counts batched passes; forward_passes_per_token is per sequence
+        # (row passes / output tokens), below 1.0 exactly by what fast-forward saved.
+        passes = len(steps)
+        rows = self.row_forward_passes
+        return {
+            "lines": self.lines,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "ff_tokens": self.ff_tokens,
+            "forward_passes": passes,
+            "row_forward_passes": rows,
+            "forward_passes_per_token": (
+                round(rows / self.output_tokens, 4) if self.output_tokens else None
+            ),
+            "wall_s": round(wall_s, 3),
+            "tokens_per_s": round(self.output_tokens / wall_s, 2) if wall_s > 0 else 0.0,
+            "schema_lines": self.schema_lines,
+            "valid": self.valid,
+            "steps": step_summary(steps),
+            **meta,
+        }

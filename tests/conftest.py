@@ -1,0 +1,24 @@
+"""Shared fixtures: one tiny random model per test session, and the `real_model` marker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_model import build_tiny_model
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "real_model: uses the default SmolLM2 model (first run converts its GGUF, ~25 s)",
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved tiny Llama + byte-level BPE tokenizer with a chat template (~0.1 s to build).
+
+    Session-scoped and shared: tests must not modify its files (copy it first).
+    """
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))

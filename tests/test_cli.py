@@ -1,0 +1,124 @@
+"""`aici-batch run` end to end on the tiny model, through Click's runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from click.testing import CliRunner, Result
+
+from aici_cli.cli import main
+from aici_cli.jobs import load_schema
+
+GOOD = [
+    {"id": "a", "prompt": "Once upon a time", "max_tokens": 6},
+    {"id": "b", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4},
+    {"id": "c", "prompt": "Pick", "choices": ["yes", "no"]},
+    {"id": "d", "prompt": "Person:", "json_schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+     "max_tokens": 20},
+]
+
+
+def jsonl(rows: list[Any]) -> str:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+
+
+def invoke(args: list[str], stdin: str | None = None) -> Result:
+    return CliRunner().invoke(main, args, input=stdin)
+
+
+def results_of(text: str) -> list[dict[str, Any]]:
+    validator = jsonschema.Draft202012Validator(load_schema("result-line"))
+    out = [json.loads(line) for line in text.splitlines() if line.strip()]
+    for r in out:
+        validator.validate(r)
+    return out
+
+
+@pytest.fixture()
+def model_args(tiny_model_dir: Path) -> list[str]:
+    return ["--model", str(tiny_model_dir), "--dtype", "float32", "--device", "cpu"]
+
+
+def test_good_lines_exit_zero_and_validate(model_args: list[str], tmp_path: Path) -> None:
+    stats = tmp_path / "stats.json"
+    res = invoke(["run", "-", *model_args, "--stats-out", str(stats), "-q"], jsonl(GOOD))
+    assert res.exit_code == 0, res.output
+    results = results_of(res.stdout)
+    assert sorted(r["id"] for r in results) == ["a", "b", "c", "d"]
+    by_id = {r["id"]: r for r in results}
+    assert by_id["c"]["text"] in ("yes", "no")
+    assert "valid" in by_id["d"] and "json" in by_id["d"]
+    summary = json.loads(stats.read_text())
+    jsonschema.validate(summary, load_schema("stats"))
+    assert summary["lines"] == 4 and summary["errors"] == 0
+    assert summary["output_tokens"] == sum(r["stats"]["output_tokens"] for r in results)
+
+
+def test_bad_lines_get_error_results_and_exit_one(model_args: list[str]) -> None:
+    lines = [
+        GOOD[0],
+        "{not json",
+        {"id": "typo", "promt": "x"},
+        {"id": "type", "prompt": "x", "max_tokens": "ten"},
+        {"id": "empty", "prompt": ""},
+        {"id": "schema", "prompt": "x", "json_schema": {"type": "nonsense"}},
+        GOOD[2],
+    ]
+    res = invoke(["run", "-", *model_args, "-q"], jsonl(lines))
+    assert res.exit_code == 1
+    results = {r["index"]: r for r in results_of(res.stdout)}
+    assert sorted(results) == list(range(1, 8))
+    assert results[1]["finish_reason"] != "error" and results[7]["finish_reason"] != "error"
+    expected = {2: "invalid_json", 3: "invalid_line", 4: "invalid_line", 5: "empty_prompt",
+                6: "invalid_schema"}
+    for index, etype in expected.items():
+        assert results[index]["finish_reason"] == "error"
+        assert results[index]["error"]["type"] == etype
+        assert results[index]["error"]["message"].startswith(f"line {index}:")
+    assert "promt" in results[3]["error"]["message"]
+
+
+def test_output_file_and_cli_constraint(model_args: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "r.jsonl"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(jsonl([{"prompt": "A"}, {"prompt": "B", "choices": ["x", "y"]}]))
+    res = invoke(["run", str(prompts), "-o", str(out), *model_args, "--choices", "up,down",
+                  "-q"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout == ""
+    results = {r["index"]: r for r in results_of(out.read_text())}
+    assert results[1]["text"] in ("up", "down")  # the CLI default
+    assert results[2]["text"] in ("x", "y")  # the line's own constraint wins
+    assert results[1]["id"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["run", "missing.jsonl"], "missing.jsonl"),
+        (["run", "-", "--model", "/no/such/model"], "/no/such/model"),
+        (["run", "-", "--regex", "a", "--choices", "a,b"], "at most one"),
+        (["run", "-", "--json-schema", "/no/schema.json"], "/no/schema.json"),
+    ],
+)
+def test_usage_errors_exit_two_with_one_line(args: list[str], needle: str) -> None:
+    res = invoke(args, "")
+    assert res.exit_code == 2
+    message = res.stderr.strip()
+    assert needle in message
+    assert len(message.splitlines()) == 1
+    assert "Traceback" not in res.output
+
+
+def test_summary_table_goes_to_stderr_only(model_args: list[str]) -> None:
+    res = invoke(["run", "-", *model_args], jsonl(GOOD[:1]))
+    assert res.exit_code == 0
+    assert "tokens/s" in res.stderr
+    assert len(results_of(res.stdout)) == 1
+    quiet = invoke(["run", "-", *model_args, "--quiet"], jsonl(GOOD[:1]))
+    assert quiet.stderr == ""

@@ -1,0 +1,187 @@
+"""The decode loop on the tiny model: refill, determinism, fast-forward, stops, faults."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aici_cli.control.base import ControllerError, Directive
+from aici_cli.engine.loop import Engine, EngineConfig
+from aici_cli.jobs import Constraint, Job, LineError
+from aici_cli.models import LoadedModel, load_model
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+def job(index: int, prompt: str = "Hello there", **kw: Any) -> Job:
+    fields: dict[str, Any] = dict(
+        index=index, id=f"j{index}", prompt=prompt, messages=None, max_tokens=12,
+        temperature=0.0, top_p=1.0, seed=index,
+    )
+    fields.update(kw)
+    return Job(**fields)
+
+
+def run(lm: LoadedModel, jobs: Sequence[Job | LineError], **config: Any) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    Engine(lm, EngineConfig(**config)).run(jobs, results.append)
+    return results
+
+
+def by_index(results: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    return {r["index"]: r for r in results}
+
+
+def test_every_job_gets_exactly_one_result(lm: LoadedModel) -> None:
+    jobs: list[Job | LineError] = [job(i, max_tokens=3 + i % 5) for i in range(1, 12)]
+    jobs.insert(4, LineError(99, "bad", "invalid_json", "line 99: not JSON"))
+    results = run(lm, jobs, batch_size=4)
+    assert sorted(r["index"] for r in results) == sorted(j.index for j in jobs)
+    for r in results:
+        if r["index"] == 99:
+            assert r["finish_reason"] == "error"
+        else:
+            assert r["finish_reason"] in ("stop", "length")
+            assert r["stats"]["output_tokens"] <= 3 + r["index"] % 5
+
+
+def test_continuous_refill_does_not_wait_for_the_batch(lm: LoadedModel) -> None:
+    # One long job and many short ones on two rows: the short ones stream through the
+    # second row while the long one decodes, so the long one finishes last.
+    long = job(1, max_tokens=40, prompt="a long story")
+    shorts = [job(i, max_tokens=2, prompt=f"short {i}") for i in range(2, 8)]
+    results = run(lm, [long, *shorts], batch_size=2)
+    assert results[-1]["index"] == 1
+    assert results[-1]["stats"]["output_tokens"] == 40
+
+
+def test_sampled_output_does_not_depend_on_batch_size(lm: LoadedModel) -> None:
+    jobs = [job(i, prompt=f"prompt number {i}", temperature=0.9, top_p=0.95, max_tokens=10)
+            for i in range(1, 7)]
+    texts = {}
+    for bs in (1, 3, 6):
+        texts[bs] = {r["index"]: r["text"] for r in run(lm, jobs, batch_size=bs)}
+    assert texts[1] == texts[3] == texts[6]
+    # And the seed matters: the same prompt with another seed samples differently.
+    a = run(lm, [job(1, temperature=1.5, seed=1, max_tokens=10)])[0]["text"]
+    b = run(lm, [job(1, temperature=1.5, seed=2, max_tokens=10)])[0]["text"]
+    assert a != b
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["alpha", "beta"]}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "tags", "ok"],
+}
+
+
+def test_fast_forward_matches_token_by_token_and_saves_passes(lm: LoadedModel) -> None:
+    jobs = [job(i, prompt=f"json {i}", max_tokens=60,
+                constraint=Constraint("json_schema", SCHEMA)) for i in range(1, 5)]
+    with_ff = by_index(run(lm, jobs, batch_size=4))
+    without = by_index(run(lm, jobs, batch_size=4, fast_forward=False))
+    for i in with_ff:
+        assert with_ff[i]["text"] == without[i]["text"]
+        assert without[i]["stats"]["ff_tokens"] == 0
+        if with_ff[i]["finish_reason"] == "stop":
+            assert with_ff[i]["valid"] is True
+            assert set(with_ff[i]["json"]) == {"name", "tags", "ok"}
+    ff_passes = sum(r["stats"]["forward_passes"] for r in with_ff.values())
+    plain_passes = sum(r["stats"]["forward_passes"] for r in without.values())
+    assert sum(r["stats"]["ff_tokens"] for r in with_ff.values()) > 0
+    assert ff_passes < plain_passes
+
+
+def test_choices_and_regex_are_enforced(lm: LoadedModel) -> None:
+    results = by_index(run(lm, [
+        job(1, constraint=Constraint("choices", ["red", "green", "blue"])),
+        job(2, constraint=Constraint("regex", r"[0-9]{3}-[a-z]{2}"), max_tokens=20),
+    ]))
+    assert results[1]["text"] in ("red", "green", "blue")
+    assert results[1]["finish_reason"] == "stop"
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", results[2]["text"])
+
+
+def test_stop_string_cuts_the_text(lm: LoadedModel) -> None:
+    free = run(lm, [job(1, max_tokens=30)])[0]["text"]
+    assert len(free) > 4
+    stop = free[2:4]
+    cut = run(lm, [job(1, max_tokens=30, stop=(stop,))])[0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == free[: free.index(stop)]
+
+
+def test_bad_grammar_is_a_line_error_and_others_run(lm: LoadedModel) -> None:
+    results = by_index(run(lm, [
+        job(1),
+        job(2, constraint=Constraint("regex", "(unclosed")),
+        job(3, constraint=Constraint("json_schema", {"type": 12})),
+        job(4),
+    ], batch_size=2))
+    assert results[2]["finish_reason"] == "error"
+    assert results[2]["error"]["type"] == "invalid_regex"
+    assert results[3]["error"]["type"] == "invalid_schema"
+    assert "line 3" in results[3]["error"]["message"]
+    assert results[1]["finish_reason"] != "error" and results[4]["finish_reason"] != "error"
+
+
+class FailingController:
+    """Forces two tokens, then fails on its third step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def start(self, prompt: Sequence[int]) -> Directive:
+        return Directive(forced=(5, 6))
+
+    def advance(self, tokens: Sequence[int]) -> Directive:
+        self.calls += 1
+        if self.calls == 3:
+            raise ControllerError("controller_trap", "boom on step 3")
+        return Directive()
+
+    def fill_mask(self, out: torch.Tensor) -> bool:
+        return False
+
+    def report(self, text: str) -> dict[str, Any]:
+        return {}
+
+
+def test_controller_fault_ends_only_its_sequence(lm: LoadedModel) -> None:
+    def factory(j: Job) -> FailingController | None:
+        return FailingController() if j.index == 2 else None
+
+    results: list[dict[str, Any]] = []
+    engine = Engine(lm, EngineConfig(batch_size=3), controller_factory=factory)
+    engine.run([job(1, max_tokens=10), job(2, max_tokens=10), job(3, max_tokens=10)],
+               results.append)
+    got = by_index(results)
+    assert got[2]["finish_reason"] == "error"
+    assert got[2]["error"] == {"type": "controller_trap", "message": "line 2: boom on step 3"}
+    assert got[2]["stats"]["ff_tokens"] == 2
+    assert got[1]["stats"]["output_tokens"] == 10 and got[3]["stats"]["output_tokens"] == 10
+
+
+def test_step_stats_records_each_pass(lm: LoadedModel) -> None:
+    r = run(lm, [job(1, max_tokens=40, constraint=Constraint("json_schema", SCHEMA))],
+            step_stats=True)[0]
+    steps = r["steps"]
+    assert len(steps) == r["stats"]["forward_passes"]
+    assert [s["kind"] for s in steps] == ["prefill"] + ["decode"] * (len(steps) - 1)
+    assert [s["step"] for s in steps] == list(range(len(steps)))
+    # Every output token was either sampled after a pass or forced by the controller.
+    sampled = sum(s["sampled"] for s in steps)
+    assert sampled + r["stats"]["ff_tokens"] == r["stats"]["output_tokens"]
+    assert all(s["forward_ms"] > 0 for s in steps)

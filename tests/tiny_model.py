@@ -1,0 +1,110 @@
+"""A tiny random-weight Llama model plus tokenizer, built in code for fast offline tests.
+
+The weights are random (seeded), so generations are gibberish but deterministic for a
+given torch build; tests should rely on mechanics (shapes, constraints, stop handling),
+never on content. The tokenizer is byte-level BPE, so every string is encodable, and it
+mirrors the default SmolLM2 tokenizer in adding no special tokens on encode: the chat
+template writes `<s>` itself.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+BOS = "<s>"
+EOS = "</s>"
+
+# Renders e.g. "<s><|user|>\nhi</s>\n<|assistant|>\n"; role markers are ordinary text.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_WORD_TEXT = (
+    "the a an model token batch prompt answer json schema regex value key name id "
+    "quick brown fox jumps over lazy dog Alice Bob Paris London True False null yes no "
+    "Hello World Error Result Output Input Number String Object Array Item List"
+)
+_WORDS = _WORD_TEXT.split()
+
+
+def _corpus(rng: random.Random) -> list[str]:
+    """A few KB of English-like and JSON-like lines with digits, quotes, braces, both cases."""
+    lines: list[str] = []
+    for _ in range(60):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 12))]
+        sentence = " ".join(words)
+        lines.append(sentence[0].upper() + sentence[1:] + rng.choice([".", "!", "?", ","]))
+    for i in range(60):
+        key, other = rng.choice(_WORDS), rng.choice(_WORDS)
+        value = rng.choice(
+            [str(rng.randint(-1000, 100000)), f'"{rng.choice(_WORDS)}"', "true", "null"]
+        )
+        lines.append(f'{{"{key}": {value}, "{other}": [{i}, {rng.random():.3f}], "ok": false}}')
+    lines.append("0123456789 {}[]():;,.'\"`~!@#$%^&*-_+=<>/?\\| \t\n")
+    return lines
+
+
+def _build_tokenizer() -> Tokenizer:
+    rng = random.Random(0)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=768,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: no UNK
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(rng), trainer)
+    return tokenizer
+
+
+def build_tiny_model(directory: Path) -> Path:
+    """Write a 2-layer Llama (hidden 64, tied embeddings) and its tokenizer to `directory`.
+
+    Takes well under a second once transformers is imported. The global torch RNG is left
+    untouched.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory = Path(directory)
+    backend = _build_tokenizer()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token=EOS,
+        model_max_length=2048,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+
+    bos_id, eos_id = backend.token_to_id(BOS), backend.token_to_id(EOS)
+    config = LlamaConfig(
+        vocab_size=backend.get_vocab_size(),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.generation_config.bos_token_id = bos_id
+    model.generation_config.eos_token_id = eos_id
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
