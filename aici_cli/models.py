@@ -171,9 +171,10 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    path = resolve_model(spec)
+    # Validate the cheap choices first: a bad --device must not wait for a GGUF conversion.
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
+    path = resolve_model(spec)
     # transformers draws a "Loading weights" bar on stderr; the CLI's stderr is for messages.
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()

@@ -54,9 +54,10 @@ def close_objects(schema: Any) -> Any:
 
     JSON Schema allows any extra key by default; a model given that freedom tends to
     invent keys until the token limit. Objects that list `properties` and say nothing about
-    extra keys get `additionalProperties: false`. Members of `allOf` are left open, since
-    closing one would reject the keys another member declares. The result still validates
-    only outputs that the original schema accepts.
+    extra keys get `additionalProperties: false`. Schemas that are merged with others stay
+    open: members of `allOf`, and members of `anyOf`/`oneOf` whose parent declares keys
+    itself, since closing one would reject the keys declared beside it. The result still
+    validates only outputs that the original schema accepts.
     """
 
     def walk(node: Any, in_all_of: bool) -> Any:
@@ -64,6 +65,7 @@ def close_objects(schema: Any) -> Any:
             return [walk(x, in_all_of) for x in node]
         if not isinstance(node, dict):
             return node
+        parent_keys = "properties" in node or "required" in node
         out = {}
         for key, value in node.items():
             if key in ("enum", "const", "default", "examples"):
@@ -71,7 +73,8 @@ def close_objects(schema: Any) -> Any:
             elif key == "properties" and isinstance(value, dict):
                 out[key] = {k: walk(v, False) for k, v in value.items()}
             else:
-                out[key] = walk(value, key == "allOf")
+                merged = key == "allOf" or (key in ("anyOf", "oneOf") and parent_keys)
+                out[key] = walk(value, merged)
         open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
         combined = any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
         if (
@@ -84,6 +87,44 @@ def close_objects(schema: Any) -> Any:
         return out
 
     return walk(schema, False)
+
+
+def exclusive_one_of(schema: Any) -> Any:
+    """Return `schema` with `oneOf` branches made exclusive where `required` tells them apart.
+
+    llguidance enforces `oneOf` only as `anyOf`, so an output may satisfy two branches and
+    fail `oneOf`. A branch j that requires key k fails whenever k is absent; so branch i
+    forbids one such key of every other branch (`properties: {k: false}`). This only
+    narrows the schema, and it makes the common `oneOf: [{required: [a]}, {required: [b]}]`
+    exact.
+    """
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: (v if k in ("enum", "const", "default", "examples") else walk(v))
+               for k, v in node.items()}
+        branches = out.get("oneOf")
+        if isinstance(branches, list) and all(isinstance(b, dict) for b in branches):
+            required = [set(b.get("required", [])) for b in branches]
+            if all(isinstance(k, str) for r in required for k in r):
+                new = []
+                for i, branch in enumerate(branches):
+                    forbid = {
+                        sorted(r - required[i])[0]
+                        for j, r in enumerate(required) if j != i and r - required[i]
+                    }
+                    if forbid:
+                        props = dict(branch.get("properties", {}))
+                        props.update({k: False for k in forbid})
+                        branch = {**branch, "properties": props}
+                    new.append(branch)
+                out["oneOf"] = new
+        return out
+
+    return walk(schema)
 
 
 @dataclass
@@ -159,7 +200,9 @@ class GrammarCompiler:
             validator = validator_cls(original)
         except jsonschema.SchemaError as e:
             raise GrammarError("invalid_schema", f"invalid JSON schema: {e.message}") from None
-        schema = close_objects(original) if self.strict_json else original
+        schema = exclusive_one_of(original)
+        if self.strict_json:
+            schema = close_objects(schema)
         first_error = ""
         for note, extra in RELAXATIONS:
             try:

@@ -34,6 +34,9 @@ from aici_cli.jobs import Job, LineError, error_result
 from aici_cli.models import LoadedModel, ModelError, render_prompt
 from aici_cli.stats import StepTimes
 
+# A prefill group may compute at most this many positions per real prompt token.
+PREFILL_PAD_RATIO = 1.25
+
 ControllerFactory = Callable[[Job], "Controller | None"]
 
 
@@ -105,12 +108,26 @@ class Engine:
                     continue
                 fresh = [i for i, s in enumerate(self.rows) if s is not None and s.length == 0]
                 if fresh:
-                    self._step(fresh, emit)
+                    self._step(self._prefill_group(fresh), emit)
                 else:
                     live = [i for i, s in enumerate(self.rows) if s is not None]
                     self._step(list(range(live[0], live[-1] + 1)), emit)
         finally:
             self.pool.shutdown(wait=True)
+
+    def _prefill_group(self, fresh: list[int]) -> list[int]:
+        """The fresh rows to prefill together: similar lengths only, since every row is
+        padded to the longest prompt and padding costs as much as real tokens."""
+        by_len = sorted(fresh, key=lambda i: len(self.rows[i].pending))  # type: ignore[union-attr]
+        group: list[int] = []
+        real = 0
+        for i in by_len:
+            n = len(self.rows[i].pending)  # type: ignore[union-attr]
+            if group and n * (len(group) + 1) > PREFILL_PAD_RATIO * (real + n):
+                break
+            group.append(i)
+            real += n
+        return sorted(group)
 
     def _admit(self, source: Iterator[Job | LineError],
                emit: Callable[[dict[str, Any]], None]) -> Iterator[Job | LineError] | None:

@@ -1,0 +1,64 @@
+"""Python mirrors of the WIT contract's types (`wit/controller.wit`).
+
+The wasm host converts wasmtime values to these at the boundary, so the rest of the host
+never sees wasmtime's `Record`/`Variant` shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+GrammarKind = Literal["json-schema", "regex", "lark", "choice"]
+TokenSetKind = Literal["all", "allow", "deny", "bitmask", "host-set", "not-host-set"]
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    kind: TokenSetKind
+    tokens: tuple[int, ...] = ()  # allow / deny: token ids; bitmask: u32 words
+    handle: int = 0  # host-set / not-host-set
+
+
+@dataclass(frozen=True)
+class Grammar:
+    kind: GrammarKind
+    value: str | tuple[str, ...]  # choice: the options; otherwise the grammar text
+
+
+@dataclass(frozen=True)
+class Segment:
+    grammar: Grammar | None
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Sample:
+    tokens: TokenSet
+
+
+@dataclass(frozen=True)
+class Generate:
+    segment: Segment
+
+
+@dataclass(frozen=True)
+class Splice:
+    backtrack: int
+    ff_tokens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Action = Sample | Generate | Splice | Stop
+
+
+@dataclass(frozen=True)
+class StepInput:
+    backtrack: int = 0
+    tokens: tuple[int, ...] = field(default_factory=tuple)
+    segment_text: str | None = None
