@@ -88,7 +88,7 @@ def test_cached_logits_match_single_sequence_in_fp32() -> None:
     lengths = [0, 0]
     chunks = prompts
     fresh = True
-    for step in range(4):
+    for _ in range(4):
         inputs = build_inputs([0, 1] if fresh else slice(0, 2), lengths, chunks,
                               cache.scratch_slot, 0, shape, torch.device("cpu"))
         cache.plan = inputs.plan
