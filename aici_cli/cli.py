@@ -82,6 +82,12 @@ def main() -> None:
               help="Let objects carry keys their schema does not declare (JSON Schema's own "
                    "default). By default undeclared keys are disallowed where a schema is "
                    "silent about them.")
+@click.option("--controller", type=click.Path(dir_okay=False), default=None,
+              help="A controller component (.wasm, see `aici-batch build`) run for every line.")
+@click.option("--controller-arg", default="",
+              help="Argument passed to the controller for lines without `controller_arg`.")
+@click.option("--controller-timeout-ms", type=click.IntRange(1), default=50, show_default=True,
+              help="Wall-clock deadline of each controller call.")
 @click.option("--no-ff", is_flag=True, help="Sample forced tokens one by one (no fast-forward).")
 @click.option("--step-stats", is_flag=True, help="Add per-step records to each result line.")
 @click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
@@ -90,7 +96,8 @@ def main() -> None:
 def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
         max_tokens: int, temperature: float, top_p: float, seed: int, stop: tuple[str, ...],
         json_schema: str | None, regex: str | None, choices: str | None,
-        json_permissive: bool, no_ff: bool, step_stats: bool, stats_out: str | None,
+        json_permissive: bool, controller: str | None, controller_arg: str,
+        controller_timeout_ms: int, no_ff: bool, step_stats: bool, stats_out: str | None,
         quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
     per input line.
@@ -100,6 +107,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
       aici-batch run prompts.jsonl -o results.jsonl --json-schema person.schema.json
       cat prompts.jsonl | aici-batch run - > results.jsonl
       aici-batch run prompts.jsonl --model ./my-hf-model --batch-size 16 --stats-out s.json
+      aici-batch run prompts.jsonl --controller yes_no.wasm --controller-arg '{"n": 3}'
 
     Exit status: 0 when every line succeeded, 1 when some lines ended in an error (all
     results are still written), 2 when the run could not start.
@@ -128,7 +136,12 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         ),
         stats_out=stats_out,
         quiet=quiet,
+        controller=controller,
+        controller_arg=controller_arg,
+        controller_call_ms=controller_timeout_ms,
     )
+    if controller is not None and config.defaults.constraint is not None:
+        raise FatalError("--controller cannot be combined with --json-schema/--regex/--choices")
     try:
         outcome = run_batch(config)
     except (UsageError, ModelError) as e:
@@ -138,6 +151,42 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         _silence_stdout()
         sys.exit(0)
     sys.exit(outcome.exit_code)
+
+
+@main.command()
+def wit() -> None:
+    """Print the WIT contract that controller components implement.
+
+    \b
+    Example:
+      aici-batch wit > controller.wit
+    """
+    from aici_cli.control.build import wit_text
+
+    click.echo(wit_text(), nl=False)
+
+
+@main.command()
+@click.argument("source", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Output .wasm (default: SOURCE with a .wasm suffix).")
+def build(source: str, output: str | None) -> None:
+    """Build a Python controller (a module with one @controller) into a .wasm component.
+
+    \b
+    Example:
+      aici-batch build controllers/examples/yes_no.py -o yes_no.wasm
+      aici-batch run prompts.jsonl --controller yes_no.wasm
+    """
+    from aici_cli.control.build import BuildError, build_controller
+
+    out = Path(output) if output else Path(source).with_suffix(".wasm")
+    try:
+        result = build_controller(Path(source), out)
+    except BuildError as e:
+        raise FatalError(str(e)) from None
+    click.echo(f"built {result.out} ({result.size / 1e6:.1f} MB, {result.seconds:.1f} s)",
+               err=True)
 
 
 def _silence_stdout() -> None:

@@ -22,7 +22,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.validators import validator_for
 
-ConstraintKind = Literal["json_schema", "regex", "choices"]
+ConstraintKind = Literal["json_schema", "regex", "choices", "lark"]
 
 
 @dataclass(frozen=True)

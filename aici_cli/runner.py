@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from aici_cli.engine.loop import Engine, EngineConfig
-from aici_cli.jobs import JobDefaults, ResultWriter, UsageError, open_input, read_jobs
+from aici_cli.engine.loop import ControllerFactory, Engine, EngineConfig
+from aici_cli.jobs import Job, JobDefaults, ResultWriter, UsageError, open_input, read_jobs
 from aici_cli.models import load_model
 from aici_cli.stats import RunTally
 from aici_cli.ui import RunDisplay
@@ -32,6 +32,9 @@ class RunConfig:
     defaults: JobDefaults = field(default_factory=JobDefaults)
     stats_out: str | None = None
     quiet: bool = False
+    controller: str | None = None  # path of a .wasm controller component
+    controller_arg: str = ""  # its argument, for lines without their own `controller_arg`
+    controller_call_ms: int = 50  # deadline per guest call
 
 
 @dataclass
@@ -41,6 +44,41 @@ class RunOutcome:
     @property
     def exit_code(self) -> int:
         return 1 if self.summary["errors"] else 0
+
+
+def wasm_factory(config: RunConfig, engine: Engine) -> ControllerFactory:
+    """A factory giving every job its own runner of the `--controller` component."""
+    from aici_cli.control.base import ControllerError
+    from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
+    from aici_cli.control.wasm_controller import TokenizerServices, WasmController
+
+    assert config.controller is not None
+    try:
+        component = ControllerComponent.load(
+            config.controller, Limits(call_ms=config.controller_call_ms)
+        )
+    except ComponentError as e:
+        raise UsageError(str(e)) from None
+    lm = engine.lm
+    lltok = engine.compiler.tokenizer
+    services = TokenizerServices(
+        lm.tokenizer, lm.vocab_size, min(lm.eos_token_ids),
+        lambda t: lltok.decode_bytes([t]),
+    )
+
+    def factory(job: Job) -> WasmController:
+        if job.constraint is not None and job.constraint != config.defaults.constraint:
+            raise ControllerError(
+                "invalid_line", "a line's json_schema/regex/choices cannot be combined with "
+                "--controller; the controller decides the constraints",
+            )
+        arg = job.extra.get("controller_arg", config.controller_arg)
+        if not isinstance(arg, str):
+            arg = json.dumps(arg)
+        return WasmController(component, arg, services, engine.compiler,
+                              config.engine.fast_forward)
+
+    return factory
 
 
 def _count_lines(path: str) -> int | None:
@@ -69,6 +107,8 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     writer = ResultWriter(out)
     tally = RunTally()
     engine = Engine(lm, config.engine)
+    if config.controller is not None:
+        engine.controller_factory = wasm_factory(config, engine)
     display = RunDisplay(stderr, total=total, quiet=config.quiet)
     t0 = time.perf_counter()
 

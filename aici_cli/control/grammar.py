@@ -184,6 +184,11 @@ class GrammarCompiler:
             if matcher is None:
                 raise GrammarError("invalid_regex", f"regex not supported: {error}")
             return CompiledGrammar(constraint, matcher)
+        if constraint.kind == "lark":
+            matcher, error = self._matcher(llguidance.LLMatcher.grammar_from_lark(constraint.value))
+            if matcher is None:
+                raise GrammarError("invalid_grammar", f"Lark grammar not supported: {error}")
+            return CompiledGrammar(constraint, matcher)
         if constraint.kind == "choices":
             lark = "start: " + " | ".join(json.dumps(c) for c in constraint.value)
             matcher, error = self._matcher(llguidance.LLMatcher.grammar_from_lark(lark))

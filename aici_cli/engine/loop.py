@@ -291,8 +291,9 @@ class Engine:
         for k, (row, seq) in enumerate(zip(rows, seqs)):
             if seq is None or seq.controller is None:
                 continue
-            if isinstance(seq.controller, GrammarController):
-                grammar.append((seq.controller.matcher, row))
+            matcher = getattr(seq.controller, "matcher", None)
+            if matcher is not None:  # llguidance-backed: filled in parallel with the others
+                grammar.append((matcher, row))
             else:
                 custom.append((k, row, seq.controller))
         if not grammar and not custom:
@@ -329,7 +330,22 @@ class Engine:
             st.ttft_ms = ms(seq.started, now)
         ff_before = st.ff_tokens
         controller_ms = 0.0
-        if token in self.eos:
+        on_eos = getattr(seq.controller, "on_eos", None)
+        if token in self.eos and on_eos is not None:
+            # The controller may treat end-of-sequence as the end of a segment only.
+            t0 = time.perf_counter()
+            try:
+                directive = on_eos()
+                if directive is None:
+                    seq.finish = Finish("stop")
+                else:
+                    seq.apply(directive)
+            except ControllerError as e:
+                seq.finish = Finish("error", (e.type, e.message))
+            controller_ms = ms(t0, time.perf_counter())
+            st.controller_ms += controller_ms
+            self._check_limits(seq)
+        elif token in self.eos:
             seq.finish = Finish("stop")
         else:
             seq.output.append(token)
@@ -347,7 +363,7 @@ class Engine:
             seq.steps.append({
                 "step": len(seq.steps),
                 "kind": times.kind,
-                "sampled": 0 if seq.finish and token in self.eos else 1,
+                "sampled": 0 if token in self.eos else 1,
                 "forced": st.ff_tokens - ff_before,
                 "forward_ms": round(times.forward_ms, 3),
                 "mask_ms": round(times.mask_ms, 3),
@@ -393,6 +409,12 @@ class Engine:
             etype, message = finish.error
             result["error"] = {"type": etype, "message": f"line {seq.job.index}: {message}"}
         result["stats"] = seq.stats.as_dict()
+        for split in ("guest_ms", "segment_ms"):  # wasm controllers: where controller_ms went
+            if hasattr(seq.controller, split):
+                result["stats"][split] = round(float(getattr(seq.controller, split)), 3)
+        close = getattr(seq.controller, "close", None)
+        if close is not None:
+            close()
         if seq.steps is not None:
             result["steps"] = seq.steps
         return result
