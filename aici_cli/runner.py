@@ -60,10 +60,8 @@ def wasm_factory(config: RunConfig, engine: Engine) -> ControllerFactory:
     except ComponentError as e:
         raise UsageError(str(e)) from None
     lm = engine.lm
-    lltok = engine.compiler.tokenizer
     services = TokenizerServices(
-        lm.tokenizer, lm.vocab_size, min(lm.eos_token_ids),
-        lambda t: lltok.decode_bytes([t]),
+        lm.tokenizer, lm.vocab_size, min(lm.eos_token_ids), engine.compiler.tokenizer
     )
 
     def factory(job: Job) -> WasmController:

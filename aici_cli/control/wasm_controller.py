@@ -53,12 +53,11 @@ class TokenizerServices:
     one model. `tokens_matching` scans the vocabulary once per pattern (about 50 ms at
     49k tokens) and keeps the packed bitmask on the host; guests get a handle."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token: int,
-                 token_bytes: Any) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token: int, lltok: Any) -> None:
+        self.tokenizer = tokenizer  # transformers tokenizer: tokenize / decode
         self._vocab_size = vocab_size
         self._eos = eos_token
-        self._token_bytes = token_bytes  # callable: id -> bytes
+        self._lltok = lltok  # llguidance.LLTokenizer: per-token bytes, special tokens
         self._texts: list[str] | None = None
         self._sets: list[torch.Tensor] = []  # handle -> int32 [words]
         self._by_pattern: dict[str, int] = {}
@@ -79,7 +78,7 @@ class TokenizerServices:
     def token_bytes(self, token: int) -> bytes:
         if not 0 <= token < self._vocab_size:
             return b""
-        return bytes(self._token_bytes(token))
+        return bytes(self._lltok.decode_bytes([token]))
 
     def tokens_matching(self, pattern: str) -> int:
         with self._lock:
@@ -94,7 +93,10 @@ class TokenizerServices:
                                for i in range(self._vocab_size)]
             words = (self._vocab_size + 31) // 32
             hits = np.zeros(words * 32, dtype=bool)
-            hits[: self._vocab_size] = [rx.fullmatch(t) is not None for t in self._texts]
+            special = self._lltok.is_special_token
+            hits[: self._vocab_size] = [
+                rx.fullmatch(t) is not None and not special(i) for i, t in enumerate(self._texts)
+            ]
             packed = np.packbits(hits, bitorder="little").view(np.int32)
             self._sets.append(torch.from_numpy(packed.copy()))
             handle = len(self._sets) - 1
@@ -272,10 +274,6 @@ class WasmController:
         assert seg is not None
         self.segment = None
         text = self.services.decode(seg.tokens)
-        for s in seg.spec.stop:
-            at = text.find(s)
-            if at >= 0:
-                text = text[:at]
         action = self._call(StepInput(tokens=tuple(seg.tokens), segment_text=text))
         return self._follow(action, acc)
 

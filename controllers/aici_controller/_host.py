@@ -1,0 +1,99 @@
+"""The host primitives a controller may call, as a `Protocol`, and the active host.
+
+Two implementations satisfy `Host`: the in-wasm one (`_wit.WitHost`, which calls the
+component's imports) and `testing.StubHost` (plain CPython). Controller code never picks
+one: the session activates its host around every step, and the module-level helpers
+(`log`, `set_output`) go to whichever host is active.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Host(Protocol):
+    """The primitives of the WIT imports `tokenizer` and `host`.
+
+    Every call crosses the wasm boundary in a built component (tens of microseconds, more
+    for long lists), so the SDK caches what does not change (eos, vocab size, handles).
+    """
+
+    def vocab_size(self) -> int: ...
+
+    def eos_token(self) -> int: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token: int) -> bytes: ...
+
+    def tokens_matching(self, pattern: str) -> int:
+        """A handle to the host-computed set of tokens whose text fully matches `pattern`.
+
+        Raises `ValueError` when the host rejects the pattern.
+        """
+        ...
+
+    def log(self, message: str) -> None: ...
+
+    def set_output(self, key: str, value: str) -> None:
+        """`value` is JSON text."""
+        ...
+
+    # Conveniences: implementations that subclass `Host` explicitly inherit these.
+
+    def token_text(self, token: int) -> str:
+        """The text of one token (a `decode` call)."""
+        return self.decode([token])
+
+    def set_output_value(self, key: str, value: Any) -> None:
+        """Set `outputs[key]` to any JSON-serializable value."""
+        self.set_output(key, to_json(value, key))
+
+
+def to_json(value: Any, key: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"set_output({key!r}, ...): the value must be JSON-serializable "
+            f"(str, int, float, bool, None, list, dict), got {type(value).__name__}"
+        ) from exc
+
+
+_active: Host | None = None
+
+
+@contextmanager
+def active(host: Host) -> Iterator[Host]:
+    """Make `host` the target of `log`/`set_output` for the duration of one step."""
+    global _active
+    previous, _active = _active, host
+    try:
+        yield host
+    finally:
+        _active = previous
+
+
+def current() -> Host:
+    if _active is None:
+        raise RuntimeError(
+            "no running controller: log() and set_output() work only while the host runs "
+            "the controller (inside its generator or step method)"
+        )
+    return _active
+
+
+def log(message: str) -> None:
+    """Append a line to the sequence's `logs` (what `print` does inside a component)."""
+    current().log(str(message))
+
+
+def set_output(key: str, value: Any) -> None:
+    """Set `outputs[key]` in the sequence's result line; `value` must be JSON-serializable."""
+    current().set_output(key, to_json(value, key))

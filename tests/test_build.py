@@ -1,0 +1,305 @@
+"""`build_controller`: one real componentize-py build, loaded and run in wasmtime.
+
+The build (about 7-12 s) and the component's compilation (about 6-15 s) happen once per
+module; the bad-source tests fail before componentize-py runs and take milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import wasmtime
+from wasmtime import component as wc
+
+from aici_cli.control import build
+from aici_cli.control.build import BuildError, BuildResult, build_controller, wit_text
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTROLLERS = ROOT / "controllers"
+
+from aici_controller.testing import StubHost  # noqa: E402
+
+EXPORT = "aici:controller/controller@0.1.0"
+IMPORTS = {
+    "aici:controller/types@0.1.0",  # types only: the host defines an empty instance
+    "aici:controller/tokenizer@0.1.0",
+    "aici:controller/host@0.1.0",
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> BuildResult:
+    out = tmp_path_factory.mktemp("build") / "sub" / "yes_no.wasm"
+    return build_controller(CONTROLLERS / "examples" / "yes_no.py", out)
+
+
+@pytest.fixture(scope="module")
+def engine() -> wasmtime.Engine:
+    return wasmtime.Engine()
+
+
+@pytest.fixture(scope="module")
+def component(built: BuildResult, engine: wasmtime.Engine) -> wc.Component:
+    return wc.Component.from_file(engine, str(built.out))
+
+
+def test_build_writes_the_component(built: BuildResult) -> None:
+    assert built.out.is_file() and built.out.name == "yes_no.wasm"
+    assert built.size == built.out.stat().st_size > 1_000_000
+    assert built.out.read_bytes()[:4] == b"\0asm"
+    assert built.seconds > 0
+
+
+def test_component_exports_the_runner_and_imports_only_the_contract(
+    component: wc.Component, engine: wasmtime.Engine
+) -> None:
+    imports = component.type.imports(engine)
+    assert set(imports) == IMPORTS  # no WASI at all (--stub-wasi)
+    exports = component.type.exports(engine)
+    assert EXPORT in exports
+    runner = exports[EXPORT].ty.exports(engine)
+    assert {"runner", "[constructor]runner", "[method]runner.mid-process"} <= set(runner)
+    tokenizer = imports["aici:controller/tokenizer@0.1.0"].ty.exports(engine)
+    assert "tokens-matching" in tokenizer
+
+
+class Sequence:
+    """A minimal wasmtime host around a `StubHost` (the real host lives in aici_cli)."""
+
+    def __init__(self, engine: wasmtime.Engine, component: wc.Component, stub: StubHost) -> None:
+        linker = wc.Linker(engine)
+        with linker.root() as root:
+            with root.add_instance("aici:controller/types@0.1.0"):
+                pass
+            with root.add_instance("aici:controller/tokenizer@0.1.0") as tok:
+                tok.add_func("vocab-size", lambda store: stub.vocab_size())
+                tok.add_func("eos-token", lambda store: stub.eos_token())
+                tok.add_func("tokenize", lambda store, text: stub.tokenize(text))
+                tok.add_func("decode", lambda store, tokens: stub.decode(tokens))
+                tok.add_func("token-bytes", lambda store, token: stub.token_bytes(token))
+                tok.add_func("tokens-matching", lambda store, p: stub.tokens_matching(p))
+            with root.add_instance("aici:controller/host@0.1.0") as host:
+                host.add_func("log", lambda store, message: stub.log(message))
+                host.add_func("set-output", lambda store, key, value: stub.set_output(key, value))
+        self.store = wasmtime.Store(engine)
+        instance = linker.instantiate(self.store, component)
+        ifc = component.get_export_index(EXPORT)
+        assert ifc is not None
+        ctor = component.get_export_index("[constructor]runner", ifc)
+        method = component.get_export_index("[method]runner.mid-process", ifc)
+        assert ctor is not None and method is not None
+        self._ctor = instance.get_func(self.store, ctor)
+        self._mid_process = instance.get_func(self.store, method)
+        self.runner: Any = None
+
+    def start(self, arg: str, prompt: list[int]) -> None:
+        assert self._ctor is not None
+        self.runner = self._ctor(self.store, arg, prompt)
+
+    def mid_process(self, backtrack: int, tokens: list[int], segment_text: str | None) -> Any:
+        """The action as a `Variant`, or the error message (`str`)."""
+        step = wc.Record()
+        step.backtrack = backtrack
+        step.tokens = tokens
+        setattr(step, "segment-text", segment_text)  # a WIT field name with a hyphen
+        assert self._mid_process is not None
+        return self._mid_process(self.store, self.runner, step)
+
+
+def test_component_runs_yes_no_in_wasmtime(
+    component: wc.Component, engine: wasmtime.Engine
+) -> None:
+    stub = StubHost()
+    seq = Sequence(engine, component, stub)
+    seq.start('{"question": "Is the sky blue?"}', stub.tokenize("Q: "))
+
+    action = seq.mid_process(0, [], None)
+    assert action.tag == "splice"
+    ff = getattr(action.payload, "ff-tokens")
+    assert action.payload.backtrack == 0 and stub.decode(ff) == " Answer: "
+
+    action = seq.mid_process(0, ff, None)  # the splice's echo
+    assert action.tag == "generate"
+    segment = action.payload
+    assert getattr(segment, "max-tokens") == 256 and segment.stop == []
+    assert segment.grammar.tag == "choice" and segment.grammar.payload == ["yes", "no"]
+
+    action = seq.mid_process(0, stub.tokenize("yes"), "yes")
+    assert action.tag == "splice"
+    action = seq.mid_process(0, getattr(action.payload, "ff-tokens"), None)
+    assert action.tag == "generate" and action.payload.grammar.tag == "regex"
+    action = seq.mid_process(0, stub.tokenize("Blue.\n"), "Blue.\n")
+    assert action.tag == "stop"
+    assert stub.outputs == {"answer": "yes", "reason": "Blue."}
+    assert stub.logs == ["question: Is the sky blue?"]
+
+
+def test_component_turns_controller_errors_into_err(
+    component: wc.Component, engine: wasmtime.Engine
+) -> None:
+    stub = StubHost()
+    seq = Sequence(engine, component, stub)
+    seq.start("{not json", [])
+    error = seq.mid_process(0, [], None)
+    assert isinstance(error, str) and error.startswith("ValueError: the controller arg is not JSON")
+    assert stub.logs[-1].startswith("controller error: ValueError")
+    assert "yes_no.py:" in stub.logs[-1]  # the user's frame, named after the source file
+    again = seq.mid_process(0, [], None)  # the store still works: an Err is not a trap
+    assert isinstance(again, str) and again.startswith("the controller already failed")
+
+
+# --- failures before componentize-py runs (fast) -----------------------------------
+
+GOOD_HEADER = "from aici_controller import TokenController, controller, stop\n\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("def f(:\n", "bad.py:1: syntax error"),
+        ("x = 1\n", "does not define a controller: decorate a generator function or a "),
+        (
+            GOOD_HEADER + "@controller\ndef a(ctx):\n    yield stop()\n\n"
+            "@controller\ndef b(ctx):\n    yield stop()\n",
+            "defines 2 controllers, a (line 4), b (line 8): define exactly one",
+        ),
+        (
+            GOOD_HEADER + "@controller\ndef f(ctx):\n    return stop()\n",
+            "bad.py:3: @controller function 'f' is not a generator function",
+        ),
+        (
+            GOOD_HEADER + "@controller\ndef f(ctx):\n    def inner():\n        yield 1\n"
+            "    return inner\n",
+            "'f' is not a generator function",
+        ),
+        (
+            GOOD_HEADER + "@controller\nasync def f(ctx):\n    yield stop()\n",
+            "@controller function 'f' is async",
+        ),
+        (
+            GOOD_HEADER + "@controller\nclass C:\n    def step(self, ctx, t):\n"
+            "        return stop()\n",
+            "@controller class 'C' must subclass TokenController",
+        ),
+        (
+            GOOD_HEADER + "@controller()\ndef f(ctx):\n    yield stop()\n",
+            "bad.py:3: use @controller without parentheses",
+        ),
+        (
+            "import aici_controller as ac\n\n@ac.controller\ndef f(ctx):\n    return 1\n",
+            "'f' is not a generator function",
+        ),
+        (
+            "from aici_controller import controller as ctl\n\n@ctl\ndef f(ctx):\n    return 1\n",
+            "'f' is not a generator function",
+        ),
+    ],
+)
+def test_bad_sources_fail_with_clear_messages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, message: str
+) -> None:
+    def no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("componentize-py must not run for a bad source")
+
+    monkeypatch.setattr(build.subprocess, "run", no_run)
+    src = tmp_path / "bad.py"
+    src.write_text(source, encoding="utf-8")
+    with pytest.raises(BuildError) as info:
+        build_controller(src, tmp_path / "out.wasm")
+    assert message in str(info.value)
+    assert not (tmp_path / "out.wasm").exists()
+
+
+def test_good_sources_pass_the_check(tmp_path: Path) -> None:
+    src = tmp_path / "ok.py"
+    src.write_text(
+        GOOD_HEADER + "@controller\nclass C(TokenController):\n    def step(self, ctx, t):\n"
+        "        return stop()\n",
+        encoding="utf-8",
+    )
+    assert build.check_source(src) == "C"
+    for name in ("yes_no", "no_lowercase", "profile", "rewrite"):
+        assert build.check_source(CONTROLLERS / "examples" / f"{name}.py")
+
+
+def test_missing_and_non_python_sources(tmp_path: Path) -> None:
+    with pytest.raises(BuildError, match="nope.py: no such file"):
+        build_controller(tmp_path / "nope.py", tmp_path / "out.wasm")
+    (tmp_path / "c.txt").write_text("x", encoding="utf-8")
+    with pytest.raises(BuildError, match=r"not a Python file \(\.py\)"):
+        build_controller(tmp_path / "c.txt", tmp_path / "out.wasm")
+
+
+def test_missing_componentize_py_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(build.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(
+        BuildError, match="^componentize-py not found: pip install componentize-py$"
+    ):
+        build_controller(CONTROLLERS / "examples" / "yes_no.py", tmp_path / "out.wasm")
+
+
+def test_wit_dir_without_wit_files_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(BuildError, match="no .wit files"):
+        build_controller(CONTROLLERS / "examples" / "yes_no.py", tmp_path / "o.wasm", tmp_path)
+
+
+def test_wit_text_is_the_contract() -> None:
+    text = wit_text()
+    assert text == (ROOT / "wit" / "controller.wit").read_text(encoding="utf-8")
+    assert "package aici:controller@0.1.0;" in text and "world controller-world" in text
+
+
+def test_build_command_stubs_wasi_and_renames_the_export() -> None:
+    cmd = build.build_command("cpy", Path("w"), Path("e"), Path("s"), Path("o.wasm"))
+    assert cmd == [
+        "cpy", "-d", "w", "-w", "controller-world",
+        "--export-interface-name", f"{EXPORT}=aici_runner",
+        "componentize", "aici_runner", "--stub-wasi", "-p", "e", "-p", "s", "-o", "o.wasm",
+    ]  # fmt: skip
+
+
+# What componentize-py 0.25.1 printed for a class decorated with @controller that does not
+# subclass TokenController (trimmed Rust backtrace).
+COMPONENTIZE_FAILURE = """
+Traceback (most recent call last):
+  File "/work/.venv/bin/componentize-py", line 6, in <module>
+    sys.exit(script())
+             ^^^^^^^^
+AssertionError: Traceback (most recent call last):
+  File "/0/aici_runner.py", line 8, in <module>
+    CONTROLLER = find_controller(_wit.load_user_module(_SOURCE, 'bad.py', 'aici_user_controller'))
+                                 ~~~~~~~~~~~~~~~~~~~~~^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/0/aici_controller/_wit.py", line 130, in load_user_module
+    exec(compile(source, filename, "exec"), module.__dict__)
+    ~~~~^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "bad.py", line 3, in <module>
+    @controller
+     ^^^^^^^^^^
+  File "/0/aici_controller/_controller.py", line 199, in _check_class
+    raise TypeError(
+    ...<2 lines>...
+    )
+TypeError: @controller class 'X' must subclass aici_controller.TokenController
+
+
+Caused by:
+    TypeError: @controller class 'X' must subclass aici_controller.TokenController
+
+Stack backtrace:
+   0: <anyhow::Error>::msg::<alloc::string::String>
+   1: anyhow::__private::format_err
+"""
+
+
+def test_componentize_errors_keep_the_user_frame_and_the_exception() -> None:
+    assert build.componentize_error(COMPONENTIZE_FAILURE) == (
+        '  File "bad.py", line 3, in <module>\n'
+        "TypeError: @controller class 'X' must subclass aici_controller.TokenController"
+    )
+    assert build.componentize_error("error: world `x` not found\n") == "error: world `x` not found"
+    assert build.componentize_error("") == "componentize-py failed without output"

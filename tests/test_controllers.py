@@ -1,0 +1,122 @@
+"""The example controllers, built with the real toolchain, run through `aici-batch run`.
+
+Building takes about 10 s per example and compiling it in wasmtime a few more (cached on
+disk afterwards), so the components are built once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from aici_cli.cli import main
+from aici_cli.control.build import build_controller
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "controllers" / "examples"
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out_dir = tmp_path_factory.mktemp("wasm")
+    return {
+        name: build_controller(EXAMPLES / f"{name}.py", out_dir / f"{name}.wasm").out
+        for name in ("yes_no", "no_lowercase", "profile", "rewrite")
+    }
+
+
+def run_controller(model_dir: Path, wasm: Path, lines: list[dict[str, Any]],
+                   *extra: str) -> tuple[int, dict[int, dict[str, Any]]]:
+    stdin = "".join(json.dumps(line) + "\n" for line in lines)
+    res = CliRunner().invoke(main, [
+        "run", "-", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
+        "--controller", str(wasm), "-q", *extra,
+    ], input=stdin)
+    results = {}
+    for line in res.stdout.splitlines():
+        r = json.loads(line)
+        results[r["index"]] = r
+    return res.exit_code, results
+
+
+def test_yes_no_segments_and_outputs(tiny_model_dir: Path, built: dict[str, Path]) -> None:
+    code, results = run_controller(tiny_model_dir, built["yes_no"], [
+        {"prompt": "Is the sky blue?", "controller_arg": {"question": "sky"}},
+        {"prompt": "Is water dry?"},
+    ])
+    assert code == 0, results
+    for r in results.values():
+        assert r["finish_reason"] == "stop"
+        assert r["outputs"]["answer"] in ("yes", "no")
+        assert r["text"].startswith(" Answer: " + r["outputs"]["answer"] + "\nReason: ")
+        assert r["outputs"]["reason"] == r["text"].split("\nReason: ", 1)[1].strip()
+        assert r["stats"]["ff_tokens"] > 0  # the fixed text was forced, not sampled
+        assert r["stats"]["guest_ms"] > 0
+    assert "question: sky" in results[1]["logs"]
+
+
+def test_per_token_controller_never_samples_lowercase(tiny_model_dir: Path,
+                                                      built: dict[str, Path]) -> None:
+    code, results = run_controller(tiny_model_dir, built["no_lowercase"], [
+        {"prompt": "Shout something", "controller_arg": {"max_tokens": 12}},
+        {"prompt": "Another one", "controller_arg": "{\"max_tokens\": 5}"},
+    ], "--max-tokens", "40")
+    assert code == 0, results
+    for r in results.values():
+        assert r["finish_reason"] == "stop"
+        assert not re.search(r"[a-z]", r["text"]), r["text"]
+    assert results[1]["stats"]["output_tokens"] <= 12
+    assert results[2]["stats"]["output_tokens"] <= 5
+
+
+def test_multi_step_program_with_json_segment(tiny_model_dir: Path,
+                                              built: dict[str, Path]) -> None:
+    code, results = run_controller(tiny_model_dir, built["profile"], [
+        {"prompt": "Make up a person."},
+    ], "--max-tokens", "200")
+    r = results[1]
+    assert code == 0, r
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 40},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                       "languages": {"type": "array", "items": {"type": "string"},
+                                     "maxItems": 5}},
+        "required": ["name", "age", "languages"], "additionalProperties": False,
+    }
+    jsonschema.validate(r["outputs"]["profile"], schema)
+    assert r["outputs"]["name"] == r["outputs"]["profile"]["name"]
+    assert "\nProfile (JSON): " in r["text"] and "\nBio: " in r["text"]
+
+
+def test_splice_rewrites_the_generated_word(tiny_model_dir: Path,
+                                            built: dict[str, Path]) -> None:
+    code, results = run_controller(tiny_model_dir, built["rewrite"], [
+        {"prompt": f"Pick a name {i}"} for i in range(6)
+    ])
+    assert code == 0, results
+    for r in results.values():
+        out = r["outputs"]
+        assert out["final"] == out["word"][:1].upper() + out["word"][1:]
+        assert out["rewrote"] == (out["final"] != out["word"])
+        # The kept text holds the final word only: the original was backtracked.
+        assert r["text"] == f"Name: {out['final']}.\n"
+
+
+def test_controller_arg_from_cli_and_bad_lines(tiny_model_dir: Path,
+                                               built: dict[str, Path]) -> None:
+    code, results = run_controller(tiny_model_dir, built["no_lowercase"], [
+        {"prompt": "A"},
+        {"prompt": "B", "regex": "[0-9]+"},
+        {"prompt": "C", "controller_arg": {"max_tokens": 0}},
+    ], "--controller-arg", '{"max_tokens": 3}')
+    assert code == 1
+    assert results[1]["stats"]["output_tokens"] <= 3
+    assert results[2]["error"]["type"] == "invalid_line"
+    assert results[3]["finish_reason"] == "error"
+    assert "max_tokens must be at least 1" in results[3]["error"]["message"]

@@ -1,0 +1,2 @@
+;; A valid component that exports nothing.
+(component)
