@@ -145,6 +145,7 @@ class WasmController:
         self.token_set: TokenSet = TokenSet("all")
         self.segment: SegmentState | None = None
         self.segment_ms = 0.0  # host time spent running segments (masks excluded)
+        self.generated = 0  # output tokens so far, as the engine will hold them
 
     # --- the engine's contract ---------------------------------------------------------
 
@@ -153,6 +154,7 @@ class WasmController:
         return self._follow(self._call(StepInput()), Directive())
 
     def advance(self, tokens: Sequence[int]) -> Directive:
+        self.generated += len(tokens)
         seg = self.segment
         if seg is None:
             return self._follow(self._call(StepInput(tokens=tuple(tokens))), Directive())
@@ -164,6 +166,7 @@ class WasmController:
             seg.tokens += d.forced
         ended = d.stop or len(seg.tokens) >= seg.spec.max_tokens or self._hit_stop(seg)
         self.segment_ms += (time.perf_counter() - t0) * 1000.0
+        self.generated += len(d.forced)
         if not ended:
             return d
         return self._end_segment(Directive(forced=d.forced))
@@ -233,6 +236,13 @@ class WasmController:
                 self.token_set = action.tokens
                 return acc
             if isinstance(action, Splice):
+                if action.backtrack > self.generated:
+                    raise ControllerError(
+                        "bad_backtrack",
+                        f"splice backtracks {action.backtrack} tokens but only "
+                        f"{self.generated} were generated (the prompt cannot be rewritten)",
+                    )
+                self.generated += len(action.ff_tokens) - action.backtrack
                 step = Directive(forced=action.ff_tokens, backtrack=action.backtrack)
                 acc = compose(acc, step)
                 action = self._call(StepInput(backtrack=action.backtrack,
@@ -240,6 +250,7 @@ class WasmController:
                 continue
             if isinstance(action, Generate):
                 d = self._begin_segment(action.segment)
+                self.generated += len(d.forced)
                 acc = compose(acc, Directive(forced=d.forced))
                 if self.segment is not None:
                     return acc
