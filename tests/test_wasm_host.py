@@ -266,16 +266,22 @@ def test_host_exception_traps_the_guest_not_the_host(component: ControllerCompon
     assert runner.dead
 
 
+# Chatty guests get a generous deadline: each import call costs wasmtime-py ~20-30 us of
+# conversion outside the host function itself, and that time is charged to the guest.
+CHATTY = Limits(call_ms=10_000, log_bytes=1000)
+
+
 def test_log_cap_truncates_with_a_note(cache: Path) -> None:
-    comp = ControllerComponent.load(CONTROLLER, Limits(log_bytes=1000), cache_dir=cache)
+    comp = ControllerComponent.load(CONTROLLER, CHATTY, cache_dir=cache)
     runner = start(comp, "L")  # 2000 lines of 100 bytes
     assert runner.mid_process(STEP) == Stop()
     assert len(runner.logs) == 11
     assert runner.logs[-1] == "[logs truncated: more than 1000 bytes]"
 
 
-def test_output_cap(component: ControllerComponent) -> None:
-    runner = start(component, "O")  # 300 distinct keys; the default cap is 256
+def test_output_cap(cache: Path) -> None:
+    comp = ControllerComponent.load(CONTROLLER, CHATTY, cache_dir=cache)
+    runner = start(comp, "O")  # 300 distinct keys; the default cap is 256
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
     assert info.value.type == "too_many_outputs"
@@ -315,6 +321,15 @@ def test_runners_on_many_threads(component: ControllerComponent) -> None:
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_one_engine_and_one_idle_daemon_ticker(component: ControllerComponent, cache: Path) -> None:
+    other = ControllerComponent.load(CONTROLLER, Limits(call_ms=5), cache_dir=cache)
+    assert other._shared is component._shared
+    start(other, "s").mid_process(STEP)
+    tickers = [t for t in threading.enumerate() if t.name == "aici-wasm-epoch"]
+    assert len(tickers) == 1 and tickers[0].daemon  # never keeps the process alive
+    assert not component._shared.ticker._wake.is_set()  # no call running: it sleeps
 
 
 # --- loading ----------------------------------------------------------------------------
@@ -457,6 +472,11 @@ def test_conversion_accepts_tagged_and_bare_shapes() -> None:
     segment = record(grammar=Variant("some", ["x", "y"]), max_tokens=4, stop=[])
     assert convert(segment, 100, services) == Generate(Segment(Grammar("choice", ("x", "y")), 4))
     assert convert(Variant("sample", None), 100, services) == Sample(TokenSet("all"))
+    # a bitmask whose only set bits lie past the vocabulary (100 = 3 words + 4 bits)
+    with pytest.raises(ControllerError, match="the bitmask allows no token"):
+        convert(Variant("sample", Variant("bitmask", [0, 0, 0, 0xFFFFFFF0])), 100, services)
+    mask = Variant("sample", Variant("bitmask", [0, 0, 0, 0b1000]))
+    assert convert(mask, 100, services) == Sample(TokenSet("bitmask", (0, 0, 0, 8)))
     with pytest.raises(ControllerError, match="cannot read a token set"):
         convert(Variant("sample", [1, 2]), 100, services)  # allow or deny? ambiguous
 

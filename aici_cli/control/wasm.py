@@ -161,19 +161,23 @@ class _EpochTicker:
 
     def __init__(self, engine: wasmtime.Engine) -> None:
         self._engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _active, _resume and the increments
         self._active = 0
+        self._resume = time.monotonic()  # when _active last went from 0 to 1
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="aici-wasm-epoch", daemon=True)
         self._thread.start()
 
     def enter(self) -> None:
+        """Call before setting a deadline: ticks from before it never count against it."""
         with self._lock:
             if not self._thread.is_alive():  # a forked child inherits no threads
                 self._thread = threading.Thread(
                     target=self._run, name="aici-wasm-epoch", daemon=True
                 )
                 self._thread.start()
+            if self._active == 0:
+                self._resume = time.monotonic()
             self._active += 1
             self._wake.set()
 
@@ -186,14 +190,16 @@ class _EpochTicker:
     def _run(self) -> None:
         last = time.monotonic()
         while True:
-            if not self._wake.is_set():
-                self._wake.wait()
-                last = time.monotonic()  # idle time is nobody's deadline
+            self._wake.wait()
             time.sleep(0.001)
-            elapsed = int((time.monotonic() - last) * 1000)
-            for _ in range(elapsed):
-                self._engine.increment_epoch()
-            last += elapsed / 1000
+            with self._lock:
+                if self._active == 0:
+                    continue  # went idle meanwhile: idle time is nobody's deadline
+                last = max(last, self._resume)
+                elapsed = int((time.monotonic() - last) * 1000)
+                for _ in range(elapsed):
+                    self._engine.increment_epoch()
+                last += elapsed / 1000
 
 
 @dataclass(frozen=True)
@@ -665,9 +671,9 @@ class ControllerComponent:
         per-sequence failures. Traps here are ignored: they are per-sequence matters."""
         store = wasmtime.Store(self._shared.engine)
         store.set_limits(memory_size=self.limits.memory_bytes)
+        self._shared.ticker.enter()
         store.set_fuel(self.limits.fuel_per_call)
         store.set_epoch_deadline(max(1, self.limits.init_ms))
-        self._shared.ticker.enter()
         try:
             self._linker.instantiate(store, self._component)
         except wasmtime.WasmtimeError as e:
@@ -829,15 +835,15 @@ class Runner:
         if phase == "mid-process":
             self.calls += 1
         ticker = self._component._shared.ticker
-        store.set_fuel(self._limits.fuel_per_call)
-        store.set_epoch_deadline(max(1, budget_ms))
         self._budget_ms = budget_ms
         self._pending = None
         self._call_host_s = 0.0
         _current.runner = self
-        ticker.enter()
+        ticker.enter()  # before the deadline is set (see _EpochTicker.enter)
         t0 = self._call_start = time.perf_counter()
         try:
+            store.set_fuel(self._limits.fuel_per_call)
+            store.set_epoch_deadline(max(1, budget_ms))
             return fn(store, *args)
         except wasmtime.WasmtimeError as e:
             self.error = self._pending or _classify(str(e), phase, budget_ms, self._limits)
@@ -1118,7 +1124,9 @@ def _to_token_set(value: Any, vocab: int, services: HostServices) -> TokenSet:
                 "bad_action",
                 f"sample: bitmask has {len(words)} words; a vocabulary of {vocab} needs {need}",
             )
-        if not any(words):
+        tail = vocab % 32  # bits past the vocabulary in the last word do not count
+        last = words[-1] & ((1 << tail) - 1) if tail and words else (words[-1] if words else 0)
+        if not (last or any(words[:-1])):
             raise ControllerError("bad_action", "sample: the bitmask allows no token")
         return TokenSet("bitmask", words)
     if tag in ("host-set", "not-host-set"):
@@ -1140,9 +1148,9 @@ def _to_grammar(value: Any) -> Grammar:
 
 def _token_ids(values: Any, vocab: int, what: str) -> tuple[int, ...]:
     ids = tuple(int(t) for t in values)
-    for t in ids:
-        if t >= vocab:
-            raise ControllerError(
-                "bad_action", f"{what}: token id {t} is outside the vocabulary (size {vocab})"
-            )
+    if ids and max(ids) >= vocab:
+        t = next(t for t in ids if t >= vocab)
+        raise ControllerError(
+            "bad_action", f"{what}: token id {t} is outside the vocabulary (size {vocab})"
+        )
     return ids
