@@ -55,11 +55,13 @@ class Controller(Protocol):
         """`tokens` were sampled and appended; returns what comes next."""
         ...
 
-    def fill_mask(self, out: torch.Tensor) -> bool:
+    def fill_mask(self, out: torch.Tensor) -> bool | Directive:
         """Write the allowed-token bitmask (int32 [words], bit i = token i) into `out`.
 
         Returns False when every token is allowed (the engine then skips masking the row).
-        Called from a worker thread while the forward pass runs.
+        Called from a worker thread while the forward pass runs, so a controller may do its
+        per-step work here. It may instead return a `Directive` (splice or stop decided from
+        the tokens so far): the engine then applies it in place of sampling for this row.
         """
         ...
 

@@ -146,6 +146,7 @@ class WasmController:
         self.segment: SegmentState | None = None
         self.segment_ms = 0.0  # host time spent running segments (masks excluded)
         self.generated = 0  # output tokens so far, as the engine will hold them
+        self._pending: StepInput | None = None  # sampled tokens the guest has not seen yet
 
     # --- the engine's contract ---------------------------------------------------------
 
@@ -157,7 +158,10 @@ class WasmController:
         self.generated += len(tokens)
         seg = self.segment
         if seg is None:
-            return self._follow(self._call(StepInput(tokens=tuple(tokens))), Directive())
+            # The guest's answer about these tokens is only needed for the next mask, so
+            # the call waits for `fill_mask`, which runs beside the next forward pass.
+            self._pending = StepInput(tokens=tuple(tokens))
+            return Directive()
         t0 = time.perf_counter()
         seg.tokens += tokens
         d = Directive()
@@ -177,7 +181,12 @@ class WasmController:
             return None
         return self._end_segment(Directive())
 
-    def fill_mask(self, out: torch.Tensor) -> bool:
+    def fill_mask(self, out: torch.Tensor) -> bool | Directive:
+        if self._pending is not None:
+            inp, self._pending = self._pending, None
+            directive = self._follow(self._call(inp), Directive())
+            if directive != Directive():
+                return directive  # a splice or stop: the engine applies it instead
         if self.segment is not None:
             grammar = self.segment.grammar
             return grammar.fill_mask(out) if grammar is not None else False

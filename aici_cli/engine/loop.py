@@ -24,7 +24,7 @@ import llguidance
 import numpy as np
 import torch
 
-from aici_cli.control.base import Controller, ControllerError
+from aici_cli.control.base import Controller, ControllerError, Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController, GrammarError
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.inputs import MaskShape, build_inputs
@@ -38,6 +38,15 @@ from aici_cli.stats import StepTimes
 PREFILL_PAD_RATIO = 1.25
 
 ControllerFactory = Callable[[Job], "Controller | None"]
+
+
+@dataclass
+class MaskResult:
+    """What the mask worker hands back, by position in the step's rows."""
+
+    disallowed: torch.Tensor | None  # [b, V] bool; None: every token allowed everywhere
+    failed: dict[int, ControllerError]
+    deferred: dict[int, Directive]  # the controller answered with a directive, not a mask
 
 
 @dataclass(frozen=True)
@@ -227,13 +236,15 @@ class Engine:
             logits = logits[:, : self.vocab_size]
         t1 = time.perf_counter()
 
-        disallowed, failed = masks.result()  # [b, V] bool or None; row -> error
+        result = masks.result()
+        disallowed, failed, deferred = result.disallowed, result.failed, result.deferred
         t_mask_ready = time.perf_counter()
         if disallowed is not None:
             logits.masked_fill_(disallowed.to(logits.device, non_blocking=True), float("-inf"))
             # A row whose mask allows nothing cannot continue; say so instead of sampling.
             for k in torch.isneginf(logits.max(dim=-1).values).nonzero().flatten().tolist():
-                failed.setdefault(k, ControllerError("empty_mask", "the mask allows no token"))
+                if k not in deferred:
+                    failed.setdefault(k, ControllerError("empty_mask", "the mask allows no token"))
         t2 = time.perf_counter()
 
         for k, err in failed.items():
@@ -243,7 +254,7 @@ class Engine:
             self.rows[rows[k]] = None
             emit(self._result(seq))
             seqs[k] = None
-        real = [k for k, s in enumerate(seqs) if s is not None]
+        real = [k for k, s in enumerate(seqs) if s is not None and k not in deferred]
         picked = sample(
             logits[real].cpu() if len(real) < len(seqs) else logits.cpu(),
             [seqs[k].job.temperature for k in real],  # type: ignore[union-attr]
@@ -265,27 +276,31 @@ class Engine:
         for k, token in zip(real, picked):
             seq = seqs[k]
             assert seq is not None
-            controller_ms += self._commit(seq, token, times, t_start)
+            controller_ms += self._commit(seq, token, times)
+        for k, directive in deferred.items():
+            seq = seqs[k]
+            if seq is not None:
+                self._commit_directive(seq, directive, times)
         t4 = time.perf_counter()
         times.controller_ms = controller_ms
         times.step_ms = ms(t_start, t4)
         self.step_times.append(times)
         self.steps += 1
-        for k in real:
+        for k in [*real, *deferred]:
             seq = seqs[k]
             if seq is not None and seq.finish is not None:
                 self.rows[rows[k]] = None
                 emit(self._result(seq))
 
-    def _masks(
-        self, rows: list[int], seqs: list[Sequence | None]
-    ) -> tuple[torch.Tensor | None, dict[int, ControllerError]]:
+    def _masks(self, rows: list[int], seqs: list[Sequence | None]) -> MaskResult:
         """Runs in the worker thread, beside the forward pass.
 
-        Returns the disallowed tokens [b, V] (None: all allowed) and the controllers that
-        failed, by position in `rows`.
+        Returns the disallowed tokens [b, V] (None: all allowed), the controllers that
+        failed, and the rows whose controller answered with a directive instead of a mask,
+        all by position in `rows`.
         """
         failed: dict[int, ControllerError] = {}
+        deferred: dict[int, Directive] = {}
         grammar: list[tuple[llguidance.LLMatcher, int]] = []
         custom: list[tuple[int, int, Controller]] = []
         for k, (row, seq) in enumerate(zip(rows, seqs)):
@@ -297,7 +312,7 @@ class Engine:
             else:
                 custom.append((k, row, seq.controller))
         if not grammar and not custom:
-            return None, failed
+            return MaskResult(None, failed, deferred)
         if grammar:
             self.executor.unsafe_compute_mask_ptr(
                 grammar, self.bitmask.data_ptr(), self.words * 4, self.bitmask.shape[0]
@@ -305,20 +320,23 @@ class Engine:
         constrained = {row for _, row in grammar}
         for k, row, controller in custom:
             try:
-                if controller.fill_mask(self.bitmask[row]):
-                    constrained.add(row)
+                answer = controller.fill_mask(self.bitmask[row])
             except ControllerError as e:
                 failed[k] = e
+                continue
+            if isinstance(answer, Directive):
+                deferred[k] = answer
+            elif answer:
+                constrained.add(row)
         bits = self.bitmask.numpy()[rows].view(np.uint8)  # [b, words * 4]
         allowed = np.unpackbits(bits, axis=1, count=self.vocab_size, bitorder="little")
         for k, row in enumerate(rows):
             if row not in constrained:
                 allowed[k] = 1
-        return torch.from_numpy(allowed == 0), failed
+        return MaskResult(torch.from_numpy(allowed == 0), failed, deferred)
 
-    def _commit(self, seq: Sequence, token: int, times: StepTimes, t_start: float) -> float:
-        """Append the sampled token, ask the controller what follows; returns its ms."""
-        now = time.perf_counter()
+    def _account(self, seq: Sequence, times: StepTimes) -> None:
+        """The row took part in this pass: its pending tokens are now in the cache."""
         st = seq.stats
         st.forward_passes += 1
         st.forward_ms += times.forward_ms
@@ -326,6 +344,40 @@ class Engine:
         st.sample_ms += times.sample_ms
         seq.length += len(seq.pending)
         seq.pending = []
+
+    def _commit_directive(self, seq: Sequence, directive: Directive, times: StepTimes) -> None:
+        """The controller answered this pass with a directive instead of a mask: apply it
+        in place of a sampled token (the pass's logits for this row go unused)."""
+        self._account(seq, times)
+        ff_before = seq.stats.ff_tokens
+        try:
+            seq.apply(directive)
+        except ControllerError as e:
+            seq.finish = Finish("error", (e.type, e.message))
+        self._check_limits(seq)
+        self._record_step(seq, times, sampled=0, forced=seq.stats.ff_tokens - ff_before,
+                          controller_ms=0.0)
+
+    def _record_step(self, seq: Sequence, times: StepTimes, sampled: int, forced: int,
+                     controller_ms: float) -> None:
+        if seq.steps is None:
+            return
+        seq.steps.append({
+            "step": len(seq.steps),
+            "kind": times.kind,
+            "sampled": sampled,
+            "forced": forced,
+            "forward_ms": round(times.forward_ms, 3),
+            "mask_ms": round(times.mask_ms, 3),
+            "controller_ms": round(controller_ms, 3),
+            "sample_ms": round(times.sample_ms, 3),
+        })
+
+    def _commit(self, seq: Sequence, token: int, times: StepTimes) -> float:
+        """Append the sampled token, ask the controller what follows; returns its ms."""
+        now = time.perf_counter()
+        st = seq.stats
+        self._account(seq, times)
         if st.ttft_ms == 0.0:
             st.ttft_ms = ms(seq.started, now)
         ff_before = st.ff_tokens
@@ -359,17 +411,8 @@ class Engine:
                 controller_ms = ms(t0, time.perf_counter())
                 st.controller_ms += controller_ms
             self._check_limits(seq)
-        if seq.steps is not None:
-            seq.steps.append({
-                "step": len(seq.steps),
-                "kind": times.kind,
-                "sampled": 0 if token in self.eos else 1,
-                "forced": st.ff_tokens - ff_before,
-                "forward_ms": round(times.forward_ms, 3),
-                "mask_ms": round(times.mask_ms, 3),
-                "controller_ms": round(controller_ms, 3),
-                "sample_ms": round(times.sample_ms, 3),
-            })
+        self._record_step(seq, times, sampled=0 if token in self.eos else 1,
+                          forced=st.ff_tokens - ff_before, controller_ms=controller_ms)
         return controller_ms
 
     def _check_limits(self, seq: Sequence) -> bool:
