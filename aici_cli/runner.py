@@ -17,7 +17,7 @@ from typing import IO, Any
 from aici_cli.engine.loop import ControllerFactory, Engine, EngineConfig
 from aici_cli.jobs import Job, JobDefaults, ResultWriter, UsageError, open_input, read_jobs
 from aici_cli.models import load_model
-from aici_cli.stats import RunTally
+from aici_cli.stats import RunTally, percentile
 from aici_cli.ui import RunDisplay
 
 
@@ -46,7 +46,8 @@ class RunOutcome:
         return 1 if self.summary["errors"] else 0
 
 
-def wasm_factory(config: RunConfig, engine: Engine) -> ControllerFactory:
+def wasm_factory(config: RunConfig, engine: Engine,
+                 call_times: list[float]) -> ControllerFactory:
     """A factory giving every job its own runner of the `--controller` component."""
     from aici_cli.control.base import ControllerError
     from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
@@ -74,7 +75,7 @@ def wasm_factory(config: RunConfig, engine: Engine) -> ControllerFactory:
         if not isinstance(arg, str):
             arg = json.dumps(arg)
         return WasmController(component, arg, services, engine.compiler,
-                              config.engine.fast_forward)
+                              config.engine.fast_forward, call_times)
 
     return factory
 
@@ -105,8 +106,9 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     writer = ResultWriter(out)
     tally = RunTally()
     engine = Engine(lm, config.engine)
+    call_times: list[float] = []  # ms of every wasm guest call in the run
     if config.controller is not None:
-        engine.controller_factory = wasm_factory(config, engine)
+        engine.controller_factory = wasm_factory(config, engine, call_times)
     display = RunDisplay(stderr, total=total, quiet=config.quiet)
     t0 = time.perf_counter()
 
@@ -133,6 +135,12 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
         "batch_size": config.engine.batch_size,
     }
     summary = tally.summary(engine.step_times, wall, meta)
+    if config.controller is not None:
+        summary["guest_call_ms"] = {
+            "calls": len(call_times),
+            "p50": round(percentile(call_times, 50), 3),
+            "p99": round(percentile(call_times, 99), 3),
+        }
     if config.stats_out:
         Path(config.stats_out).write_text(json.dumps(summary, indent=2) + "\n")
     display.summary(summary)

@@ -89,6 +89,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
     ]
     if summary.get("schema_lines"):
         rows.append(("schema outputs valid", f"{summary['valid']}/{summary['schema_lines']}"))
+    if "guest_call_ms" in summary:
+        g = summary["guest_call_ms"]
+        rows.append(("controller call p50 / p99", f"{g['p50']:.3f} / {g['p99']:.3f} ms"))
     for name, value in rows:
         table.add_row(name, value)
     steps = summary.get("steps", {})

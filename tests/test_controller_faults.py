@@ -80,3 +80,20 @@ def test_not_a_component_is_a_usage_error(tiny_model_dir: Path, tmp_path: Path) 
                                     "--controller", str(bogus)], input="")
     assert res.exit_code == 2
     assert "not a WebAssembly component" in res.stderr
+
+
+def test_summary_reports_guest_call_times(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import jsonschema
+
+    from aici_cli.jobs import load_schema
+
+    stats = tmp_path / "stats.json"
+    code, results = run([{"prompt": "x", "controller_arg": "A"}] * 3, tiny_model_dir,
+                        "--max-tokens", "5", "--stats-out", str(stats))
+    assert code == 0
+    summary = json.loads(stats.read_text())
+    jsonschema.validate(summary, load_schema("stats"))
+    # One call at the start and one per sampled token but the last (it hit max_tokens).
+    assert summary["guest_call_ms"]["calls"] == 3 * 5
+    assert 0 < summary["guest_call_ms"]["p50"] <= summary["guest_call_ms"]["p99"]
+    assert all(r["stats"]["guest_ms"] > 0 for r in results)

@@ -135,13 +135,16 @@ class WasmController:
     """One sequence's wasm controller; implements `aici_cli.control.base.Controller`."""
 
     def __init__(self, component: ControllerComponent, arg: str, services: TokenizerServices,
-                 compiler: GrammarCompiler, fast_forward: bool = True) -> None:
+                 compiler: GrammarCompiler, fast_forward: bool = True,
+                 call_times: list[float] | None = None) -> None:
         self.component = component
         self.arg = arg
         self.services = services
         self.compiler = compiler
         self.fast_forward = fast_forward
         self.runner: Runner | None = None
+        # Shared by the run's controllers: ms of every mid-process call, for p50/p99.
+        self.call_times = call_times if call_times is not None else []
         self.token_set: TokenSet = TokenSet("all")
         self.segment: SegmentState | None = None
         self.segment_ms = 0.0  # host time spent running segments (masks excluded)
@@ -234,7 +237,11 @@ class WasmController:
 
     def _call(self, inp: StepInput) -> Action:
         assert self.runner is not None
-        return self.runner.mid_process(inp)
+        t0 = time.perf_counter()
+        try:
+            return self.runner.mid_process(inp)
+        finally:
+            self.call_times.append((time.perf_counter() - t0) * 1000.0)
 
     def _follow(self, action: Action, acc: Directive) -> Directive:
         """Apply actions until one needs the model (sample or a running segment)."""
