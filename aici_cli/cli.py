@@ -189,6 +189,40 @@ def build(source: str, output: str | None) -> None:
                err=True)
 
 
+@main.command()
+@click.argument("results", metavar="RESULTS")
+@click.option("--stats", "stats_file", type=click.Path(dir_okay=False), default=None,
+              help="The run's --stats-out file, for run-level figures (wall time, tokens/s).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
+              help="Draw the per-step time split and step-time distribution (needs "
+                   "matplotlib).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead.")
+def report(results: str, stats_file: str | None, plot_file: str | None, as_json: bool) -> None:
+    """Summarize a finished run from its RESULTS file ('-' for stdin): lines, errors,
+    compliance where schemas applied, tokens/s, forward passes per token, step timings.
+
+    \b
+    Examples:
+      aici-batch report results.jsonl
+      aici-batch report results.jsonl --stats stats.json --plot steps.png
+    """
+    from rich.console import Console
+
+    from aici_cli.report import ReportError, report_table
+    from aici_cli.report import report as build_report
+
+    try:
+        summary = build_report(results, stats_file, plot_to=Path(plot_file) if plot_file else None)
+    except ReportError as e:
+        raise FatalError(str(e)) from None
+    except OSError as e:
+        raise FatalError(f"cannot read {e.filename}: {e.strerror}") from None
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        Console().print(report_table(summary))
+
+
 def _silence_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())

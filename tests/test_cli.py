@@ -122,3 +122,21 @@ def test_summary_table_goes_to_stderr_only(model_args: list[str]) -> None:
     assert len(results_of(res.stdout)) == 1
     quiet = invoke(["run", "-", *model_args, "--quiet"], jsonl(GOOD[:1]))
     assert quiet.stderr == ""
+
+
+def test_report_summarizes_a_finished_run(model_args: list[str], tmp_path: Path) -> None:
+    out, stats = tmp_path / "r.jsonl", tmp_path / "s.json"
+    res = invoke(["run", "-", *model_args, "-o", str(out), "--stats-out", str(stats), "-q"],
+                 jsonl([*GOOD, {"prompt": ""}]))
+    assert res.exit_code == 1
+    rep = invoke(["report", str(out), "--stats", str(stats), "--json"])
+    assert rep.exit_code == 0, rep.output
+    summary = json.loads(rep.stdout)
+    run_summary = json.loads(stats.read_text())
+    assert summary["lines"] == 5 and summary["errors"] == 1
+    assert summary["output_tokens"] == run_summary["output_tokens"]
+    assert summary["tokens_per_s"] == run_summary["tokens_per_s"]
+    table = invoke(["report", str(out)])
+    assert table.exit_code == 0 and "row passes per output token" in table.stdout
+    missing = invoke(["report", str(tmp_path / "nope.jsonl")])
+    assert missing.exit_code == 2 and "nope.jsonl" in missing.stderr

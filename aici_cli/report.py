@@ -1,0 +1,490 @@
+"""`aici-batch report`: summarize a results JSONL after the fact, optionally plot it.
+
+A run's own summary (`--stats-out`) is exact but only exists if it was asked for; the
+results file always exists. So the report derives everything it can from result lines
+alone and takes the run-level figures (wall time, tokens/s, batched passes, model) from
+the run summary only when one is given: per-sequence `total_ms` overlap in a batch, so
+summing or averaging them says nothing about the run's throughput.
+
+Step timings in result lines are per *sequence*: a `steps` record (with `--step-stats`)
+carries the shared batched pass's forward/mask/sample time plus that sequence's own
+controller time, and a batch of 8 yields 8 records per pass. Distributions derived from
+results are therefore over sequence-steps, not over the engine's batched passes as in
+the run summary; `step_source` says which one a summary holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
+from rich.table import Table
+
+from aici_cli.jobs import load_schema
+from aici_cli.stats import percentile
+
+#: Per-step timings that result lines carry (per-step records and per-sequence stats).
+TIMING_FIELDS = ("forward_ms", "mask_ms", "controller_ms", "sample_ms")
+
+#: Figures only the run summary knows exactly; taken from a stats file when given.
+RUN_LEVEL_FIELDS = (
+    "forward_passes", "wall_s", "tokens_per_s", "model", "device", "dtype", "batch_size",
+)
+
+NO_RUN_SUMMARY_NOTE = (
+    "tokens/s, wall time and batched forward passes need the run summary "
+    "(run with --stats-out FILE, report with it): per-sequence total_ms overlap in a "
+    "batch, so results alone cannot give them"
+)
+
+
+class ReportError(Exception):
+    """Bad input to the report (malformed line, unreadable file, missing matplotlib);
+    the message is meant for the user as is."""
+
+
+# ------------------------------------------------------------------------- reading
+
+
+@functools.cache
+def _validator(name: str) -> Draft202012Validator:
+    """One validator per schema: building it walks the schema, checking a line does not."""
+    return Draft202012Validator(load_schema(name))
+
+
+def _schema_problem(name: str, value: Any) -> str | None:
+    """The most relevant schema violation as `where: what`, or None when valid."""
+    err = best_match(_validator(name).iter_errors(value))
+    if err is None:
+        return None
+    where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
+    return f"{where}: {err.message}"
+
+
+def parse_results(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """Parse result lines lazily, checking each against the result-line schema.
+
+    Blank lines are skipped but still counted, so `line N` in an error is the physical
+    line an editor shows. Checking the schema here means every figure below can index
+    fields without guarding, and a file from something else fails loudly, not as zeros.
+    """
+    for n, raw in enumerate(lines, start=1):
+        text = raw.strip()
+        if not text:
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ReportError(f"line {n}: not JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(value, dict):
+            raise ReportError(f"line {n}: expected a result object, got {type(value).__name__}")
+        problem = _schema_problem("result-line", value)
+        if problem is not None:
+            raise ReportError(f"line {n}: not a result line: {problem}")
+        yield value
+
+
+# ------------------------------------------------------------------------- summary
+
+
+def _distribution(values: Sequence[float], mean: float | None = None) -> dict[str, float]:
+    """p50/p99/mean rounded like `stats.step_summary`, so derived and run figures compare."""
+    if mean is None:
+        mean = sum(values) / len(values) if values else 0.0
+    return {
+        "p50": round(percentile(values, 50), 3),
+        "p99": round(percentile(values, 99), 3),
+        "mean": round(mean, 3),
+    }
+
+
+class _Tally:
+    """Everything the summary and the plot need, gathered in one pass over the results
+    (stdin can be read only once)."""
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.errors = 0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.ff_tokens = 0
+        self.row_forward_passes = 0
+        self.schema_lines = 0
+        self.valid = 0
+        self.error_types: dict[str, int] = {}
+        self.finish_reasons: dict[str, int] = {}
+        # Per-step records (--step-stats): one value per sequence-step.
+        self.record_values: dict[str, list[float]] = {f: [] for f in TIMING_FIELDS}
+        self.record_totals: list[float] = []
+        # Per-sequence fallback: one per-pass average per sequence that ran a pass.
+        self.seq_values: dict[str, list[float]] = {f: [] for f in TIMING_FIELDS}
+        self.seq_sums: dict[str, float] = {f: 0.0 for f in TIMING_FIELDS}
+        self.seq_totals: list[float] = []
+        self.ran = 0  # results with at least one forward pass
+        self.ran_without_steps = 0
+
+    def add(self, result: dict[str, Any]) -> None:
+        # Same counting rules as stats.RunTally, so a report matches the run's summary.
+        self.lines += 1
+        st = result["stats"]
+        self.prompt_tokens += st["prompt_tokens"]
+        self.output_tokens += st["output_tokens"]
+        self.ff_tokens += st["ff_tokens"]
+        passes = st["forward_passes"]
+        self.row_forward_passes += passes
+        reason = result["finish_reason"]
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        if reason == "error":
+            self.errors += 1
+            etype = result["error"]["type"]
+            self.error_types[etype] = self.error_types.get(etype, 0) + 1
+        elif "valid" in result:
+            self.schema_lines += 1
+            self.valid += bool(result["valid"])
+
+        if passes > 0:
+            self.ran += 1
+            for f in TIMING_FIELDS:
+                self.seq_values[f].append(st[f] / passes)
+                self.seq_sums[f] += st[f]
+            self.seq_totals.append(sum(st[f] for f in TIMING_FIELDS) / passes)
+            if "steps" not in result:
+                self.ran_without_steps += 1
+        for rec in result.get("steps", ()):
+            for f in TIMING_FIELDS:
+                self.record_values[f].append(float(rec[f]))
+            self.record_totals.append(round(sum(rec[f] for f in TIMING_FIELDS), 3))
+
+    @property
+    def step_source(self) -> str | None:
+        """"steps" only when every sequence that ran carries its records: a mix (results
+        of runs with and without --step-stats concatenated) would weigh some sequences by
+        their steps and ignore others, so it falls back to the per-sequence figures."""
+        if self.ran == 0:
+            return None
+        return "steps" if self.ran_without_steps == 0 else "per-sequence"
+
+    def step_totals(self) -> list[float]:
+        """Per-step total times (forward+mask+controller+sample) for the histogram."""
+        return self.record_totals if self.step_source == "steps" else self.seq_totals
+
+    def steps(self) -> dict[str, dict[str, float]]:
+        source = self.step_source
+        if source == "steps":
+            return {f: _distribution(self.record_values[f]) for f in TIMING_FIELDS}
+        if source == "per-sequence":
+            # p50/p99 over per-sequence averages; the mean is weighted by passes
+            # (sum of ms / sum of passes), the true mean per sequence-step, so it
+            # agrees with the "steps" source on the same run.
+            return {
+                f: _distribution(self.seq_values[f], self.seq_sums[f] / self.row_forward_passes)
+                for f in TIMING_FIELDS
+            }
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        out_tok = self.output_tokens
+        notes = [NO_RUN_SUMMARY_NOTE]
+        if self.step_source == "per-sequence" and self.ran_without_steps < self.ran:
+            notes.append(
+                f"{self.ran_without_steps} of {self.ran} sequences have no per-step records: "
+                "step timings come from per-sequence averages"
+            )
+        return {
+            "lines": self.lines,
+            "errors": self.errors,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": out_tok,
+            "ff_tokens": self.ff_tokens,
+            "forward_passes": None,
+            "row_forward_passes": self.row_forward_passes,
+            "forward_passes_per_token": (
+                round(self.row_forward_passes / out_tok, 4) if out_tok else None
+            ),
+            "wall_s": None,
+            "tokens_per_s": None,
+            "schema_lines": self.schema_lines,
+            "valid": self.valid,
+            "compliance": (
+                round(self.valid / self.schema_lines, 4) if self.schema_lines else None
+            ),
+            "error_types": dict(sorted(self.error_types.items(), key=lambda kv: -kv[1])),
+            "finish_reasons": dict(sorted(self.finish_reasons.items(), key=lambda kv: -kv[1])),
+            "steps": self.steps(),
+            "step_source": self.step_source,
+            "model": None,
+            "device": None,
+            "dtype": None,
+            "batch_size": None,
+            "notes": notes,
+        }
+
+
+def _tally(lines: Iterable[str]) -> _Tally:
+    tally = _Tally()
+    for result in parse_results(lines):
+        tally.add(result)
+    return tally
+
+
+def summarize_results(lines: Iterable[str]) -> dict[str, Any]:
+    """Summarize result lines (JSONL text, one line per item) from results alone.
+
+    Keys follow the run summary (`schemas/stats.schema.json`) plus `compliance`,
+    `error_types`, `finish_reasons`, `step_source` and `notes`. Run-level figures
+    (`forward_passes`, `wall_s`, `tokens_per_s`, `model`, `device`, `dtype`,
+    `batch_size`) are None: they cannot be derived from results (see `report`).
+    `steps` holds p50/p99/mean of forward/mask/controller/sample ms per sequence-step,
+    from `steps` records when every sequence that ran has them ("steps"), else from
+    stats.X_ms / stats.forward_passes per sequence ("per-sequence"); {} and None when
+    no sequence ran a pass. Raises ReportError naming the line for a malformed line.
+    """
+    return _tally(lines).summary()
+
+
+# ------------------------------------------------------------------------- report
+
+
+def _read_stats(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ReportError(f"{path}: cannot read the stats file: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ReportError(f"{path}: the stats file is not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise ReportError(f"{path}: not a run summary (expected a JSON object)")
+    problem = _schema_problem("stats", value)
+    if problem is not None:
+        raise ReportError(f"{path}: not a run summary (--stats-out): {problem}")
+    return value
+
+
+def merge_run_summary(summary: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """Overlay the run summary's exact run-level figures on a derived summary (in place,
+    and returned). Counts stay as derived from the results, which is the file being
+    reported on; a disagreement is kept as a note because it usually means the stats
+    file belongs to another run (or the results were filtered)."""
+    for key in RUN_LEVEL_FIELDS:
+        summary[key] = stats[key]
+    if "guest_call_ms" in stats:
+        summary["guest_call_ms"] = stats["guest_call_ms"]
+    summary["steps"] = stats["steps"]  # per batched pass, with overhead_ms and step_ms
+    summary["step_source"] = "stats"
+    notes = [n for n in summary.get("notes", []) if n != NO_RUN_SUMMARY_NOTE]
+    for key in ("lines", "output_tokens"):
+        if stats[key] != summary[key]:
+            notes.append(
+                f"the stats file counts {key} {stats[key]}, the results {summary[key]}: "
+                "run-level figures may be from another run"
+            )
+    summary["notes"] = notes
+    return summary
+
+
+def report(results_path: str | Path, stats_path: str | Path | None = None,
+           plot_to: str | Path | None = None) -> dict[str, Any]:
+    """Summarize a results file ("-": stdin), merging a run summary when given.
+
+    The stats file is used only when passed explicitly: guessing one by name could
+    silently pair results with a stale run. With `plot_to` the figure is drawn from the
+    same single pass (stdin cannot be read twice); matplotlib is checked before reading
+    so a missing one fails fast.
+    """
+    if plot_to is not None:
+        _pyplot_figure()
+    stats = _read_stats(Path(stats_path)) if stats_path is not None else None
+    if str(results_path) == "-":
+        tally = _tally(sys.stdin)
+    else:
+        path = Path(results_path)
+        try:
+            with path.open(encoding="utf-8") as fh:
+                tally = _tally(fh)
+        except OSError as e:
+            raise ReportError(f"{path}: cannot read the results: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ReportError(f"{path}: not UTF-8 text: {e.reason}") from None
+    summary = tally.summary()
+    if stats is not None:
+        merge_run_summary(summary, stats)
+    if plot_to is not None:
+        plot(summary, plot_to, tally.step_totals(), tally.step_source)
+    return summary
+
+
+# ------------------------------------------------------------------------- table
+
+
+def _num(value: Any, fmt: str = "", unit: str = "", missing: str = "n/a") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return missing
+    return f"{value:{fmt}}{unit}"
+
+
+_SOURCE_CAPTIONS = {
+    "steps": "step timings: per-step records, per sequence-step (--step-stats)",
+    "per-sequence": "step timings: per-sequence averages per pass (no --step-stats)",
+    "stats": "step timings: per batched pass, from the run summary",
+}
+
+
+def report_table(summary: dict[str, Any]) -> Table:
+    """A report summary as a rich table. Its own table rather than `ui.summary_table`:
+    a report from results alone has no wall time, tokens/s or batched pass count, and
+    says so instead of failing on them."""
+    table = Table(title="aici-batch report", show_header=True, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    need = "n/a (needs --stats-out)"
+    rows: list[tuple[str, str]] = [
+        ("lines", str(summary["lines"])),
+        ("errors", str(summary["errors"])),
+    ]
+    for etype, count in summary.get("error_types", {}).items():
+        rows.append((f"  error {etype}", str(count)))
+    reasons = summary.get("finish_reasons", {})
+    if reasons:
+        rows.append(("finish reasons", ", ".join(f"{k} {v}" for k, v in reasons.items())))
+    rows += [
+        ("prompt tokens", str(summary["prompt_tokens"])),
+        ("output tokens", str(summary["output_tokens"])),
+        ("fast-forwarded tokens", str(summary["ff_tokens"])),
+        ("forward passes (batched)", _num(summary.get("forward_passes"), missing=need)),
+        ("row forward passes", str(summary["row_forward_passes"])),
+        ("row passes per output token", _num(summary.get("forward_passes_per_token"), ".4f")),
+        ("wall time", _num(summary.get("wall_s"), ".2f", " s", missing=need)),
+        ("tokens/s", _num(summary.get("tokens_per_s"), ".1f", missing=need)),
+    ]
+    schema_lines = summary.get("schema_lines", 0)
+    if schema_lines:
+        compliance = summary.get("compliance")
+        if compliance is None:
+            compliance = summary["valid"] / schema_lines
+        rows.append((
+            "schema outputs valid",
+            f"{summary['valid']}/{schema_lines} ({compliance * 100:.1f}%)",
+        ))
+    else:
+        rows.append(("schema outputs valid", "- (no schema lines)"))
+    for key in ("model", "device", "dtype", "batch_size"):
+        if summary.get(key) is not None:
+            rows.append((key.replace("_", " "), str(summary[key])))
+    if summary.get("guest_call_ms"):
+        g = summary["guest_call_ms"]
+        rows.append(("controller call p50 / p99", f"{g['p50']:.3f} / {g['p99']:.3f} ms"))
+    steps = summary.get("steps") or {}
+    for name, dist in steps.items():
+        rows.append((
+            f"step {name} p50 / p99 / mean",
+            f"{dist['p50']:.2f} / {dist['p99']:.2f} / {dist['mean']:.2f}",
+        ))
+    if not steps:
+        rows.append(("step timings", "- (no forward passes)"))
+    for name, value in rows:
+        table.add_row(name, value)
+    captions = []
+    source = summary.get("step_source")
+    if source in _SOURCE_CAPTIONS:
+        captions.append(_SOURCE_CAPTIONS[source])
+    captions += summary.get("notes", [])
+    if captions:
+        table.caption = "\n".join(captions)
+    return table
+
+
+# ------------------------------------------------------------------------- plot
+
+
+def _pyplot_figure() -> Any:
+    """matplotlib's Figure class; an optional dependency (extra `plot`), so imported here.
+
+    The object API (Figure + savefig) needs no pyplot and no GUI backend, so it works on
+    a headless machine and leaves the global backend alone."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ReportError("--plot needs matplotlib: pip install matplotlib") from None
+    return Figure
+
+
+_SPLIT_COLORS = {
+    "forward": "#4c72b0", "mask": "#dd8452", "controller": "#55a868",
+    "sample": "#c44e52", "other": "#8c8c8c",
+}
+
+
+def plot(summary: dict[str, Any], out: str | Path, step_totals: Sequence[float] = (),
+         totals_source: str | None = None) -> Path:
+    """Draw the step-time split and the step-time distribution to a PNG; returns the path.
+
+    Left: a stacked bar of the mean forward/mask/controller/sample ms per step from
+    `summary["steps"]`, plus "other" (step_ms minus those) when the run summary gives
+    step_ms. Right: a histogram of `step_totals` (forward+mask+controller+sample per
+    sequence-step, or per-sequence averages; `report(..., plot_to=)` passes them, as a
+    summary holds only percentiles). Panels without data say so rather than mislead.
+    """
+    figure_cls = _pyplot_figure()
+    out = Path(out)
+    if totals_source is None:
+        totals_source = summary.get("step_source")
+    fig = figure_cls(figsize=(11, 4.8), layout="constrained")
+    ax_split, ax_hist = fig.subplots(1, 2, width_ratios=[1, 2])
+
+    steps = summary.get("steps") or {}
+    source = summary.get("step_source")
+    means = {name: float(steps[f"{name}_ms"]["mean"]) for name in
+             ("forward", "mask", "controller", "sample") if f"{name}_ms" in steps}
+    if "step_ms" in steps and means:
+        means["other"] = max(0.0, float(steps["step_ms"]["mean"]) - sum(means.values()))
+    if means:
+        bottom = 0.0
+        total = sum(means.values())
+        for name, value in means.items():
+            ax_split.bar(0, value, bottom=bottom, width=0.6, label=f"{name} {value:.2f} ms",
+                         color=_SPLIT_COLORS[name])
+            if total > 0 and value / total > 0.06:
+                ax_split.text(0, bottom + value / 2, f"{value:.2f}", ha="center",
+                              va="center", color="white", fontsize=9)
+            bottom += value
+        ax_split.set_xlim(-0.8, 1.9)
+        ax_split.set_xticks([])
+        ax_split.set_ylabel("mean ms per step")
+        ax_split.legend(loc="upper right", fontsize=8, frameon=False, reverse=True)
+        per = "batched pass" if source == "stats" else "sequence-step"
+        ax_split.set_title(f"Step time split (mean per {per})\ntotal {total:.2f} ms",
+                           fontsize=10)
+    else:
+        ax_split.text(0.5, 0.5, "no step timings", ha="center", va="center")
+        ax_split.set_axis_off()
+
+    values = [float(v) for v in step_totals]
+    if values:
+        bins = max(10, min(60, int(math.sqrt(len(values)) * 2)))
+        ax_hist.hist(values, bins=bins, color="#4c72b0", alpha=0.85)
+        for q, style in ((50, "--"), (99, ":")):
+            v = percentile(values, q)
+            ax_hist.axvline(v, color="black", linestyle=style, linewidth=1,
+                            label=f"p{q} {v:.2f} ms")
+        ax_hist.legend(fontsize=8, frameon=False)
+        ax_hist.set_xlabel("ms (forward + mask + controller + sample)")
+        what = {"steps": "sequence-steps", "per-sequence": "sequences, mean per pass"}.get(
+            totals_source or "", "values")
+        if source == "stats":
+            what += ", from the results"
+        ax_hist.set_ylabel("count")
+        ax_hist.set_title(f"Step time distribution ({len(values)} {what})", fontsize=10)
+    else:
+        ax_hist.text(0.5, 0.5, "no per-step data", ha="center", va="center")
+        ax_hist.set_axis_off()
+
+    fig.suptitle(f"aici-batch report: {summary.get('lines', 0)} lines", fontsize=11)
+    fig.savefig(out, format="png", dpi=110)
+    return out
