@@ -185,3 +185,21 @@ def test_step_stats_records_each_pass(lm: LoadedModel) -> None:
     sampled = sum(s["sampled"] for s in steps)
     assert sampled + r["stats"]["ff_tokens"] == r["stats"]["output_tokens"]
     assert all(s["forward_ms"] > 0 for s in steps)
+
+
+class BuggyController(FailingController):
+    """Raises a plain exception (a host bug, not a controller fault) on its first step."""
+
+    def advance(self, tokens: Sequence[int]) -> Directive:
+        raise RuntimeError("unexpected")
+
+
+def test_host_bug_in_a_controller_is_confined_to_its_line(lm: LoadedModel) -> None:
+    results: list[dict[str, Any]] = []
+    engine = Engine(lm, EngineConfig(batch_size=2),
+                    controller_factory=lambda j: BuggyController() if j.index == 1 else None)
+    engine.run([job(1), job(2, max_tokens=4)], results.append)
+    got = by_index(results)
+    assert got[1]["error"] == {"type": "internal_error",
+                               "message": "line 1: RuntimeError: unexpected"}
+    assert got[2]["finish_reason"] == "length"

@@ -58,6 +58,14 @@ class EngineConfig:
     initial_capacity: int = 256
 
 
+def controller_fault(e: Exception) -> tuple[str, str]:
+    """(type, message) of a controller failure; anything but a ControllerError is a bug in
+    the host, reported as such but still confined to its sequence."""
+    if isinstance(e, ControllerError):
+        return e.type, e.message
+    return "internal_error", f"{type(e).__name__}: {e}"
+
+
 def ms(t0: float, t1: float) -> float:
     return (t1 - t0) * 1000.0
 
@@ -88,7 +96,6 @@ class Engine:
         # bitmask[i]: allowed tokens of row i (bit t = token t), written by llguidance.
         self.bitmask = torch.zeros((config.batch_size, self.words), dtype=torch.int32)
         self.executor = llguidance.LLExecutor()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
         self.step_times: list[StepTimes] = []
         self.steps = 0
 
@@ -107,6 +114,7 @@ class Engine:
             should_admit: Callable[[], bool] = lambda: True) -> None:
         """Drive every item to exactly one `emit`ted result; returns when all are done."""
         source: Iterator[Job | LineError] | None = iter(items)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
         try:
             while True:
                 if source is not None and should_admit():
@@ -165,6 +173,10 @@ class Engine:
             etype = getattr(e, "type", "model_error")
             emit(error_result(LineError(job.index, job.id, etype, f"line {job.index}: {e}")))
             return None
+        except Exception as e:  # a bug must cost this line only, not the run
+            emit(error_result(LineError(job.index, job.id, "internal_error",
+                                        f"line {job.index}: {type(e).__name__}: {e}")))
+            return None
         seq = Sequence(job, prompt_ids, controller, row_generator(job.seed))
         if self.config.step_stats:
             seq.steps = []
@@ -173,8 +185,8 @@ class Engine:
                 t0 = time.perf_counter()
                 seq.apply(controller.start(prompt_ids))
                 seq.stats.controller_ms += ms(t0, time.perf_counter())
-            except ControllerError as e:
-                seq.finish = Finish("error", (e.type, e.message))
+            except Exception as e:
+                seq.finish = Finish("error", controller_fault(e))
         self._check_limits(seq)
         return seq
 
@@ -321,8 +333,8 @@ class Engine:
         for k, row, controller in custom:
             try:
                 answer = controller.fill_mask(self.bitmask[row])
-            except ControllerError as e:
-                failed[k] = e
+            except Exception as e:
+                failed[k] = ControllerError(*controller_fault(e))
                 continue
             if isinstance(answer, Directive):
                 deferred[k] = answer
@@ -352,8 +364,8 @@ class Engine:
         ff_before = seq.stats.ff_tokens
         try:
             seq.apply(directive)
-        except ControllerError as e:
-            seq.finish = Finish("error", (e.type, e.message))
+        except Exception as e:
+            seq.finish = Finish("error", controller_fault(e))
         self._check_limits(seq)
         self._record_step(seq, times, sampled=0, forced=seq.stats.ff_tokens - ff_before,
                           controller_ms=0.0)
@@ -392,8 +404,8 @@ class Engine:
                     seq.finish = Finish("stop")
                 else:
                     seq.apply(directive)
-            except ControllerError as e:
-                seq.finish = Finish("error", (e.type, e.message))
+            except Exception as e:
+                seq.finish = Finish("error", controller_fault(e))
             controller_ms = ms(t0, time.perf_counter())
             st.controller_ms += controller_ms
             self._check_limits(seq)
@@ -406,8 +418,8 @@ class Engine:
                 t0 = time.perf_counter()
                 try:
                     seq.apply(seq.controller.advance([token]))
-                except ControllerError as e:
-                    seq.finish = Finish("error", (e.type, e.message))
+                except Exception as e:
+                    seq.finish = Finish("error", controller_fault(e))
                 controller_ms = ms(t0, time.perf_counter())
                 st.controller_ms += controller_ms
             self._check_limits(seq)

@@ -49,7 +49,7 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
     for r in results:
         run.texts[int(r["id"])] = r.get("text", "")
         if "error" in r:
-            run.compile_failures += 1
+            run.constraint_failures += 1
             run.notes.append(f"{r['error'].get('type')}: {r['error'].get('message', '')[:120]}")
     run.output_tokens = summary["output_tokens"]
     run.row_passes = summary["row_forward_passes"]

@@ -21,6 +21,8 @@ class PeerRun:
 
     `row_passes` counts one per row per forward pass (a finished row idling in a static
     batch still costs its pass), the same unit as aici-batch's `row_forward_passes`.
+    `constraint_failures` counts rows whose constraint could not be built or broke mid-row
+    (generate() peers then let the row run free; aici-batch reports the line as an error).
     """
 
     texts: list[str]
@@ -29,7 +31,7 @@ class PeerRun:
     batched_passes: int = 0
     wall_s: float = 0.0
     batches: int = 0
-    compile_failures: int = 0
+    constraint_failures: int = 0
     notes: list[str] = field(default_factory=list)
 
     @classmethod

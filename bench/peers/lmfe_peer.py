@@ -83,13 +83,13 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
                 try:
                     enforcers.append(TokenEnforcer(data, JsonSchemaParser(schemas[i])))
                 except Exception:  # a schema the parser cannot take: row runs unconstrained
-                    result.compile_failures += 1
+                    result.constraint_failures += 1
                     enforcers.append(None)
             fn = PerRow(enforcers, model.config.vocab_size)
             texts, counts, steps = generate_batch(
                 model, tokenizer, [prompts[i] for i in idx], max_tokens,
                 prefix_allowed_tokens_fn=fn)
-            result.compile_failures += fn.failures
+            result.constraint_failures += fn.failures
             result.add(idx, texts, counts, steps)
     result.wall_s = t.seconds
     return result

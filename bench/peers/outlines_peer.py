@@ -58,7 +58,7 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
                 idx = [members[c] for c in chunk]
                 proc = processor(model, tokenizer, schemas[idx[0]])
                 if proc is None:
-                    result.compile_failures += len(idx)
+                    result.constraint_failures += len(idx)
                 kwargs = {"logits_processor": LogitsProcessorList([proc])} if proc else {}
                 texts, counts, steps = generate_batch(
                     model, tokenizer, [prompts[i] for i in idx], max_tokens, **kwargs)

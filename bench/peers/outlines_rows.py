@@ -42,7 +42,7 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
     with Timer() as t:
         for idx in static_batches(len(prompts), batch_size):
             procs = [processor(model, tokenizer, schemas[i]) for i in idx]
-            result.compile_failures += sum(p is None for p in procs)
+            result.constraint_failures += sum(p is None for p in procs)
             texts, counts, steps = generate_batch(
                 model, tokenizer, [prompts[i] for i in idx], max_tokens,
                 logits_processor=LogitsProcessorList([PerRow(procs)]))

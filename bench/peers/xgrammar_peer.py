@@ -49,7 +49,7 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
                 try:
                     grammars.append(comp.compile_json_schema(json.dumps(schemas[i])))
                 except Exception:  # rare: xgrammar ignores most of what it cannot enforce
-                    result.compile_failures += 1
+                    result.constraint_failures += 1
                     grammars.append(comp.compile_builtin_json_grammar())
             # A fresh processor per generate() call: its matchers cannot be reset.
             proc = LogitsProcessor(grammars)
