@@ -34,8 +34,12 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Benchmarks (not pass/fail): results land in out/. Peers need bench/peers/requirements.txt.
 bench: setup
-	$(BIN)/python bench/coverage_run.py
+	$(BIN)/python bench/coverage_run.py --per-subset 20 --max-tokens 512
+	$(BIN)/python bench/step_profile.py --models default --batch-sizes 1,8,32
+	$(BIN)/python bench/controller_costs.py
+	$(BIN)/python bench/peers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

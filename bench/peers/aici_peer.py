@@ -55,5 +55,5 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
     run.row_passes = summary["row_forward_passes"]
     run.batched_passes = summary["forward_passes"]
     run.wall_s = summary["wall_s"]
-    run.batches = 1
+    run.dtype = summary.get("dtype")
     return run

@@ -30,8 +30,9 @@ class PeerRun:
     row_passes: int = 0
     batched_passes: int = 0
     wall_s: float = 0.0
-    batches: int = 0
+    batches: int = 0  # generate() calls; aici-batch batches continuously (0)
     constraint_failures: int = 0
+    dtype: str | None = None  # set by runners that load the model themselves (aici)
     notes: list[str] = field(default_factory=list)
 
     @classmethod
