@@ -59,6 +59,19 @@ def test_close_objects_closes_plain_objects_only() -> None:
     assert close_objects(explicit) == explicit
 
 
+def test_close_objects_never_widens_one_of_or_not() -> None:
+    # Closing oneOf branches would let {"dog": "x"} through as matching one closed branch,
+    # while under the original schema it matches both open branches and fails oneOf.
+    schema = {"type": "object", "oneOf": [{"properties": {"dog": {"type": "string"}}},
+                                          {"properties": {"cat": {"type": "string"}}}]}
+    assert close_objects(schema) == schema
+    negated = {"not": {"type": "object", "properties": {"a": {"type": "string"}}}}
+    assert close_objects(negated) == negated
+    anyof = {"anyOf": [{"type": "object", "properties": {"a": {"type": "string"}}},
+                       {"type": "string"}]}
+    assert close_objects(anyof)["anyOf"][0]["additionalProperties"] is False
+
+
 def test_exclusive_one_of_makes_required_branches_exact() -> None:
     schema = {
         "type": "object",

@@ -54,10 +54,12 @@ def close_objects(schema: Any) -> Any:
 
     JSON Schema allows any extra key by default; a model given that freedom tends to
     invent keys until the token limit. Objects that list `properties` and say nothing about
-    extra keys get `additionalProperties: false`. Schemas that are merged with others stay
-    open: members of `allOf`, and members of `anyOf`/`oneOf` whose parent declares keys
-    itself, since closing one would reject the keys declared beside it. The result still
-    validates only outputs that the original schema accepts.
+    extra keys get `additionalProperties: false`. Closing must only narrow what validates,
+    so some schemas stay open: members of `allOf` and of `anyOf` whose parent declares keys
+    itself (closing one would reject the keys declared beside it), members of `oneOf`
+    (a closed branch can fail where its open original matched, letting an output match
+    another branch alone under the closed schema but two under the original), and anything
+    under `not` (narrowing there widens the whole).
     """
 
     def walk(node: Any, in_all_of: bool) -> Any:
@@ -68,12 +70,12 @@ def close_objects(schema: Any) -> Any:
         parent_keys = "properties" in node or "required" in node
         out = {}
         for key, value in node.items():
-            if key in ("enum", "const", "default", "examples"):
-                out[key] = value
+            if key in ("enum", "const", "default", "examples", "not"):
+                out[key] = value  # data, or (`not`) a schema that must stay as written
             elif key == "properties" and isinstance(value, dict):
                 out[key] = {k: walk(v, False) for k, v in value.items()}
             else:
-                merged = key == "allOf" or (key in ("anyOf", "oneOf") and parent_keys)
+                merged = key in ("allOf", "oneOf") or (key == "anyOf" and parent_keys)
                 out[key] = walk(value, merged)
         open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
         combined = any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
@@ -208,21 +210,25 @@ class GrammarCompiler:
         schema = exclusive_one_of(original)
         if self.strict_json:
             schema = close_objects(schema)
-        first_error = ""
+        errors: list[str] = []
         for note, extra in RELAXATIONS:
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     schema, overrides={**JSON_OPTIONS, **extra}
                 )
             except ValueError as e:
-                first_error = first_error or str(e)
+                errors.append(str(e))
                 continue
             matcher, error = self._matcher(grammar)
             if matcher is not None:
                 warnings = [f"schema relaxed: {note}"] if note else []
                 return CompiledGrammar(constraint, matcher, warnings, validator)
-            first_error = first_error or error
-        raise GrammarError("unsupported_schema", f"JSON schema not supported: {first_error}")
+            errors.append(error)
+        # The strict reason first; the last relaxation's reason when it differs.
+        message = errors[0] if errors[-1] == errors[0] else (
+            f"{errors[0]} (and with {RELAXATIONS[-1][0]}: {errors[-1]})"
+        )
+        raise GrammarError("unsupported_schema", f"JSON schema not supported: {message}")
 
 
 class GrammarController:
