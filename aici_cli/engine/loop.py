@@ -243,7 +243,10 @@ class Engine:
             use_cache=True,
             logits_to_keep=inputs.last,
         )
-        logits = out.logits[:, 0, :].float()  # [b, V]
+        # [b, V] in the model's dtype: masking and greedy argmax need no fp32 copy (a bf16
+        # value widens to fp32 exactly, so argmax is the same); `sample` widens what it
+        # samples with temperature.
+        logits = out.logits[:, 0, :]
         if logits.shape[-1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         t1 = time.perf_counter()
@@ -253,11 +256,13 @@ class Engine:
         t_mask_ready = time.perf_counter()
         if disallowed is not None:
             logits.masked_fill_(disallowed.to(logits.device, non_blocking=True), float("-inf"))
+        t2 = time.perf_counter()
+        best, greedy = logits.max(dim=-1)  # [b]: the greedy pick, and whether any is allowed
+        if disallowed is not None:
             # A row whose mask allows nothing cannot continue; say so instead of sampling.
-            for k in torch.isneginf(logits.max(dim=-1).values).nonzero().flatten().tolist():
+            for k in torch.isneginf(best).nonzero().flatten().tolist():
                 if k not in deferred:
                     failed.setdefault(k, ControllerError("empty_mask", "the mask allows no token"))
-        t2 = time.perf_counter()
 
         for k, err in failed.items():
             seq = seqs[k]
@@ -268,7 +273,7 @@ class Engine:
             seqs[k] = None
         real = [k for k, s in enumerate(seqs) if s is not None and k not in deferred]
         picked = sample(
-            logits[real].cpu() if len(real) < len(seqs) else logits.cpu(),
+            logits, greedy.tolist(), real,
             [seqs[k].job.temperature for k in real],  # type: ignore[union-attr]
             [seqs[k].job.top_p for k in real],  # type: ignore[union-attr]
             [seqs[k].generator for k in real],  # type: ignore[union-attr]
@@ -340,12 +345,15 @@ class Engine:
                 deferred[k] = answer
             elif answer:
                 constrained.add(row)
-        bits = self.bitmask.numpy()[rows].view(np.uint8)  # [b, words * 4]
-        allowed = np.unpackbits(bits, axis=1, count=self.vocab_size, bitorder="little")
+        # Complement the words, then unpack: bit = 1 where the token is disallowed. One pass
+        # over [b, V] instead of two (unpack, then compare); V/32 words are cheap to flip.
+        words = ~self.bitmask.numpy()[rows]
         for k, row in enumerate(rows):
             if row not in constrained:
-                allowed[k] = 1
-        return MaskResult(torch.from_numpy(allowed == 0), failed, deferred)
+                words[k] = 0
+        disallowed = np.unpackbits(words.view(np.uint8), axis=1, count=self.vocab_size,
+                                   bitorder="little").view(np.bool_)
+        return MaskResult(torch.from_numpy(disallowed), failed, deferred)
 
     def _account(self, seq: Sequence, times: StepTimes) -> None:
         """The row took part in this pass: its pending tokens are now in the cache."""

@@ -20,18 +20,22 @@ def row_generator(seed: int) -> torch.Generator:
 
 def sample(
     logits: torch.Tensor,
+    greedy: Sequence[int],
+    rows: Sequence[int],
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator],
 ) -> list[int]:
-    """Pick one token per row. logits: [b, V] float32 on CPU, already masked (-inf)."""
-    greedy = logits.argmax(dim=-1)
-    if all(t <= 0.0 for t in temperatures):
-        return greedy.tolist()
-    out = greedy.tolist()
+    """Pick one token for each of `rows` (indices into logits [b, V], already masked with
+    -inf, in any float dtype). Greedy rows take `greedy[row]` (the argmax the caller already
+    has); rows with a temperature are sampled in fp32."""
+    out = [greedy[r] for r in rows]
     hot = [i for i, t in enumerate(temperatures) if t > 0.0]
+    if not hot:
+        return out
     temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32)[:, None]
-    probs = torch.softmax(logits[hot] / temps, dim=-1)  # [h, V]
+    hot_logits = logits[[rows[i] for i in hot]].float().cpu()
+    probs = torch.softmax(hot_logits / temps, dim=-1)  # [h, V]
     top_p = torch.tensor([top_ps[i] for i in hot], dtype=torch.float32)[:, None]
     if bool((top_p < 1.0).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
