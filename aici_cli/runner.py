@@ -135,6 +135,13 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
         "batch_size": config.engine.batch_size,
     }
     summary = tally.summary(engine.step_times, wall, meta)
+    compiled = engine.compile_ms
+    if compiled:
+        summary["grammar_compile_ms"] = {
+            "grammars": len(compiled),
+            "p50": round(percentile(compiled, 50), 3),
+            "p99": round(percentile(compiled, 99), 3),
+        }
     if config.controller is not None:
         summary["guest_call_ms"] = {
             "calls": len(call_times),

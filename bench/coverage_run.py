@@ -113,6 +113,7 @@ def main() -> int:
             "ff_tokens": sum(r["stats"]["ff_tokens"] for r in rs),
             "output_tokens": out_tokens,
         }
+    report["grammar_compile_ms"] = outcome.summary.get("grammar_compile_ms")
     steps = outcome.summary["steps"]
     report["step_overhead_ms"] = steps["overhead_ms"]
     report["step_forward_ms"] = steps["forward_ms"]
@@ -130,6 +131,9 @@ def main() -> int:
     print(f"tokens/s {summ['tokens_per_s']}, wall {summ['wall_s']} s, batched passes "
           f"{summ['forward_passes']}, output tokens {summ['output_tokens']}, "
           f"ff tokens {summ['ff_tokens']}")
+    if report["grammar_compile_ms"]:
+        c = report["grammar_compile_ms"]
+        print(f"grammar compile ms p50/p99 {c['p50']}/{c['p99']} over {c['grammars']} schemas")
     print(f"step forward ms p50/p99 {steps['forward_ms']['p50']}/{steps['forward_ms']['p99']}; "
           f"outside forward p50/p99 {steps['overhead_ms']['p50']}/{steps['overhead_ms']['p99']}")
     return 0

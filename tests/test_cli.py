@@ -57,6 +57,8 @@ def test_good_lines_exit_zero_and_validate(model_args: list[str], tmp_path: Path
     jsonschema.validate(summary, load_schema("stats"))
     assert summary["lines"] == 4 and summary["errors"] == 0
     assert summary["output_tokens"] == sum(r["stats"]["output_tokens"] for r in results)
+    # Two distinct grammars were compiled: the choices and the JSON schema.
+    assert summary["grammar_compile_ms"]["grammars"] == 2
 
 
 def test_bad_lines_get_error_results_and_exit_one(model_args: list[str]) -> None:

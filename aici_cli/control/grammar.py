@@ -10,6 +10,7 @@ all rows' masks in parallel (`LLExecutor`) while the forward pass runs.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,16 +152,19 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.strict_json = strict_json
         self._cache: dict[str, CompiledGrammar | GrammarError] = {}
+        self.compile_ms: list[float] = []  # one entry per distinct constraint compiled
 
     def compile(self, constraint: Constraint) -> CompiledGrammar:
         """Compile (or fetch from the run's cache); raises `GrammarError`."""
         key = json.dumps([constraint.kind, constraint.value], sort_keys=True)
         hit = self._cache.get(key)
         if hit is None:
+            t0 = time.perf_counter()
             try:
                 hit = self._compile(constraint)
             except GrammarError as e:
                 hit = e
+            self.compile_ms.append((time.perf_counter() - t0) * 1000.0)
             self._cache[key] = hit
         if isinstance(hit, GrammarError):
             raise hit

@@ -107,6 +107,11 @@ class Engine:
             )
         return self._compiler
 
+    @property
+    def compile_ms(self) -> list[float]:
+        """Compile time of each distinct grammar of the run (empty when none compiled)."""
+        return self._compiler.compile_ms if self._compiler is not None else []
+
     # ----------------------------------------------------------------------------- run
 
     @torch.inference_mode()
