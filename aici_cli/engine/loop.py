@@ -429,13 +429,19 @@ class Engine:
             seq.pending.append(token)
             if seq.controller is not None and not self._check_limits(seq):
                 t0 = time.perf_counter()
+                changed = False
                 try:
-                    seq.apply(seq.controller.advance([token]))
+                    directive = seq.controller.advance([token])
+                    seq.apply(directive)
+                    changed = bool(directive.forced or directive.backtrack)
                 except Exception as e:
                     seq.finish = Finish("error", controller_fault(e))
                 controller_ms = ms(t0, time.perf_counter())
                 st.controller_ms += controller_ms
-            self._check_limits(seq)
+                if changed:  # only a changed output needs another look for stop strings
+                    self._check_limits(seq)
+            elif seq.controller is None:
+                self._check_limits(seq)
         self._record_step(seq, times, sampled=0 if token in self.eos else 1,
                           forced=st.ff_tokens - ff_before, controller_ms=controller_ms)
         return controller_ms

@@ -85,6 +85,7 @@ class Sequence:
                 f"backtrack of {n} tokens reaches past the prompt ({len(self.output)} generated)",
             )
         del self.output[len(self.output) - n :]
+        self._text_checked = 0  # the rewritten tail must be searched for stop strings again
         from_pending = min(n, len(self.pending))
         del self.pending[len(self.pending) - from_pending :]
         self.length -= n - from_pending
