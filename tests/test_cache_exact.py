@@ -9,12 +9,14 @@ compared with a cache-free forward pass over that row's whole token sequence.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
-from aici_cli.engine.inputs import MaskShape, build_inputs
+from aici_cli.engine.inputs import MaskShape, build_inputs, forward
 from aici_cli.models import LoadedModel, load_model
 
 TOL = 1e-4
@@ -25,40 +27,61 @@ def lm(tiny_model_dir: Path) -> LoadedModel:
     return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
-def reference_logits(lm: LoadedModel, tokens: list[int]) -> torch.Tensor:
+def reference_logits(lm: LoadedModel | SimpleNamespace, tokens: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         out = lm.model(input_ids=torch.tensor([tokens]))
     return out.logits[0, -1].float()
 
 
+@pytest.fixture(scope="module")
+def windowed() -> SimpleNamespace:
+    """A tiny random Gemma 3: sliding-window layers (window 4) beside full ones, and four
+    query heads sharing one key/value head."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=512,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Gemma3ForCausalLM(config).eval()
+    return SimpleNamespace(model=model, vocab_size=config.vocab_size)
+
+
 class Harness:
     """Drives RowCache + build_inputs the way the engine does, keeping each row's tokens."""
 
-    def __init__(self, lm: LoadedModel, rows: int, capacity: int = 8) -> None:
+    def __init__(self, lm: LoadedModel | SimpleNamespace, rows: int, capacity: int = 8) -> None:
         self.lm = lm
         self.cache = RowCache(lm.model.config.num_hidden_layers, rows, capacity)
         self.tokens: list[list[int]] = [[] for _ in range(rows)]
         self.lengths = [0] * rows
         self.mask_shape = MaskShape.for_config(lm.model.config)
+        install(lm.model)
 
     def forward(self, rows: list[int], chunks: list[list[int]], fresh: bool) -> torch.Tensor:
-        lengths = [self.lengths[r] for r in rows]
-        self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
-        inputs = build_inputs(
-            rows if fresh else slice(rows[0], rows[-1] + 1), lengths, chunks,
-            self.cache.scratch_slot, 0, self.mask_shape, torch.device("cpu"),
-        )
-        self.cache.plan = inputs.plan
+        """Feed `chunks[k]` to `rows[k]` in one packed pass over the span of `rows`; the
+        logits [len(rows), V] of each row's last token."""
+        if fresh:
+            for r in rows:
+                assert self.lengths[r] == 0
+        span = list(range(min(rows), max(rows) + 1))
+        by_row = dict(zip(rows, chunks))
+        span_chunks = [by_row.get(r, []) for r in span]
+        lengths = [self.lengths[r] for r in span]
+        self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, span_chunks)))
+        inputs = build_inputs(span[0], lengths, span_chunks, self.mask_shape,
+                              torch.device("cpu"))
         with torch.inference_mode():
-            out = self.lm.model(
-                input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                attention_mask=inputs.attention_mask, cache=self.cache, use_cache=True,
-                logits_to_keep=inputs.last,
-            )
+            logits = forward(self.lm.model, self.cache, inputs)
         for r, c in zip(rows, chunks):
             self.tokens[r] += c
             self.lengths[r] += len(c)
-        return out.logits[:, 0].float()
+        return logits[[r - span[0] for r in rows]].float()
 
     def check(self, rows: list[int], logits: torch.Tensor, chunks: list[list[int]]) -> None:
         for k, (r, c) in enumerate(zip(rows, chunks)):
@@ -115,3 +138,45 @@ def test_idle_row_inside_span_leaves_neighbours_exact(lm: LoadedModel) -> None:
     for _ in range(3):
         chunks = [[5], [], [7, 8]]
         h.check([0, 1, 2], h.forward([0, 1, 2], chunks, fresh=False), chunks)
+
+
+def test_new_prompt_rides_along_with_decoding_rows(lm: LoadedModel) -> None:
+    """One pass holds a prompt (row 1, refilled), a sampled token and a forced chunk."""
+    g = torch.Generator().manual_seed(2)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(3, lm.vocab_size, (n,), generator=g).tolist()
+
+    h = Harness(lm, rows=3, capacity=32)
+    prompts = [toks(6), toks(3), toks(9)]
+    h.check([0, 1, 2], h.forward([0, 1, 2], prompts, fresh=True), prompts)
+    for _ in range(2):
+        chunks = [toks(1), toks(1), toks(3)]
+        h.check([0, 1, 2], h.forward([0, 1, 2], chunks, fresh=False), chunks)
+    h.lengths[1] = 0
+    h.tokens[1] = []
+    chunks = [toks(1), toks(12), toks(2)]
+    h.check([0, 1, 2], h.forward([0, 1, 2], chunks, fresh=False), chunks)
+    chunks = [[], toks(1), toks(1)]  # row 0 sits a pass out
+    h.check([1, 2], h.forward([1, 2], chunks[1:], fresh=False), chunks[1:])
+
+
+def test_sliding_window_and_grouped_heads_match_single_runs(windowed: SimpleNamespace) -> None:
+    """Rows grow past the window (4) through single tokens, forced chunks longer than the
+    window, a backtrack and a refill; every row still matches a cache-free run."""
+    g = torch.Generator().manual_seed(3)
+
+    def toks(n: int) -> list[int]:
+        return torch.randint(0, windowed.vocab_size, (n,), generator=g).tolist()
+
+    h = Harness(windowed, rows=3, capacity=8)
+    prompts = [toks(2), toks(7), toks(5)]
+    h.check([0, 1, 2], h.forward([0, 1, 2], prompts, fresh=True), prompts)
+    for step in range(6):
+        chunks = [toks(1), toks(6 if step == 2 else 1), toks(2 + step % 3)]
+        h.check([0, 1, 2], h.forward([0, 1, 2], chunks, fresh=False), chunks)
+    h.backtrack(2, 3)
+    h.lengths[0] = 0
+    h.tokens[0] = []
+    chunks = [toks(10), toks(1), toks(3)]
+    h.check([0, 1, 2], h.forward([0, 1, 2], chunks, fresh=False), chunks)

@@ -13,8 +13,9 @@ import jsonschema
 import pytest
 import torch
 
+from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
-from aici_cli.engine.inputs import MaskShape, build_inputs
+from aici_cli.engine.inputs import MaskShape, build_inputs, forward
 from aici_cli.engine.loop import Engine, EngineConfig
 from aici_cli.jobs import Constraint, Job
 from aici_cli.models import LoadedModel, load_model
@@ -84,18 +85,14 @@ def test_cached_logits_match_single_sequence_in_fp32() -> None:
     prompts = [tok(t)["input_ids"] for t in ("Hello, my name is", "The JSON object {")]
     cache = RowCache(lm32.model.config.num_hidden_layers, 2, 64)
     shape = MaskShape.for_config(lm32.model.config)
+    install(lm32.model)
     seqs = [list(p) for p in prompts]
     lengths = [0, 0]
     chunks = prompts
-    fresh = True
     for _ in range(4):
-        inputs = build_inputs([0, 1] if fresh else slice(0, 2), lengths, chunks,
-                              cache.scratch_slot, 0, shape, torch.device("cpu"))
-        cache.plan = inputs.plan
+        inputs = build_inputs(0, lengths, chunks, shape, torch.device("cpu"))
         with torch.inference_mode():
-            logits = lm32.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
-                                attention_mask=inputs.attention_mask, cache=cache,
-                                use_cache=True, logits_to_keep=inputs.last).logits[:, 0]
+            logits = forward(lm32.model, cache, inputs)
             for r in range(2):
                 ref = lm32.model(input_ids=torch.tensor([seqs[r]])).logits[0, -1]
                 assert (logits[r] - ref).abs().max().item() < 5e-4
@@ -104,4 +101,3 @@ def test_cached_logits_match_single_sequence_in_fp32() -> None:
         chunks = [[int(logits[0].argmax())], tok(' "a": 1', add_special_tokens=False)["input_ids"]]
         for r in range(2):
             seqs[r] += chunks[r]
-        fresh = False

@@ -1,28 +1,30 @@
-"""Model inputs for one ragged forward pass: tokens, positions, cache slots and the mask.
+"""Model inputs for one packed forward pass: tokens, positions, and the attention plan.
 
-Row i feeds `chunk_i` (1 sampled token, several forced ones, or a whole prompt) at
-positions `length_i .. length_i + n_i - 1`, which are also its cache slots. Chunks are
-right-padded to the longest one; padding queries write to the scratch slot and attend to
-slot 0 only, so no softmax row is empty and no live key is disturbed.
+Row i of the span feeds `chunk_i` (1 sampled token, several forced ones, a whole prompt,
+or nothing) at positions `length_i .. length_i + n_i - 1`, which are also its cache
+slots. The chunks are concatenated into one sequence `[1, T]` with no padding; see
+`attention.py` for how attention keeps the rows apart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from aici_cli.engine.cache import ForwardPlan
+from aici_cli.engine.attention import PackedPlan, RowRun, SingleGroup, packed
 
 
 @dataclass
 class ForwardInputs:
-    input_ids: torch.Tensor  # [b, q] long
-    position_ids: torch.Tensor  # [b, q] long
-    attention_mask: torch.Tensor | dict[str, torch.Tensor]  # 4D bool [b, 1, q, kv_len]
-    last: torch.Tensor  # [b, 1] long: index of each row's last real query
-    plan: ForwardPlan
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long
+    # A placeholder 4D mask: it tells transformers not to build one (attention.py ignores it).
+    attention_mask: torch.Tensor | dict[str, torch.Tensor]
+    last: torch.Tensor  # [b] long: packed index of each row's last token (0 for idle rows)
+    plan: PackedPlan
 
 
 @dataclass(frozen=True)
@@ -41,58 +43,112 @@ class MaskShape:
         return cls()
 
 
+def _run(row: int, start: int, length: int, n: int, window: int | None,
+         device: torch.device) -> RowRun:
+    """A multi-token row: causal over its own slots, within the window if there is one."""
+    kv = length + n
+    pos = torch.arange(length, kv)[:, None]  # [n, 1] query positions
+    s = torch.arange(kv)[None, :]  # [1, kv] key slots = key positions
+    # A fresh row (length 0) is plain causal attention: the fast path, no mask tensor.
+    mask = None if length == 0 else (s <= pos).to(device)
+    sliding = None
+    if window is not None and kv > window:
+        sliding = ((s <= pos) & (s > pos - window)).to(device)
+    return RowRun(row=row, start=start, n=n, kv_len=kv, mask=mask, sliding=sliding)
+
+
 def build_inputs(
-    rows: slice | Sequence[int],
+    first_row: int,
     lengths: Sequence[int],
     chunks: Sequence[Sequence[int]],
-    scratch_slot: int,
-    pad_id: int,
     mask_shape: MaskShape,
     device: torch.device,
 ) -> ForwardInputs:
-    """Inputs for rows whose cache holds `lengths[i]` tokens and which feed `chunks[i]`.
-
-    An empty chunk marks an idle row inside a contiguous span: all its queries are padding.
-    `rows` as an index list is only for fresh rows (every length 0).
-    """
+    """Inputs for rows `first_row ..` whose cache holds `lengths[i]` tokens and which feed
+    `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty."""
     b = len(chunks)
-    q = max(1, max(len(c) for c in chunks))
-    fresh = not isinstance(rows, slice)
-    ids = torch.full((b, q), pad_id, dtype=torch.long)
-    for i, c in enumerate(chunks):
-        if c:
-            ids[i, : len(c)] = torch.as_tensor(c, dtype=torch.long)
-    n = torch.tensor([len(c) for c in chunks], dtype=torch.long)  # [b]
-    length = torch.tensor(lengths, dtype=torch.long)  # [b]
-    j = torch.arange(q, dtype=torch.long)  # [q]
-    real = j[None, :] < n[:, None]  # [b, q]
-    pos = length[:, None] + j[None, :]  # [b, q]
-    position_ids = torch.where(real, pos, torch.zeros_like(pos))
-    slots = torch.where(real, pos, torch.full_like(pos, scratch_slot))
-    kv_len = q if fresh else max(1, int((length + n).max()))
+    window = mask_shape.sliding_window
+    ids: list[int] = []
+    positions: list[int] = []
+    token_rows: list[int] = []
+    last = [0] * b
+    single_tok = [0] * b
+    members: list[int] = []
+    runs: list[RowRun] = []
+    single_kv = 1
+    for i, (length, chunk) in enumerate(zip(lengths, chunks)):
+        n = len(chunk)
+        if n == 0:
+            continue
+        start = len(ids)
+        ids += chunk
+        positions += range(length, length + n)
+        token_rows += [first_row + i] * n
+        last[i] = start + n - 1
+        if n == 1:
+            single_tok[i] = start
+            members.append(i)
+            single_kv = max(single_kv, length + 1)
+        else:
+            runs.append(_run(first_row + i, start, length, n, window, device))
+    assert ids, "a forward pass needs at least one token"
 
-    s = torch.arange(kv_len, dtype=torch.long)  # [kv]
-    causal = s[None, None, :] <= pos[:, :, None]  # [b, q, kv]
-    pad_key = s[None, None, :] == 0
-    full = torch.where(real[:, :, None], causal, pad_key)
-    mask: torch.Tensor | dict[str, torch.Tensor] = full[:, None].to(device)
-    if mask_shape.sliding_window is not None:
-        # By position, not by slot; here they coincide because slot s holds position s.
-        in_window = s[None, None, :] > pos[:, :, None] - mask_shape.sliding_window
-        sliding = torch.where(real[:, :, None], causal & in_window, pad_key)
-        mask = {"full_attention": mask, "sliding_attention": sliding[:, None].to(device)}
+    single = None
+    if members:
+        length_t = torch.tensor(lengths, dtype=torch.long)[:, None]  # [b, 1]
+        is_member = torch.zeros(b, 1, dtype=torch.bool)
+        is_member[members] = True
+        s = torch.arange(single_kv)[None, :]  # [1, kv]
+        # A member's query (position = length) sees slots 0..length; a dummy sees slot 0,
+        # so no softmax row is empty.
+        full = torch.where(is_member, s <= length_t, s == 0)
+        sliding = None
+        if window is not None and single_kv > window:
+            sliding = torch.where(is_member, (s <= length_t) & (s > length_t - window), s == 0)
+            sliding = sliding[:, None, None].to(device)
+        single = SingleGroup(
+            token=torch.tensor(single_tok, dtype=torch.long, device=device),
+            members=torch.tensor(members, dtype=torch.long, device=device),
+            member_tokens=torch.tensor([single_tok[i] for i in members], dtype=torch.long,
+                                       device=device),
+            kv_len=single_kv,
+            mask=full[:, None, None].to(device),
+            sliding=sliding,
+        )
 
-    last = (n - 1).clamp(min=0)[:, None]
-    plan = ForwardPlan(
-        rows=rows if isinstance(rows, slice) else torch.tensor(list(rows), device=device),
-        slots=slots.to(device),
-        kv_len=kv_len,
-        fresh=fresh,
+    pos_t = torch.tensor(positions, dtype=torch.long)
+    plan = PackedPlan(
+        rows=slice(first_row, first_row + b),
+        token_rows=torch.tensor(token_rows, dtype=torch.long, device=device),
+        token_slots=pos_t.to(device),
+        kv_len=max(length + len(c) for length, c in zip(lengths, chunks)),
+        single=single,
+        runs=runs,
     )
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    mask: torch.Tensor | dict[str, torch.Tensor] = placeholder
+    if mask_shape.dict_mask:
+        mask = {"full_attention": placeholder, "sliding_attention": placeholder}
     return ForwardInputs(
-        input_ids=ids.to(device),
-        position_ids=position_ids.to(device),
+        input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+        position_ids=pos_t[None].to(device),
         attention_mask=mask,
-        last=last.to(device),
+        last=torch.tensor(last, dtype=torch.long, device=device),
         plan=plan,
     )
+
+
+def forward(model: Any, cache: Any, inputs: ForwardInputs) -> torch.Tensor:
+    """One packed pass; returns the logits of each row's last token, [b, vocab] (rows
+    that fed nothing get the logits of token 0, to be ignored)."""
+    cache.plan = inputs.plan
+    with packed(inputs.plan):
+        out = model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            attention_mask=inputs.attention_mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=inputs.last,
+        )
+    return out.logits[0]

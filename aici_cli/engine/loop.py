@@ -5,8 +5,10 @@ A step, top to bottom:
      tokens their controller forces at the start);
   2. start filling token masks in a worker thread: they depend only on tokens already
      known, so they overlap the forward pass (llguidance and torch both release the GIL);
-  3. one forward pass, over the fresh rows (prefill) or over the span of running rows,
-     each feeding 1 sampled token or several forced ones (fast-forward);
+  3. one forward pass over the span of running rows, each feeding 1 sampled token,
+     several forced ones (fast-forward) or, for a new line, its prompt: the tokens are
+     packed without padding (inputs.py, attention.py), so a long chunk costs its own
+     tokens only and new prompts ride along with the others' decoding;
   4. apply the masks in place, sample one token per row;
   5. hand each row's token to its controller, which answers with forced tokens,
      backtrack or stop; finished rows emit their result and free their row.
@@ -26,16 +28,18 @@ import torch
 
 from aici_cli.control.base import Controller, ControllerError, Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController, GrammarError
+from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
-from aici_cli.engine.inputs import MaskShape, build_inputs
+from aici_cli.engine.inputs import MaskShape, build_inputs, forward
 from aici_cli.engine.sampling import row_generator, sample
 from aici_cli.engine.sequence import Finish, Sequence
 from aici_cli.jobs import Job, LineError, error_result
 from aici_cli.models import LoadedModel, ModelError, render_prompt
 from aici_cli.stats import StepTimes
 
-# A prefill group may compute at most this many positions per real prompt token.
-PREFILL_PAD_RATIO = 1.25
+# Prompt tokens one pass takes on; further new rows wait for the next pass. Bounds the
+# activations of a pass (and its latency for the rows already decoding).
+PREFILL_TOKENS_PER_PASS = 4096
 
 ControllerFactory = Callable[[Job], "Controller | None"]
 
@@ -83,7 +87,7 @@ class Engine:
         model_cfg = self.model.config
         self.max_positions = int(getattr(model_cfg, "max_position_embeddings", 1 << 15))
         self.mask_shape = MaskShape.for_config(model_cfg)
-        self.pad_id = lm.tokenizer.pad_token_id or 0
+        install(self.model)
         self._compiler: GrammarCompiler | None = None
         self.controller_factory = controller_factory
         self.cache = RowCache(
@@ -128,28 +132,23 @@ class Engine:
                     if source is None or not should_admit():
                         return
                     continue
-                fresh = [i for i, s in enumerate(self.rows) if s is not None and s.length == 0]
-                if fresh:
-                    self._step(self._prefill_group(fresh), emit)
-                else:
-                    live = [i for i, s in enumerate(self.rows) if s is not None]
-                    self._step(list(range(live[0], live[-1] + 1)), emit)
+                self._step(emit)
         finally:
             self.pool.shutdown(wait=True)
 
-    def _prefill_group(self, fresh: list[int]) -> list[int]:
-        """The fresh rows to prefill together: similar lengths only, since every row is
-        padded to the longest prompt and padding costs as much as real tokens."""
-        by_len = sorted(fresh, key=lambda i: len(self.rows[i].pending))  # type: ignore[union-attr]
-        group: list[int] = []
-        real = 0
-        for i in by_len:
-            n = len(self.rows[i].pending)  # type: ignore[union-attr]
-            if group and n * (len(group) + 1) > PREFILL_PAD_RATIO * (real + n):
-                break
-            group.append(i)
-            real += n
-        return sorted(group)
+    def _take_part(self) -> tuple[list[int], list[Sequence | None]]:
+        """The span of live rows, and the sequence of each row taking part in this pass
+        (None: idle, or a new row left for the next pass by the prefill budget)."""
+        live = [i for i, s in enumerate(self.rows) if s is not None]
+        rows = list(range(live[0], live[-1] + 1))
+        seqs = [self.rows[i] for i in rows]
+        budget = PREFILL_TOKENS_PER_PASS
+        for k, seq in enumerate(seqs):
+            if seq is not None and seq.length == 0:
+                if budget <= 0:
+                    seqs[k] = None
+                budget -= len(seq.pending)
+        return rows, seqs
 
     def _admit(self, source: Iterator[Job | LineError],
                emit: Callable[[dict[str, Any]], None]) -> Iterator[Job | LineError] | None:
@@ -224,34 +223,22 @@ class Engine:
 
     # ---------------------------------------------------------------------------- step
 
-    def _step(self, rows: list[int], emit: Callable[[dict[str, Any]], None]) -> None:
+    def _step(self, emit: Callable[[dict[str, Any]], None]) -> None:
         t_start = time.perf_counter()
-        seqs = [self.rows[i] for i in rows]
-        fresh = seqs[0] is not None and seqs[0].length == 0
+        rows, seqs = self._take_part()
+        fresh = any(s is not None and s.length == 0 for s in seqs)
         chunks = [s.pending if s is not None else [] for s in seqs]
         lengths = [s.length if s is not None else 0 for s in seqs]
         self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
 
         masks = self.pool.submit(self._masks, rows, seqs)  # overlaps the forward pass
 
-        inputs = build_inputs(
-            rows if fresh else slice(rows[0], rows[-1] + 1), lengths, chunks,
-            self.cache.scratch_slot, self.pad_id, self.mask_shape, self.lm.device,
-        )
-        self.cache.plan = inputs.plan
+        inputs = build_inputs(rows[0], lengths, chunks, self.mask_shape, self.lm.device)
         t0 = time.perf_counter()
-        out = self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.position_ids,
-            attention_mask=inputs.attention_mask,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=inputs.last,
-        )
+        logits = forward(self.model, self.cache, inputs)
         # [b, V] in the model's dtype: masking and greedy argmax need no fp32 copy (a bf16
         # value widens to fp32 exactly, so argmax is the same); `sample` widens what it
         # samples with temperature.
-        logits = out.logits[:, 0, :]
         if logits.shape[-1] > self.vocab_size:
             logits = logits[:, : self.vocab_size]
         t1 = time.perf_counter()
@@ -389,7 +376,7 @@ class Engine:
             return
         seq.steps.append({
             "step": len(seq.steps),
-            "kind": times.kind,
+            "kind": "prefill" if seq.stats.forward_passes == 1 else "decode",
             "sampled": sampled,
             "forced": forced,
             "forward_ms": round(times.forward_ms, 3),

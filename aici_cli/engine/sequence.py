@@ -77,6 +77,11 @@ class Sequence:
         self.stats.ff_tokens += len(forced)
         if directive.stop:
             self.finish = Finish("stop")
+        elif not self.pending and self.length > 0:
+            # Everything is in the cache (a backtrack with nothing forced): feed the last
+            # token again so the next pass has logits for this row.
+            self.length -= 1
+            self.pending = [(self.prompt + self.output)[self.length]]
 
     def backtrack(self, n: int) -> None:
         if n > len(self.output):

@@ -1,0 +1,150 @@
+"""Attention over the per-row cache for a packed, unpadded forward pass.
+
+A step feeds every row a different number of tokens: one sampled token, a forced chunk
+(fast-forward), or a whole prompt. Padding those to one `[rows, longest]` block made a
+single 12-token chunk cost the whole batch 12 query positions, and made prompts wait for
+a separate prefill pass. Instead the step's tokens are packed into one sequence
+`[1, T]`: projections, MLPs and norms see only real tokens, and attention, the only part
+that needs to know which row a token belongs to, is done here per row group:
+
+- rows feeding one token: one batched call over the span of rows, with the query heads
+  of a key/value group stacked ([rows, kv_heads, heads_per_kv, D]), so no key is copied
+  or repeated for grouped-query attention;
+- rows feeding several tokens: one call each, over that row's cache slots only.
+
+The model's attention layers call `rows_attention` through transformers' attention
+registry (`install`). Outside a `packed(plan)` block it falls back to transformers' own
+SDPA attention, so the same model object still runs ordinary forward passes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "aici_rows"
+
+
+@dataclass
+class SingleGroup:
+    """The rows of the span that feed exactly one token, attended in one call.
+
+    Every row of the span gets a query (rows outside the group a dummy one that sees slot
+    0 only and whose output is dropped), so the span's keys are read as a view.
+    """
+
+    token: torch.Tensor  # [S] long: packed index of each span row's query (0: dummy)
+    members: torch.Tensor  # [m] long: span positions of the rows in the group
+    member_tokens: torch.Tensor  # [m] long: their packed token indices
+    kv_len: int  # slots visible: max over members of length + 1
+    mask: torch.Tensor  # [S, 1, 1, kv_len] bool
+    sliding: torch.Tensor | None  # the same under the sliding window (None: no such layers)
+
+
+@dataclass
+class RowRun:
+    """A row feeding n > 1 tokens (forced chunk or prompt), attended on its own."""
+
+    row: int  # buffer row
+    start: int  # packed index of its first token
+    n: int
+    kv_len: int  # length before the pass + n
+    mask: torch.Tensor | None  # [n, kv_len] bool; None: plain causal (starts at slot 0)
+    sliding: torch.Tensor | None  # under the sliding window; None: same as `mask`
+
+
+@dataclass
+class PackedPlan:
+    """Where one packed pass writes keys and which keys each query sees."""
+
+    rows: slice  # the span of buffer rows the pass covers
+    token_rows: torch.Tensor  # [T] long: buffer row of each packed token
+    token_slots: torch.Tensor  # [T] long: its cache slot (= its position)
+    kv_len: int  # max over rows of length + n
+    single: SingleGroup | None
+    runs: list[RowRun]
+
+
+_state = threading.local()
+
+
+@contextmanager
+def packed(plan: PackedPlan) -> Iterator[None]:
+    """Make `rows_attention` use `plan` for the forward passes inside the block."""
+    _state.plan = plan
+    try:
+        yield
+    finally:
+        _state.plan = None
+
+
+def current_plan() -> PackedPlan | None:
+    return getattr(_state, "plan", None)
+
+
+def install(model: Any) -> None:
+    """Route the model's attention through `rows_attention` (idempotent)."""
+    AttentionInterface.register(NAME, rows_attention)
+    # Outside `packed`, masks are built exactly as for transformers' SDPA attention.
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)
+
+
+def rows_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query: [1, H, T, D] packed; key/value: the whole cache buffers
+    [rows, kv_heads, capacity, D] (see `RowCache.update`). Returns [1, T, H, D]."""
+    plan = current_plan()
+    if plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported")
+    heads, t, dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads = key.shape[1]
+    rep = heads // kv_heads
+    windowed = sliding_window is not None
+    out = query.new_empty(t, heads, dim)
+
+    g = plan.single
+    if g is not None:
+        span = g.token.shape[0]
+        # [H, S, D] -> [S, kv_heads, rep, D]: head h = kv group h // rep, as in repeat_kv.
+        q = query[0].index_select(1, g.token).transpose(0, 1).reshape(span, kv_heads, rep, dim)
+        k = key[plan.rows, :, : g.kv_len]
+        v = value[plan.rows, :, : g.kv_len]
+        mask = g.sliding if windowed and g.sliding is not None else g.mask
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        out[g.member_tokens] = o.reshape(span, heads, dim)[g.members]
+
+    for r in plan.runs:
+        q = query[:, :, r.start : r.start + r.n]  # [1, H, n, D]
+        k = key[r.row : r.row + 1, :, : r.kv_len]
+        v = value[r.row : r.row + 1, :, : r.kv_len]
+        mask = r.sliding if windowed and r.sliding is not None else r.mask
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
+            enable_gqa=rep > 1,
+        )
+        out[r.start : r.start + r.n] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
