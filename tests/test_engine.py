@@ -203,3 +203,49 @@ def test_host_bug_in_a_controller_is_confined_to_its_line(lm: LoadedModel) -> No
     assert got[1]["error"] == {"type": "internal_error",
                                "message": "line 1: RuntimeError: unexpected"}
     assert got[2]["finish_reason"] == "length"
+
+
+def _oom_above(monkeypatch: pytest.MonkeyPatch, max_tokens_per_pass: int) -> list[int]:
+    """Make every pass of more than `max_tokens_per_pass` tokens run out of memory, the way
+    the CPU allocator reports it; returns the sizes of the passes that ran."""
+    import aici_cli.engine.loop as loop
+
+    real = loop.forward
+    sizes: list[int] = []
+
+    def forward(model: Any, cache: Any, inputs: Any) -> torch.Tensor:
+        n = int(inputs.input_ids.shape[1])
+        if n > max_tokens_per_pass:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 123456789 bytes.")
+        sizes.append(n)
+        return real(model, cache, inputs)
+
+    monkeypatch.setattr(loop, "forward", forward)
+    return sizes
+
+
+def test_out_of_memory_retries_with_fewer_rows(lm: LoadedModel,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = [job(i, prompt=f"prompt number {i} " * 3, max_tokens=6) for i in range(1, 9)]
+    expected = {r["index"]: r["text"] for r in run(lm, jobs, batch_size=4)}
+    prompt_len = len(lm.tokenizer(jobs[0].prompt)["input_ids"])
+    sizes = _oom_above(monkeypatch, 2 * prompt_len + 2)
+    engine = Engine(lm, EngineConfig(batch_size=4))
+    results: list[dict[str, Any]] = []
+    engine.run(jobs, results.append)
+    assert {r["index"]: r["text"] for r in results} == expected
+    assert all(r["finish_reason"] == "length" for r in results)
+    assert engine.live_cap == 2  # four prompts did not fit, two did
+    assert max(sizes) <= 2 * prompt_len + 2
+
+
+def test_out_of_memory_alone_fails_only_that_line(lm: LoadedModel,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = [job(1, prompt="short"), job(2, prompt="a much longer prompt " * 8), job(3)]
+    _oom_above(monkeypatch, 20)
+    results = by_index(run(lm, jobs, batch_size=3))
+    assert results[2]["finish_reason"] == "error"
+    assert results[2]["error"]["type"] == "out_of_memory"
+    assert results[2]["error"]["message"].startswith("line 2: out of memory")
+    assert results[1]["finish_reason"] == results[3]["finish_reason"] == "length"

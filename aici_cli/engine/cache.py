@@ -31,7 +31,10 @@ class RowCache(Cache):
         self.plan: PackedPlan | None = None
 
     def ensure_capacity(self, needed: int) -> None:
-        """Grow every buffer (doubling) so that `needed` slots fit; copies live data once."""
+        """Grow every buffer (doubling) so that `needed` slots fit; copies live data once.
+
+        Buffers are replaced one by one, so an allocation failure part-way leaves some
+        grown and some not: both hold every live slot, and a retry grows the rest."""
         if needed <= self.capacity:
             return
         new_capacity = self.capacity
@@ -39,8 +42,10 @@ class RowCache(Cache):
             new_capacity *= 2
         for bufs in (self.keys, self.values):
             for i, old in enumerate(bufs):
+                if old.shape[2] >= new_capacity:
+                    continue
                 new = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])
-                new[:, :, : self.capacity] = old
+                new[:, :, : old.shape[2]] = old
                 bufs[i] = new
         self.capacity = new_capacity
 

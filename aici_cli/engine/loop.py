@@ -70,6 +70,14 @@ def controller_fault(e: Exception) -> tuple[str, str]:
     return "internal_error", f"{type(e).__name__}: {e}"
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """CUDA raises OutOfMemoryError; the CPU allocator raises a RuntimeError saying so."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(e, RuntimeError) and (
+        "out of memory" in str(e) or "can't allocate memory" in str(e))
+
+
 def ms(t0: float, t1: float) -> float:
     return (t1 - t0) * 1000.0
 
@@ -102,6 +110,8 @@ class Engine:
         self.executor = llguidance.LLExecutor()
         self.step_times: list[StepTimes] = []
         self.steps = 0
+        # Rows that may run at once; lowered when a pass runs out of memory.
+        self.live_cap = config.batch_size
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -152,8 +162,12 @@ class Engine:
 
     def _admit(self, source: Iterator[Job | LineError],
                emit: Callable[[dict[str, Any]], None]) -> Iterator[Job | LineError] | None:
-        """Fill idle rows from `source`; returns None once it is exhausted."""
+        """Fill idle rows from `source`, up to `live_cap` rows in all; returns None once
+        the source is exhausted."""
+        live = sum(s is not None for s in self.rows)
         for row, seq in enumerate(self.rows):
+            if seq is None and live >= self.live_cap:
+                break
             while seq is None:
                 item = next(source, None)
                 if item is None:
@@ -165,6 +179,8 @@ class Engine:
                 if seq is not None and seq.finish is not None:
                     emit(self._result(seq))
                     seq = None
+            if self.rows[row] is None:
+                live += 1
             self.rows[row] = seq
         return source
 
@@ -229,13 +245,11 @@ class Engine:
         fresh = any(s is not None and s.length == 0 for s in seqs)
         chunks = [s.pending if s is not None else [] for s in seqs]
         lengths = [s.length if s is not None else 0 for s in seqs]
-        self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
 
         masks = self.pool.submit(self._masks, rows, seqs)  # overlaps the forward pass
 
-        inputs = build_inputs(rows[0], lengths, chunks, self.mask_shape, self.lm.device)
         t0 = time.perf_counter()
-        logits = forward(self.model, self.cache, inputs)
+        logits, out_of_memory = self._forward(rows[0], lengths, chunks)
         # [b, V] in the model's dtype: masking and greedy argmax need no fp32 copy (a bf16
         # value widens to fp32 exactly, so argmax is the same); `sample` widens what it
         # samples with temperature.
@@ -245,6 +259,10 @@ class Engine:
 
         result = masks.result()
         disallowed, failed, deferred = result.disallowed, result.failed, result.deferred
+        for k in out_of_memory:
+            deferred.pop(k, None)
+            failed[k] = ControllerError(
+                "out_of_memory", "out of memory even with this sequence alone in the pass")
         t_mask_ready = time.perf_counter()
         if disallowed is not None:
             logits.masked_fill_(disallowed.to(logits.device, non_blocking=True), float("-inf"))
@@ -300,6 +318,36 @@ class Engine:
             if seq is not None and seq.finish is not None:
                 self.rows[rows[k]] = None
                 emit(self._result(seq))
+
+    def _forward(self, first_row: int, lengths: list[int],
+                 chunks: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """One packed pass: the logits [b, V] of each row's last token, and the rows that
+        could not run even alone for lack of memory.
+
+        Out of memory, the same rows are run in two halves (same masks, same tokens: the
+        step goes on unchanged; keys a failed pass wrote are rewritten at the same slots),
+        and fewer rows are admitted from then on.
+        """
+        try:
+            self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
+            inputs = build_inputs(first_row, lengths, chunks, self.mask_shape, self.lm.device)
+            return forward(self.model, self.cache, inputs), []
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+        active = [k for k, c in enumerate(chunks) if c]
+        if len(active) == 1:
+            logits = torch.zeros(len(chunks), self.vocab_size, dtype=self.lm.dtype,
+                                 device=self.lm.device)
+            return logits, active
+        self.live_cap = max(1, min(self.live_cap, len(active) // 2))
+        halves = active[: len(active) // 2], active[len(active) // 2 :]
+        parts = [self._forward(first_row, lengths,
+                               [c if k in half else [] for k, c in enumerate(chunks)])
+                 for half in halves]
+        logits = parts[0][0]
+        logits[halves[1]] = parts[1][0][halves[1]]
+        return logits, parts[0][1] + parts[1][1]
 
     def _masks(self, rows: list[int], seqs: list[Sequence | None]) -> MaskResult:
         """Runs in the worker thread, beside the forward pass.
