@@ -249,3 +249,62 @@ def test_out_of_memory_alone_fails_only_that_line(lm: LoadedModel,
     assert results[2]["error"]["type"] == "out_of_memory"
     assert results[2]["error"]["message"].startswith("line 2: out of memory")
     assert results[1]["finish_reason"] == results[3]["finish_reason"] == "length"
+
+
+def _count_prompt_tokens(monkeypatch: pytest.MonkeyPatch, prompt: list[int]) -> list[int]:
+    """Record, for each pass, how many of its tokens sit at prompt positions 1.. (every
+    prefill of `prompt` feeds them; re-feeding only the last prompt token does not)."""
+    import aici_cli.engine.loop as loop
+
+    real = loop.forward
+    counts: list[int] = []
+
+    def forward(model: Any, cache: Any, inputs: Any) -> torch.Tensor:
+        positions = inputs.position_ids[0].tolist()
+        counts.append(sum(1 for p in positions if 0 < p < len(prompt) - 1))
+        return real(model, cache, inputs)
+
+    monkeypatch.setattr(loop, "forward", forward)
+    return counts
+
+
+def test_n_samples_share_the_prompt_prefill(lm: LoadedModel,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = "Tell me a long story about the quick brown fox " * 2
+    ids = lm.tokenizer(prompt)["input_ids"]
+    counts = _count_prompt_tokens(monkeypatch, ids)
+    line = job(1, prompt=prompt, n=4, temperature=1.0, max_tokens=8)
+    [result] = run(lm, [line], batch_size=4)
+    # The prompt was prefilled once, not four times.
+    assert sum(counts) == len(ids) - 2
+    assert result["n"] == 4 and [c["index"] for c in result["choices"]] == [0, 1, 2, 3]
+    texts = [c["text"] for c in result["choices"]]
+    assert len(set(texts)) > 1  # sampled with their own generators
+    for c in result["choices"]:
+        assert c["finish_reason"] == "length" and c["stats"]["output_tokens"] == 8
+        assert c["stats"]["prompt_tokens"] == len(ids)
+    assert result["text"] == texts[0]
+    assert result["stats"]["output_tokens"] == 32
+
+
+def test_n_samples_survive_a_batch_smaller_than_n(lm: LoadedModel) -> None:
+    """Samples wait for rows when the batch is smaller than n; sample 0 is what the same
+    line with n=1 gives, and a line without n keeps the plain result shape."""
+    prompt = "a story about Alice"
+    together = run(lm, [job(1, prompt=prompt, n=3, temperature=0.8, max_tokens=6, seed=5),
+                        job(2, prompt="other", max_tokens=4)], batch_size=2)
+    line = by_index(together)[1]
+    alone = [c["text"] for c in line["choices"]]
+    first = run(lm, [job(1, prompt=prompt, temperature=0.8, max_tokens=6, seed=5)],
+                batch_size=1)
+    assert alone[0] == first[0]["text"]
+    assert by_index(together)[2]["finish_reason"] == "length"
+    assert "choices" not in by_index(together)[2]
+
+
+def test_n_samples_with_a_grammar_each_follow_it(lm: LoadedModel) -> None:
+    line = job(1, n=3, temperature=1.0, max_tokens=20,
+               constraint=Constraint("regex", "[a-c]{3,6}"))
+    [result] = run(lm, [line], batch_size=3, fast_forward=True)
+    for c in result["choices"]:
+        assert re.fullmatch("[a-c]{3,6}", c["text"]), c

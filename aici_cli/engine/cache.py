@@ -49,6 +49,13 @@ class RowCache(Cache):
                 bufs[i] = new
         self.capacity = new_capacity
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Give row `dst` the keys/values of row `src`'s first `n` slots (a shared prompt:
+        n tokens copied per layer instead of recomputed)."""
+        for bufs in (self.keys, self.values):
+            for buf in bufs:
+                buf[dst, :, :n] = buf[src, :, :n]
+
     def _allocate(self, like: torch.Tensor) -> None:
         # Zeros, not empty: a dummy query attends to slot 0 of a row sitting a pass out,
         # which must hold finite numbers.

@@ -17,6 +17,7 @@ A step, top to bottom:
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.inputs import MaskShape, build_inputs, forward
 from aici_cli.engine.sampling import row_generator, sample
-from aici_cli.engine.sequence import Finish, Sequence
+from aici_cli.engine.sequence import Family, Finish, Sequence
 from aici_cli.jobs import Job, LineError, error_result
 from aici_cli.models import LoadedModel, ModelError, render_prompt
 from aici_cli.stats import StepTimes
@@ -78,6 +79,35 @@ def is_out_of_memory(e: BaseException) -> bool:
         "out of memory" in str(e) or "can't allocate memory" in str(e))
 
 
+def combine_samples(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result line for a line's n samples, in sample order.
+
+    The top level mirrors sample 0 (text, finish_reason, json, ...), so a reader that takes
+    one answer per line still works; `choices` holds every sample with its own text,
+    finish reason and stats; the top-level `stats` add up the samples' work. If a sample
+    failed, the line's finish_reason is "error" with that sample's error.
+    """
+    line = {k: v for k, v in results[0].items() if k != "steps"}
+    line["n"] = len(results)
+    line["choices"] = [
+        {"index": i, **{k: v for k, v in r.items() if k not in ("id", "index")}}
+        for i, r in enumerate(results)
+    ]
+    stats: dict[str, Any] = {}
+    for r in results:
+        for key, value in r.get("stats", {}).items():
+            stats[key] = round(stats.get(key, 0) + value, 3)
+    stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
+                           default=0.0)
+    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
+    line["stats"] = stats
+    failed = next((r for r in results if r["finish_reason"] == "error"), None)
+    if failed is not None:
+        line["finish_reason"] = "error"
+        line["error"] = failed["error"]
+    return line
+
+
 def ms(t0: float, t1: float) -> float:
     return (t1 - t0) * 1000.0
 
@@ -112,6 +142,8 @@ class Engine:
         self.steps = 0
         # Rows that may run at once; lowered when a pass runs out of memory.
         self.live_cap = config.batch_size
+        # Samples of admitted lines (n > 1) still waiting for a free row.
+        self.waiting: deque[Sequence] = deque()
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -139,7 +171,7 @@ class Engine:
                 if source is not None and should_admit():
                     source = self._admit(source, emit)
                 if not any(self.rows):
-                    if source is None or not should_admit():
+                    if not self.waiting and (source is None or not should_admit()):
                         return
                     continue
                 self._step(emit)
@@ -148,67 +180,109 @@ class Engine:
 
     def _take_part(self) -> tuple[list[int], list[Sequence | None]]:
         """The span of live rows, and the sequence of each row taking part in this pass
-        (None: idle, or a new row left for the next pass by the prefill budget)."""
+        (None: idle, or a new row that waits: for the prefill budget, or for a sibling
+        sample prefilling the same prompt in this pass)."""
         live = [i for i, s in enumerate(self.rows) if s is not None]
         rows = list(range(live[0], live[-1] + 1))
         seqs = [self.rows[i] for i in rows]
         budget = PREFILL_TOKENS_PER_PASS
+        prefilling: set[int] = set()  # families whose prompt a row of this pass prefills
         for k, seq in enumerate(seqs):
-            if seq is not None and seq.length == 0:
-                if budget <= 0:
+            if seq is None or seq.length > 0:
+                continue
+            if seq.family is not None:
+                if id(seq.family) in prefilling:
                     seqs[k] = None
-                budget -= len(seq.pending)
+                    continue
+                source = self._prompt_row(seq.family)
+                if source is not None:
+                    self.cache.copy_prefix(source, rows[k], seq.family.prompt_len)
+                    seq.adopt_prompt()
+                    continue
+            if budget <= 0:
+                seqs[k] = None
+                continue
+            budget -= len(seq.pending)
+            if seq.family is not None:
+                prefilling.add(id(seq.family))
         return rows, seqs
+
+    def _prompt_row(self, family: Family) -> int | None:
+        """A row whose cache holds the family's prompt (a sibling past its prefill)."""
+        for row, seq in enumerate(self.rows):
+            if seq is not None and seq.family is family and seq.length >= family.prompt_len:
+                return row
+        return None
 
     def _admit(self, source: Iterator[Job | LineError],
                emit: Callable[[dict[str, Any]], None]) -> Iterator[Job | LineError] | None:
-        """Fill idle rows from `source`, up to `live_cap` rows in all; returns None once
-        the source is exhausted."""
+        """Fill idle rows, first with waiting samples, then from `source`, up to
+        `live_cap` rows in all; returns None once the source is exhausted."""
         live = sum(s is not None for s in self.rows)
-        for row, seq in enumerate(self.rows):
-            if seq is None and live >= self.live_cap:
+        for row in range(len(self.rows)):
+            if self.rows[row] is not None:
+                continue
+            if live >= self.live_cap:
                 break
-            while seq is None:
-                item = next(source, None)
+            while not self.waiting:
+                item = next(source, None) if source is not None else None
                 if item is None:
                     return None
                 if isinstance(item, LineError):
                     emit(error_result(item))
                     continue
-                seq = self._start(item, emit)
-                if seq is not None and seq.finish is not None:
-                    emit(self._result(seq))
-                    seq = None
-            if self.rows[row] is None:
-                live += 1
-            self.rows[row] = seq
+                for seq in self._start(item, emit):
+                    if seq.finish is not None:
+                        self._finish(seq, emit)
+                    else:
+                        self.waiting.append(seq)
+            self.rows[row] = self.waiting.popleft()
+            live += 1
         return source
 
-    def _start(self, job: Job, emit: Callable[[dict[str, Any]], None]) -> Sequence | None:
-        """Tokenize and build the controller; a failure becomes that line's error result."""
+    def _start(self, job: Job, emit: Callable[[dict[str, Any]], None]) -> list[Sequence]:
+        """Tokenize and build the job's `n` samples with their controllers; a failure to
+        tokenize or to build a controller becomes that line's error result (and [])."""
         try:
             prompt_ids = self._tokenize(job)
-            controller = self._controller(job)
+            controllers = [self._controller(job) for _ in range(job.n)]
         except (GrammarError, ControllerError, ModelError) as e:
             etype = getattr(e, "type", "model_error")
             emit(error_result(LineError(job.index, job.id, etype, f"line {job.index}: {e}")))
-            return None
+            return []
         except Exception as e:  # a bug must cost this line only, not the run
             emit(error_result(LineError(job.index, job.id, "internal_error",
                                         f"line {job.index}: {type(e).__name__}: {e}")))
-            return None
-        seq = Sequence(job, prompt_ids, controller, row_generator(job.seed))
-        if self.config.step_stats:
-            seq.steps = []
-        if controller is not None:
-            try:
-                t0 = time.perf_counter()
-                seq.apply(controller.start(prompt_ids))
-                seq.stats.controller_ms += ms(t0, time.perf_counter())
-            except Exception as e:
-                seq.finish = Finish("error", controller_fault(e))
-        self._check_limits(seq)
-        return seq
+            return []
+        family = Family(job.n, len(prompt_ids)) if job.n > 1 else None
+        seqs = []
+        for i, controller in enumerate(controllers):
+            seq = Sequence(job, prompt_ids, controller, row_generator(job.seed, i),
+                           family=family, sample=i)
+            if self.config.step_stats:
+                seq.steps = []
+            if controller is not None:
+                try:
+                    t0 = time.perf_counter()
+                    seq.apply(controller.start(prompt_ids))
+                    seq.stats.controller_ms += ms(t0, time.perf_counter())
+                except Exception as e:
+                    seq.finish = Finish("error", controller_fault(e))
+            self._check_limits(seq)
+            seqs.append(seq)
+        return seqs
+
+    def _finish(self, seq: Sequence, emit: Callable[[dict[str, Any]], None]) -> None:
+        """Emit a finished sequence's result, or, for a sample, the line's result once
+        its last sample finishes."""
+        result = self._result(seq)
+        family = seq.family
+        if family is None:
+            emit(result)
+            return
+        family.results[seq.sample] = result
+        if family.done:
+            emit(combine_samples([r for r in family.results if r is not None]))
 
     def _tokenize(self, job: Job) -> list[int]:
         tok = self.lm.tokenizer
@@ -279,7 +353,7 @@ class Engine:
             assert seq is not None
             seq.finish = Finish("error", (err.type, err.message))
             self.rows[rows[k]] = None
-            emit(self._result(seq))
+            self._finish(seq, emit)
             seqs[k] = None
         real = [k for k, s in enumerate(seqs) if s is not None and k not in deferred]
         picked = sample(
@@ -317,7 +391,7 @@ class Engine:
             seq = seqs[k]
             if seq is not None and seq.finish is not None:
                 self.rows[rows[k]] = None
-                emit(self._result(seq))
+                self._finish(seq, emit)
 
     def _forward(self, first_row: int, lengths: list[int],
                  chunks: list[list[int]]) -> tuple[torch.Tensor, list[int]]:

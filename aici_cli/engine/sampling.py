@@ -12,9 +12,11 @@ from collections.abc import Sequence
 import torch
 
 
-def row_generator(seed: int) -> torch.Generator:
+def row_generator(seed: int, sample: int = 0) -> torch.Generator:
+    """The generator of sample `sample` of a line seeded `seed`: sample 0 uses the seed
+    itself, so n=1 is unchanged; the others are spread over 63 bits."""
     g = torch.Generator(device="cpu")
-    g.manual_seed(seed)
+    g.manual_seed((seed + sample * 0x9E3779B97F4A7C15) % (1 << 63))
     return g
 
 

@@ -43,6 +43,23 @@ class Finish:
 
 
 @dataclass
+class Family:
+    """The `n` samples of one line. One of them prefills the prompt; the others copy its
+    keys from that row, and the line's result waits for all of them."""
+
+    size: int
+    prompt_len: int
+    results: list[dict[str, Any] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.results = [None] * self.size
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.results)
+
+
+@dataclass
 class Sequence:
     """Invariant: `length` tokens of `prompt + output` are in the cache row; the rest,
     `pending`, are appended but not yet fed to the model (fed by the next forward pass)."""
@@ -58,6 +75,8 @@ class Sequence:
     stats: SeqStats = field(default_factory=SeqStats)
     steps: list[dict[str, Any]] | None = None
     finish: Finish | None = None
+    family: Family | None = None  # set when the line asks for n > 1 samples
+    sample: int = 0  # which of the family's samples
     _text_checked: int = 0  # chars of decoded output already searched for stop strings
 
     def __post_init__(self) -> None:
@@ -94,3 +113,13 @@ class Sequence:
         from_pending = min(n, len(self.pending))
         del self.pending[len(self.pending) - from_pending :]
         self.length -= n - from_pending
+
+    def adopt_prompt(self) -> None:
+        """The prompt's keys were copied into this row: feed only what follows it, or
+        the prompt's last token again when nothing does, for this row's own logits."""
+        p = len(self.prompt)
+        assert self.length == 0 and self.pending[:p] == self.prompt
+        if len(self.pending) > p:
+            self.length, self.pending = p, self.pending[p:]
+        else:
+            self.length, self.pending = p - 1, [self.prompt[-1]]
