@@ -1,0 +1,177 @@
+"""The OpenAI batch file format (the one `vllm run-batch` reads and writes).
+
+Input lines are requests `{custom_id, method, url, body}` for `/v1/chat/completions` or
+`/v1/completions`; `to_line` maps each onto aici-batch's own input line, so the rest of
+the pipeline (validation, constraints, engine) is shared. Output lines are
+`{id, custom_id, response: {status_code, request_id, body}, error}` with the body of a
+chat completion or a text completion; aici-batch's own per-line figures ride along under
+`aici`, a field a consumer of the format ignores.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+# Request body fields mapped onto aici-batch's line fields (same meaning).
+_SAME = ("temperature", "top_p", "seed", "n")
+# Accepted and ignored: they do not change what is generated here.
+_IGNORED = ("model", "user", "metadata", "store", "service_tier")
+_KNOWN = {"messages", "prompt", "max_tokens", "max_completion_tokens", "stop",
+          "response_format", "stream", *_SAME, *_IGNORED}
+
+
+class RequestError(ValueError):
+    """A request this format reader cannot run; the message names the offending field."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the output line needs from its request."""
+
+    custom_id: str
+    url: str
+
+
+def looks_like_request(obj: Any) -> bool:
+    """True for a parsed line shaped like a batch request (used to detect the format)."""
+    return isinstance(obj, dict) and "custom_id" in obj and "body" in obj and "url" in obj
+
+
+def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
+    """Map one request onto an aici-batch input line; raises RequestError."""
+    if not isinstance(obj, dict):
+        raise RequestError("a batch request must be a JSON object")
+    extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    if extra:
+        raise RequestError(f"unsupported request field(s): {', '.join(extra)}")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise RequestError("custom_id must be a non-empty string")
+    if obj.get("method", "POST") != "POST":
+        raise RequestError(f"method must be POST, not {obj.get('method')!r}")
+    url = obj.get("url")
+    if url not in (CHAT, COMPLETIONS):
+        raise RequestError(f"url {url!r} is not supported; use {CHAT} or {COMPLETIONS}")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestError("body must be a JSON object")
+    unsupported = sorted(set(body) - _KNOWN)
+    if unsupported:
+        raise RequestError(f"unsupported body field(s): {', '.join(unsupported)}")
+    if body.get("stream"):
+        raise RequestError("body.stream must be false in a batch")
+
+    line: dict[str, Any] = {"id": custom_id}
+    if url == CHAT:
+        if "prompt" in body:
+            raise RequestError(f"body.prompt belongs to {COMPLETIONS}; {CHAT} takes messages")
+        line["messages"] = body.get("messages")
+    else:
+        if "messages" in body:
+            raise RequestError(f"body.messages belongs to {CHAT}; {COMPLETIONS} takes prompt")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            raise RequestError("body.prompt must be one string (one request per line)")
+        line["prompt"] = prompt
+    for key in _SAME:
+        if key in body and body[key] is not None:
+            line[key] = body[key]
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        line["max_tokens"] = limit
+    stop = body.get("stop")
+    if stop is not None:
+        line["stop"] = [stop] if isinstance(stop, str) else stop
+    schema = _response_schema(body.get("response_format"))
+    if schema is not None:
+        line["json_schema"] = schema
+    return line, Request(custom_id, url)
+
+
+def _response_schema(fmt: Any) -> dict[str, Any] | bool | None:
+    """The JSON schema a `response_format` asks for; None for plain text."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise RequestError("body.response_format must be an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise RequestError("response_format json_schema needs json_schema.schema")
+        schema = spec["schema"]
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError("response_format json_schema.schema must be a JSON object")
+        return schema
+    raise RequestError(f"response_format type {kind!r} is not supported "
+                       "(use text, json_object or json_schema)")
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _choice(result: dict[str, Any], index: int, chat: bool) -> dict[str, Any]:
+    text = result.get("text", "")
+    choice: dict[str, Any] = {"index": index}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    choice["logprobs"] = None
+    choice["finish_reason"] = _finish(result.get("finish_reason", "stop"))
+    return choice
+
+
+def _aici(result: dict[str, Any]) -> dict[str, Any]:
+    """aici-batch's own figures for the line (input line number, stats, validity)."""
+    keep = ("index", "valid", "warnings", "stats", "outputs", "logs")
+    out = {k: result[k] for k in keep if k in result}
+    if "choices" in result:
+        out["choices"] = [{k: c[k] for k in ("index", "valid", "stats") if k in c}
+                          for c in result["choices"]]
+    return out
+
+
+def to_output(result: dict[str, Any], request: Request | None, model: str,
+              created: int | None = None) -> dict[str, Any]:
+    """The output line for one result; `request` is None when the line never parsed as a
+    request (it then carries the result's `id`, if any, as custom_id)."""
+    request_id = f"req_{uuid.uuid4().hex[:24]}"
+    custom_id = request.custom_id if request is not None else result.get("id")
+    line: dict[str, Any] = {"id": f"batch_{request_id}", "custom_id": custom_id}
+    if result.get("finish_reason") == "error":
+        err = result.get("error", {})
+        line["response"] = None
+        line["error"] = {"code": err.get("type", "error"), "message": err.get("message", "")}
+        line["aici"] = _aici(result)
+        return line
+    chat = request is None or request.url == CHAT
+    samples = result.get("choices") or [result]
+    prompt_tokens = int(samples[0].get("stats", {}).get("prompt_tokens", 0))
+    completion = sum(int(s.get("stats", {}).get("output_tokens", 0)) for s in samples)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": [_choice(s, i, chat) for i, s in enumerate(samples)],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": prompt_tokens + completion},
+    }
+    line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
+    line["error"] = None
+    line["aici"] = _aici(result)
+    return line

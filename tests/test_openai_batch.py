@@ -1,0 +1,103 @@
+"""The OpenAI batch format: requests mapped onto input lines, results onto output lines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import pytest
+
+from aici_cli.jobs import load_schema
+from aici_cli.openai_batch import (
+    CHAT,
+    COMPLETIONS,
+    Request,
+    RequestError,
+    looks_like_request,
+    to_line,
+    to_output,
+)
+
+SCHEMA = load_schema("openai-batch-output")
+
+
+def request(url: str = CHAT, **body: Any) -> dict[str, Any]:
+    return {"custom_id": "r1", "method": "POST", "url": url, "body": body}
+
+
+def test_chat_request_maps_every_supported_field() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    line, req = to_line(request(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=20, temperature=0.5, top_p=0.9, seed=7, stop="END", n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    ))
+    assert line == {"id": "r1", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 7,
+                    "stop": ["END"], "n": 2, "json_schema": schema}
+    assert req == Request("r1", CHAT)
+
+
+def test_completion_request_and_json_object() -> None:
+    line, req = to_line(request(COMPLETIONS, prompt=["Once"], max_tokens=5,
+                                response_format={"type": "json_object"}))
+    assert line == {"id": "r1", "prompt": "Once", "max_tokens": 5,
+                    "json_schema": {"type": "object"}}
+    assert req.url == COMPLETIONS
+
+
+@pytest.mark.parametrize(("req", "needle"), [
+    (request(messages=[], tools=[{}], logprobs=True), "unsupported body field(s): logprobs, tools"),
+    ({**request(messages=[]), "extra": 1}, "unsupported request field(s): extra"),
+    ({**request(messages=[]), "url": "/v1/embeddings"}, "url '/v1/embeddings' is not supported"),
+    ({**request(messages=[]), "method": "GET"}, "method must be POST"),
+    ({**request(messages=[]), "custom_id": ""}, "custom_id must be a non-empty string"),
+    (request(prompt="x"), "body.prompt belongs to /v1/completions"),
+    (request(COMPLETIONS, prompt=["a", "b"]), "must be one string"),
+    (request(messages=[], stream=True), "stream must be false"),
+    (request(messages=[], response_format={"type": "grammar"}), "type 'grammar' is not"),
+    (request(messages=[], response_format={"type": "json_schema", "json_schema": {}}),
+     "needs json_schema.schema"),
+])
+def test_unsupported_requests_name_the_field(req: dict[str, Any], needle: str) -> None:
+    with pytest.raises(RequestError, match=".*") as info:
+        to_line(req)
+    assert needle in str(info.value)
+
+
+def test_detection() -> None:
+    assert looks_like_request(request(messages=[]))
+    assert not looks_like_request({"id": "x", "prompt": "p"})
+    assert not looks_like_request([1])
+
+
+RESULT = {"id": "r1", "index": 3, "text": '{"a": 1}', "finish_reason": "stop", "valid": True,
+          "stats": {"prompt_tokens": 10, "output_tokens": 4, "forward_passes": 3}}
+
+
+@pytest.mark.parametrize("url", [CHAT, COMPLETIONS])
+def test_outputs_validate_against_the_documented_format(url: str) -> None:
+    out = to_output(RESULT, Request("r1", url), "smollm2", created=1)
+    jsonschema.validate(out, SCHEMA)
+    body = out["response"]["body"]
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
+    choice = body["choices"][0]
+    assert (choice["message"]["content"] if url == CHAT else choice["text"]) == '{"a": 1}'
+    assert out["custom_id"] == "r1" and out["error"] is None
+    assert out["aici"]["stats"]["forward_passes"] == 3 and out["aici"]["index"] == 3
+
+
+def test_error_and_n_sample_outputs() -> None:
+    err = {"id": "r2", "index": 4, "text": "", "finish_reason": "error",
+           "error": {"type": "invalid_line", "message": "line 4: bad"}, "stats": {}}
+    out = to_output(err, Request("r2", CHAT), "m")
+    jsonschema.validate(out, SCHEMA)
+    assert out["response"] is None and out["error"]["code"] == "invalid_line"
+
+    two = {**RESULT, "n": 2, "choices": [
+        {**RESULT, "index": 0, "finish_reason": "length"}, {**RESULT, "index": 1}]}
+    out = to_output(two, Request("r1", CHAT), "m")
+    jsonschema.validate(out, SCHEMA)
+    choices = out["response"]["body"]["choices"]
+    assert [c["finish_reason"] for c in choices] == ["length", "stop"]
+    assert out["response"]["body"]["usage"]["completion_tokens"] == 8
