@@ -22,6 +22,23 @@ Isolation and limits (why each piece is there):
   `handle_alloc_error` in the backtrace, or a cap too small to instantiate), and
   `controller_trap` otherwise. A componentize-py guest turns MemoryError into an uncaught
   exception, whose traceback needs the stubbed-out WASI: that one reads as a trap.
+- Per store: a table cap (`Limits.table_elements`). Tables live in host memory outside
+  the linear-memory cap, and `table.grow` can otherwise claim ~2 GB a second.
+- What a guest leaves in its result line is capped, so a chatty or hostile guest cannot
+  grow the process or a result line without bound: logs (`Limits.log_bytes`, cut with a
+  note: they are for people, and the head is what explains a failure), outputs
+  (`Limits.max_outputs` keys and `Limits.output_bytes` of key and value text, a precise
+  error instead: outputs are data a program reads, and silently cut data would be worse
+  than none), and the text of a guest `err` (`Limits.error_chars`, cut with a note).
+  Each `tokens-matching` pattern costs a vocabulary scan and a cached bitmask, so a
+  sequence may ask for `Limits.max_patterns` distinct ones of at most
+  `Limits.pattern_chars` characters; past that the guest gets `err`.
+- wasmtime interrupts wasm code only, while wasmtime-py converts values element by
+  element in Python, about 1 us per list element (wasmtime itself refuses to copy a list
+  of 4 Mi u32 out of a guest; 2 Mi pass, costing ~2 s and ~170 MB for a moment). A call
+  that took more than twice its deadline, host functions excluded, ends with
+  `controller_timeout` even though it returned, so a guest that answers every step with
+  a huge list ends at its first such answer instead of slowing the batch at every step.
 - Host functions never let a Python exception reach wasmtime-py: it parks those in a
   process-global slot and re-raises them from whichever call looks next, which is a race
   between threads. They record the failure on the runner and trap the guest instead.
@@ -120,14 +137,19 @@ class ComponentError(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-runner resource limits. All are enforced by wasmtime except the log/output caps."""
+    """Per-runner resource limits: wasmtime enforces the first five, the host the rest."""
 
     call_ms: int = 50  # wall-clock deadline per mid-process call (epoch interruption)
     init_ms: int = 2000  # deadline for instantiation and the constructor (Python is slow)
     fuel_per_call: int = 2_000_000_000  # CPU bound per call (Config.consume_fuel)
     memory_bytes: int = 256 << 20  # cap per linear memory (a Python guest needs ~12.3 MiB)
-    log_bytes: int = 64 << 10  # per-sequence log cap; beyond it logs are cut with a note
-    max_outputs: int = 256  # per-sequence distinct output keys; beyond it -> ControllerError
+    table_elements: int = 1 << 20  # cap per table (a Python guest starts with ~5,700)
+    log_bytes: int = 64 << 10  # per-sequence log text (+1 per line); beyond it: cut, a note
+    max_outputs: int = 256  # per-sequence distinct output keys; beyond: too_many_outputs
+    output_bytes: int = 1 << 20  # per-sequence key + value text; beyond: outputs_too_large
+    error_chars: int = 4096  # a guest err's text is cut to this, with a note
+    max_patterns: int = 32  # distinct tokens-matching patterns per sequence; beyond: err
+    pattern_chars: int = 16 << 10  # longest tokens-matching pattern; longer: err
 
 
 class HostServices(Protocol):
@@ -528,6 +550,10 @@ class _Fault(Exception):
         self.error = error
 
 
+class _Overrun(_Fault):
+    """A call that returned but overran its deadline outside wasm (in conversions)."""
+
+
 class ControllerComponent:
     """A compiled, checked controller component; makes one `Runner` per sequence.
 
@@ -640,6 +666,7 @@ class ControllerComponent:
 
         def tokens_matching(r: Runner, pattern: str) -> Any:
             try:
+                r._count_pattern(pattern)
                 handle = r.services.tokens_matching(pattern)
             except ValueError as e:
                 msg = str(e) or f"invalid pattern {pattern!r}"
@@ -670,7 +697,9 @@ class ControllerComponent:
         """Instantiates once at load so that link errors are a ComponentError, not N
         per-sequence failures. Traps here are ignored: they are per-sequence matters."""
         store = wasmtime.Store(self._shared.engine)
-        store.set_limits(memory_size=self.limits.memory_bytes)
+        store.set_limits(
+            memory_size=self.limits.memory_bytes, table_elements=self.limits.table_elements
+        )
         self._shared.ticker.enter()
         store.set_fuel(self.limits.fuel_per_call)
         store.set_epoch_deadline(max(1, self.limits.init_ms))
@@ -682,6 +711,11 @@ class ControllerComponent:
                 raise ComponentError(
                     f"{self.path} needs more memory at start than the "
                     f"{_size(self.limits.memory_bytes)} cap: {_root_cause(msg)}"
+                ) from None
+            if "exceeds table limits" in msg:
+                raise ComponentError(
+                    f"{self.path} needs larger tables at start than the cap of "
+                    f"{self.limits.table_elements:,} elements: {_root_cause(msg)}"
                 ) from None
             if not _is_trap(msg):
                 raise ComponentError(
@@ -756,6 +790,9 @@ class Runner:
         self._vocab = 0
         self._log_used = 0
         self._log_cut = False
+        self._output_used = 0  # bytes of key + value text of the current outputs
+        self._output_sizes: dict[str, int] = {}
+        self._patterns: set[str] = set()  # distinct tokens-matching patterns asked for
         self._pending: ControllerError | None = None
         self._call_start = 0.0
         self._call_host_s = 0.0
@@ -785,7 +822,7 @@ class Runner:
         raw = self._call("mid-process", self._limits.call_ms, self._mid, self._resource, step)
         ok, value = _split_result(raw)
         if not ok:
-            raise ControllerError("controller_error", str(value))
+            raise ControllerError("controller_error", clip(str(value), self._limits.error_chars))
         return _to_action(value, self._vocab, self.services)
 
     def close(self) -> None:
@@ -811,7 +848,9 @@ class Runner:
             )
             raise self.error from None
         store = wasmtime.Store(comp._shared.engine)
-        store.set_limits(memory_size=self._limits.memory_bytes)
+        store.set_limits(
+            memory_size=self._limits.memory_bytes, table_elements=self._limits.table_elements
+        )
         self._store = store
         instance = self._call(
             "instantiation", self._limits.init_ms, comp._linker.instantiate, comp._component
@@ -844,7 +883,23 @@ class Runner:
         try:
             store.set_fuel(self._limits.fuel_per_call)
             store.set_epoch_deadline(max(1, budget_ms))
-            return fn(store, *args)
+            result = fn(store, *args)
+            # The epoch stops wasm code only: converting a huge answer runs unchecked.
+            spent_ms = (time.perf_counter() - t0 - self._call_host_s) * 1000
+            if spent_ms > 2 * budget_ms:
+                raise _Overrun(
+                    ControllerError(
+                        "controller_timeout",
+                        f"{phase} exceeded its {budget_ms} ms deadline: it took "
+                        f"{spent_ms:.0f} ms, most of it converting values between host and "
+                        "guest (about 1 us per list element; keep answers small)",
+                    )
+                )
+            return result
+        except _Overrun as e:
+            self.error = e.error
+            self.close()
+            raise self.error from None
         except wasmtime.WasmtimeError as e:
             self.error = self._pending or _classify(str(e), phase, budget_ms, self._limits)
             self.close()
@@ -873,29 +928,64 @@ class Runner:
         store.set_epoch_deadline(max(1, math.ceil(self._budget_ms - guest_ms)))
 
     def _log(self, message: str) -> None:
+        """Keeps lines up to `log_bytes` (each line counts its newline, so floods of empty
+        lines are bounded too); the line that crosses the cap keeps its head."""
         if self._log_cut:
             return
-        size = len(message.encode("utf-8", "replace"))
-        if self._log_used + size > self._limits.log_bytes:
+        data = message.encode("utf-8", "replace")
+        room = self._limits.log_bytes - self._log_used
+        if len(data) + 1 > room:
             self._log_cut = True
+            if room > 1:
+                self.logs.append(data[: room - 1].decode("utf-8", "ignore"))
             self.logs.append(f"[logs truncated: more than {self._limits.log_bytes} bytes]")
             return
-        self._log_used += size
+        self._log_used += len(data) + 1
         self.logs.append(message)
 
     def _set_output(self, key: str, value: str) -> None:
-        if key not in self.outputs and len(self.outputs) >= self._limits.max_outputs:
+        limits = self._limits
+        if key not in self.outputs and len(self.outputs) >= limits.max_outputs:
             raise _Fault(
                 ControllerError(
                     "too_many_outputs",
-                    f"set-output {key!r}: more than {self._limits.max_outputs} outputs "
+                    f"set-output {clip(key, 100)!r}: more than {limits.max_outputs} outputs "
                     "per sequence",
                 )
             )
+        size = len(key.encode("utf-8", "replace")) + len(value.encode("utf-8", "replace"))
+        used = self._output_used - self._output_sizes.get(key, 0) + size
+        if used > limits.output_bytes:
+            raise _Fault(
+                ControllerError(
+                    "outputs_too_large",
+                    f"set-output {clip(key, 100)!r}: the outputs would take {used:,} bytes "
+                    f"of key and value text, more than the {_size(limits.output_bytes)} "
+                    "allowed per sequence",
+                )
+            )
+        self._output_used = used
+        self._output_sizes[key] = size
         try:
             self.outputs[key] = json.loads(value)
         except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
             self.outputs[key] = value
+
+    def _count_pattern(self, pattern: str) -> None:
+        """Raises ValueError (the guest's `err`) past the per-sequence pattern caps."""
+        limits = self._limits
+        if len(pattern) > limits.pattern_chars:
+            raise ValueError(
+                f"pattern of {len(pattern):,} characters; at most {limits.pattern_chars:,} "
+                "are allowed"
+            )
+        if pattern not in self._patterns:
+            if len(self._patterns) >= limits.max_patterns:
+                raise ValueError(
+                    f"more than {limits.max_patterns} distinct patterns per sequence "
+                    "(each one scans the vocabulary); reuse the handles you have"
+                )
+            self._patterns.add(pattern)
 
 
 # --- faster value conversion ------------------------------------------------------------
@@ -994,13 +1084,28 @@ def _classify(message: str, phase: str, budget_ms: int, limits: Limits) -> Contr
             "controller_timeout", f"{phase} exceeded its {budget_ms} ms deadline"
         )
     cap = _size(limits.memory_bytes)
+    if "call stack exhausted" in message:
+        named = [f for f in frames if "<wasm function" not in f]
+        where = f" in {named[0]}" if named else ""
+        return ControllerError(
+            "controller_trap",
+            f"{phase} trapped: stack overflow (recursion too deep?): {cause}{where}",
+        )
+    if "exceeds table limits" in message:
+        return ControllerError(
+            "controller_memory",
+            f"{phase} needs a table larger than the cap of {limits.table_elements:,} "
+            f"elements: {cause}",
+        )
     if "exceeds memory limits" in message:
         return ControllerError(
             "controller_memory", f"{phase} needs more than the {cap} cap: {cause}"
         )
     if any(_OOM_FRAME.search(f) for f in frames) or "memory allocation of" in message:
         return ControllerError(
-            "controller_memory", f"{phase} ran out of memory (cap {cap}): {cause}"
+            "controller_memory",
+            f"{phase} ran out of memory (cap {cap}): {cause} (tables are capped too, at "
+            f"{limits.table_elements:,} elements)",
         )
     named = [f for f in frames if "<wasm function" not in f]
     where = f" in {named[0]}" if named else ""
@@ -1040,6 +1145,13 @@ def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "unknown error"
 
 
+def clip(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, with a note saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit:,} more characters cut]"
+
+
 # --- wasmtime values -> actions --------------------------------------------------------
 
 
@@ -1049,7 +1161,7 @@ def _case(value: Any, infer: Callable[[Any], str | None], what: str) -> tuple[st
         return value.tag, value.payload
     tag = infer(value)
     if tag is None:
-        raise ControllerError("bad_action", f"cannot read {what} from {value!r}")
+        raise ControllerError("bad_action", f"cannot read {what} from {clip(repr(value), 200)}")
     return tag, value
 
 
@@ -1124,10 +1236,20 @@ def _to_token_set(value: Any, vocab: int, services: HostServices) -> TokenSet:
                 "bad_action",
                 f"sample: bitmask has {len(words)} words; a vocabulary of {vocab} needs {need}",
             )
-        tail = vocab % 32  # bits past the vocabulary in the last word do not count
-        last = words[-1] & ((1 << tail) - 1) if tail and words else (words[-1] if words else 0)
-        if not (last or any(words[:-1])):
+        tail = vocab % 32
+        last = words[-1] if words else 0
+        past = last >> tail if tail else 0  # the bits of ids >= vocab, in the last word
+        if not (any(words[:-1]) or last ^ (past << tail)):
             raise ControllerError("bad_action", "sample: the bitmask allows no token")
+        if past:
+            # A guest that sets them has its vocabulary size wrong (e.g. a padded logits
+            # size); for a model with padded logits they would allow tokens with no text.
+            extra = (past & -past).bit_length() - 1  # the lowest such bit
+            raise ControllerError(
+                "bad_action",
+                f"sample: bitmask allows token id {vocab + extra}, outside the vocabulary "
+                f"(size {vocab})",
+            )
         return TokenSet("bitmask", words)
     if tag in ("host-set", "not-host-set"):
         handle = int(payload)

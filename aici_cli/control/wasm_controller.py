@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import regex
 import torch
 
 from aici_cli.control.actions import (
@@ -34,8 +35,13 @@ from aici_cli.control.actions import (
 )
 from aici_cli.control.base import ControllerError, Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController, GrammarError
-from aici_cli.control.wasm import ControllerComponent, Runner
+from aici_cli.control.wasm import ControllerComponent, Runner, clip
 from aici_cli.jobs import Constraint
+
+# Most tokens one chain of splices may force before the guest lets the model sample. Far
+# past any context window this engine runs; it bounds the host memory and the quadratic
+# cost of composing a chain that a guest could otherwise splice 10,000 times.
+MAX_CHAIN_TOKENS = 1 << 18
 
 
 def compose(a: Directive, b: Directive) -> Directive:
@@ -50,17 +56,30 @@ def compose(a: Directive, b: Directive) -> Directive:
 
 class TokenizerServices:
     """The tokenizer and vocabulary services a guest imports, shared by all sequences of
-    one model. `tokens_matching` scans the vocabulary once per pattern (about 50 ms at
-    49k tokens) and keeps the packed bitmask on the host; guests get a handle."""
+    one model. `tokens_matching` scans the vocabulary once per pattern (about 120 ms at
+    49k tokens) and keeps the packed bitmask on the host; guests get a handle.
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token: int, lltok: Any) -> None:
+    Patterns come from guests, so the scan is bounded: matching uses the `regex` module
+    (re-compatible syntax, VERSION0) with a timeout, because `re` can backtrack for
+    minutes on a pattern like `(a|a)+` while holding the GIL, which would stall every
+    sequence; the timeout costs ~1.5 us per token. A pattern that fails (syntax or time)
+    fails again at once. The cache of sets is capped at `cache_bytes` for the run (then
+    new patterns get an error), and each sequence may add only `Limits.max_patterns`.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token: int, lltok: Any,
+                 scan_seconds: float = 5.0, cache_bytes: int = 128 << 20) -> None:
         self.tokenizer = tokenizer  # transformers tokenizer: tokenize / decode
+        self.scan_seconds = scan_seconds  # per pattern, over the whole vocabulary
+        self.cache_bytes = cache_bytes  # bitmasks and pattern text kept for the run
         self._vocab_size = vocab_size
         self._eos = eos_token
         self._lltok = lltok  # llguidance.LLTokenizer: per-token bytes, special tokens
         self._texts: list[str] | None = None
         self._sets: list[torch.Tensor] = []  # handle -> int32 [words]
         self._by_pattern: dict[str, int] = {}
+        self._failed: dict[str, str] = {}  # pattern -> its error message
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
     def vocab_size(self) -> int:
@@ -84,24 +103,53 @@ class TokenizerServices:
         with self._lock:
             if pattern in self._by_pattern:
                 return self._by_pattern[pattern]
-            try:
-                rx = re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"bad pattern {pattern!r}: {e}") from None
-            if self._texts is None:
-                self._texts = [self.token_bytes(i).decode("utf-8", "replace")
-                               for i in range(self._vocab_size)]
+            if pattern in self._failed:
+                raise ValueError(self._failed[pattern])
             words = (self._vocab_size + 31) // 32
-            hits = np.zeros(words * 32, dtype=bool)
-            special = self._lltok.is_special_token
-            hits[: self._vocab_size] = [
-                rx.fullmatch(t) is not None and not special(i) for i, t in enumerate(self._texts)
-            ]
+            cost = words * 4 + len(pattern.encode("utf-8", "replace"))
+            if self._cached_bytes + cost > self.cache_bytes:
+                raise ValueError(
+                    f"the run's tokens-matching cache is full ({len(self._sets)} patterns, "
+                    f"{self.cache_bytes:,} bytes); reuse patterns across sequences"
+                )
+            try:
+                hits = self._scan(pattern, words)
+            except ValueError as e:
+                self._failed[pattern] = str(e)
+                raise
             packed = np.packbits(hits, bitorder="little").view(np.int32)
+            self._cached_bytes += cost
             self._sets.append(torch.from_numpy(packed.copy()))
             handle = len(self._sets) - 1
             self._by_pattern[pattern] = handle
             return handle
+
+    def _scan(self, pattern: str, words: int) -> np.ndarray:
+        """Which tokens fully match `pattern`; ValueError on bad syntax or past the budget."""
+        shown = clip(repr(pattern), 200)
+        try:
+            re.compile(pattern)  # the contract's syntax is `re`'s: its errors are the ones
+            rx = regex.compile(pattern, regex.VERSION0)
+        except (re.error, regex.error) as e:
+            raise ValueError(f"bad pattern {shown}: {e}") from None
+        if self._texts is None:
+            self._texts = [self.token_bytes(i).decode("utf-8", "replace")
+                           for i in range(self._vocab_size)]
+        hits = np.zeros(words * 32, dtype=bool)
+        special = self._lltok.is_special_token
+        fullmatch, now = rx.fullmatch, time.monotonic
+        deadline = now() + self.scan_seconds
+        try:
+            hits[: self._vocab_size] = [
+                fullmatch(t, timeout=deadline - now()) is not None and not special(i)
+                for i, t in enumerate(self._texts)
+            ]
+        except TimeoutError:
+            raise ValueError(
+                f"pattern {shown} took more than {self.scan_seconds:g} s to match against "
+                "the vocabulary (it backtracks too much)"
+            ) from None
+        return hits
 
     def has_host_set(self, handle: int) -> bool:
         return 0 <= handle < len(self._sets)
@@ -252,6 +300,12 @@ class WasmController:
                 self.token_set = action.tokens
                 return acc
             if isinstance(action, Splice):
+                if len(acc.forced) + len(action.ff_tokens) > MAX_CHAIN_TOKENS:
+                    raise ControllerError(
+                        "bad_action",
+                        f"splices forced more than {MAX_CHAIN_TOKENS:,} tokens without "
+                        "sampling",
+                    )
                 if action.backtrack > self.generated:
                     raise ControllerError(
                         "bad_backtrack",
@@ -282,7 +336,9 @@ class WasmController:
             try:
                 compiled = self.compiler.compile(grammar_constraint(spec.grammar))
             except GrammarError as e:
-                raise ControllerError("bad_action", f"segment grammar: {e.message}") from None
+                raise ControllerError(
+                    "bad_action", f"segment grammar: {clip(e.message, 1000)}"
+                ) from None
             grammar = GrammarController(compiled, self.fast_forward)
         self.segment = SegmentState(spec, grammar)
         d = grammar.start([]) if grammar is not None else Directive()

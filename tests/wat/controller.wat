@@ -23,9 +23,24 @@
 ;;   L  log 2000 lines of 100 bytes; stop   O  set-output 300 distinct keys; stop
 ;;   v  log the vocab size, eos token, tokenize("hi") and token-bytes(3) results; stop
 ;;
+;; Hostile modes (tests/test_hostile_controllers.py):
+;;   r  recurse without end (stack exhaustion)
+;;   B  sample(allow [5, 1000000])  f  splice {backtrack 0, ff-tokens [10, 1000000]}
+;;   K  sample(bitmask) of the right length with every bit set, past the vocabulary too
+;;   M  log 1 MiB per call, then sample(all)
+;;   E  log 2000 empty lines per call, then sample(all)
+;;   U  set-output 20 new keys per call (thousands over a run), then sample(all)
+;;   V  set-output a 256 KiB value under a new key per call, then sample(all)
+;;   X  err(1 MiB message)
+;;   P  tokens-matching with a fresh pattern forever; return its first err as ours
+;;   T  splice {backtrack 0, ff-tokens: 4Mi zeros} (16 MiB of guest memory)
+;;   Y  splice {backtrack 0, ff-tokens: 256Ki zeros}  S  splice 4096 zeros on every call
+;;   G  grow a table 64Ki elements at a time without bound (host memory, not linear memory)
+;;
 ;; Memory map of the guest: 0..1023 constant strings and lists, 1024 the return area,
-;; 2048 the mode byte, 2052 the call counter, 2064 a scratch return area for imports,
-;; 4096.. a bump heap for `realloc` (never freed: a runner lives for one sequence).
+;; 2048 the mode byte, 2052 the call counter, 2056 the address of a 1 MiB buffer of 'x'
+;; (0 until first used), 2064 a scratch return area for imports, 580..599 digits written
+;; by $utoa, 4096.. a bump heap for `realloc` (never freed: a runner lives for one sequence).
 (component
   (type $types-t
     (instance
@@ -128,6 +143,7 @@
     (import "tokenizer" "tokens-matching" (func $tokens-matching (param i32 i32 i32)))
     (import "host" "log" (func $log (param i32 i32)))
     (import "host" "set-output" (func $set-output (param i32 i32 i32 i32)))
+    (table $table 1 funcref)
 
     (data (i32.const 0) "hello")
     (data (i32.const 16) "answer")
@@ -143,6 +159,8 @@
     ;; u32 lists: [5, 7] at 200, [5, 100] at 208, [10, 11] at 216, [0xffffffff] at 224
     (data (i32.const 200) "\05\00\00\00\07\00\00\00\05\00\00\00\64\00\00\00\0a\00\00\00\0b\00\00\00")
     (data (i32.const 224) "\ff\ff\ff\ff")
+    ;; [5, 1000000] at 232: an id beyond any test vocabulary
+    (data (i32.const 232) "\05\00\00\00\40\42\0f\00")
     ;; list<string> ["\n"] at 240: one (ptr, len) pair
     (data (i32.const 240) "\70\00\00\00\01\00\00\00")
     ;; one log line of 100 bytes at 256
@@ -150,9 +168,11 @@
     (data (i32.const 400) "k__")
     ;; [99] at 416
     (data (i32.const 416) "\63\00\00\00")
+    ;; [10, 1000000] at 432
+    (data (i32.const 432) "\0a\00\00\00\40\42\0f\00")
 
-    (func $log-u32 (param $v i32)
-      ;; Logs a number as decimal text (written backwards from 600 into 580..599).
+    (func $utoa (param $v i32) (result i32)
+      ;; Writes a number as decimal text ending at 600 (backwards); returns its start.
       (local $p i32)
       (local.set $p (i32.const 600))
       (loop $digits
@@ -161,7 +181,36 @@
           (i32.add (i32.const 48) (i32.rem_u (local.get $v) (i32.const 10))))
         (local.set $v (i32.div_u (local.get $v) (i32.const 10)))
         (br_if $digits (local.get $v)))
+      (local.get $p))
+
+    (func $log-u32 (param $v i32)
+      (local $p i32)
+      (local.set $p (call $utoa (local.get $v)))
       (call $log (local.get $p) (i32.sub (i32.const 600) (local.get $p))))
+
+    (func $big (result i32)
+      ;; A 1 MiB buffer of 'x', allocated and filled on first use.
+      (if (i32.eqz (i32.load (i32.const 2056)))
+        (then
+          (i32.store (i32.const 2056)
+            (call $realloc (i32.const 0) (i32.const 0) (i32.const 1) (i32.const 1048576)))
+          (memory.fill (i32.load (i32.const 2056)) (i32.const 120) (i32.const 1048576))))
+      (i32.load (i32.const 2056)))
+
+    (func $zeros (param $n i32) (result i32)
+      ;; A fresh list of `n` u32 zeros (token 0) from the bump heap, which is never reused.
+      (call $realloc (i32.const 0) (i32.const 0) (i32.const 4)
+                     (i32.shl (local.get $n) (i32.const 2))))
+
+    (func $recurse (param $n i32) (result i32)
+      ;; No base case: ends only when wasmtime's stack limit does.
+      (i32.add (call $recurse (i32.add (local.get $n) (i32.const 1))) (i32.const 1)))
+
+    (func $err (param $ptr i32) (param $len i32) (result i32)
+      (i32.store8 (i32.const 1024) (i32.const 1)) ;; err
+      (i32.store (i32.const 1028) (local.get $ptr))
+      (i32.store (i32.const 1032) (local.get $len))
+      (i32.const 1024))
 
     (func $handle_alloc_error
       ;; Named like Rust's allocator failure hook: the host recognises it in backtraces.
@@ -212,7 +261,7 @@
     (func (export "mid-process") (param $self i32) (param $bt i32) (param $tp i32) (param $tl i32)
                                  (param $has_text i32) (param $textp i32) (param $textl i32)
                                  (result i32)
-      (local $mode i32) (local $i i32)
+      (local $mode i32) (local $i i32) (local $p i32) (local $n i32)
       (local.set $mode (i32.load8_u (i32.const 2048)))
       (i32.store (i32.const 2052) (i32.add (i32.load (i32.const 2052)) (i32.const 1)))
 
@@ -302,6 +351,73 @@
           (call $token-bytes (i32.const 3) (i32.const 2064))
           (call $log (i32.load (i32.const 2064)) (i32.load (i32.const 2068)))  ;; the bytes
           (return (call $stop))))
+      (if (i32.eq (local.get $mode) (i32.const 114)) ;; 'r'
+        (then (drop (call $recurse (i32.const 0))) unreachable))
+      (if (i32.eq (local.get $mode) (i32.const 66)) ;; 'B'
+        (then (return (call $sample (i32.const 1) (i32.const 232) (i32.const 2)))))
+      (if (i32.eq (local.get $mode) (i32.const 102)) ;; 'f'
+        (then (return (call $splice (i32.const 0) (i32.const 432) (i32.const 2)))))
+      (if (i32.eq (local.get $mode) (i32.const 75)) ;; 'K'
+        (then
+          (local.set $n (i32.shr_u (i32.add (call $vocab-size) (i32.const 31)) (i32.const 5)))
+          (local.set $p (call $realloc (i32.const 0) (i32.const 0) (i32.const 4)
+                                       (i32.shl (local.get $n) (i32.const 2))))
+          (memory.fill (local.get $p) (i32.const 255) (i32.shl (local.get $n) (i32.const 2)))
+          (return (call $sample (i32.const 3) (local.get $p) (local.get $n)))))
+      (if (i32.eq (local.get $mode) (i32.const 77)) ;; 'M'
+        (then
+          (call $log (call $big) (i32.const 1048576))
+          (return (call $sample (i32.const 0) (i32.const 0) (i32.const 0)))))
+      (if (i32.eq (local.get $mode) (i32.const 69)) ;; 'E'
+        (then
+          (loop $lines
+            (call $log (i32.const 0) (i32.const 0))
+            (local.set $i (i32.add (local.get $i) (i32.const 1)))
+            (br_if $lines (i32.lt_u (local.get $i) (i32.const 2000))))
+          (return (call $sample (i32.const 0) (i32.const 0) (i32.const 0)))))
+      (if (i32.eq (local.get $mode) (i32.const 85)) ;; 'U'
+        (then
+          (loop $keys
+            (local.set $p (call $utoa (i32.add (i32.mul (i32.load (i32.const 2052)) (i32.const 20))
+                                               (local.get $i))))
+            (call $set-output (local.get $p) (i32.sub (i32.const 600) (local.get $p))
+                              (i32.const 32) (i32.const 2))
+            (local.set $i (i32.add (local.get $i) (i32.const 1)))
+            (br_if $keys (i32.lt_u (local.get $i) (i32.const 20))))
+          (return (call $sample (i32.const 0) (i32.const 0) (i32.const 0)))))
+      (if (i32.eq (local.get $mode) (i32.const 86)) ;; 'V'
+        (then
+          (local.set $p (call $utoa (i32.load (i32.const 2052))))
+          (call $set-output (local.get $p) (i32.sub (i32.const 600) (local.get $p))
+                            (call $big) (i32.const 262144))
+          (return (call $sample (i32.const 0) (i32.const 0) (i32.const 0)))))
+      (if (i32.eq (local.get $mode) (i32.const 88)) ;; 'X'
+        (then (return (call $err (call $big) (i32.const 1048576)))))
+      (if (i32.eq (local.get $mode) (i32.const 80)) ;; 'P'
+        (then
+          (loop $patterns
+            (local.set $p (call $utoa (local.get $i)))
+            (call $tokens-matching (local.get $p) (i32.sub (i32.const 600) (local.get $p))
+                                   (i32.const 2064))
+            (if (i32.load8_u (i32.const 2064))
+              (then (return (call $err (i32.load (i32.const 2068)) (i32.load (i32.const 2072))))))
+            (local.set $i (i32.add (local.get $i) (i32.const 1)))
+            (br $patterns))))
+      (if (i32.eq (local.get $mode) (i32.const 71)) ;; 'G'
+        (then
+          (loop $more
+            (br_if $more (i32.ne (table.grow $table (ref.null func) (i32.const 65536))
+                                 (i32.const -1))))
+          (call $handle_alloc_error)))
+      (if (i32.eq (local.get $mode) (i32.const 84)) ;; 'T'
+        (then (return (call $splice (i32.const 0) (call $zeros (i32.const 4194304))
+                                    (i32.const 4194304)))))
+      (if (i32.eq (local.get $mode) (i32.const 89)) ;; 'Y'
+        (then (return (call $splice (i32.const 0) (call $zeros (i32.const 262144))
+                                    (i32.const 262144)))))
+      (if (i32.eq (local.get $mode) (i32.const 83)) ;; 'S'
+        (then (return (call $splice (i32.const 0) (call $zeros (i32.const 4096))
+                                    (i32.const 4096)))))
       unreachable)
   )
   (core instance $main (instantiate $Main
