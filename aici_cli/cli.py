@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -92,13 +93,17 @@ def main() -> None:
 @click.option("--step-stats", is_flag=True, help="Add per-step records to each result line.")
 @click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
               help="Write the run summary (JSON) here.")
+@click.option("--resume", is_flag=True,
+              help="Skip the lines whose result is already in the -o file and append the "
+                   "rest (after an interrupted or killed run). A torn last line is cut off; "
+                   "results from a different input are refused.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors.")
 def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
         max_tokens: int, temperature: float, top_p: float, seed: int, stop: tuple[str, ...],
         json_schema: str | None, regex: str | None, choices: str | None,
         json_permissive: bool, controller: str | None, controller_arg: str,
         controller_timeout_ms: int, no_ff: bool, step_stats: bool, stats_out: str | None,
-        quiet: bool) -> None:
+        resume: bool, quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
     per input line.
 
@@ -108,11 +113,20 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
       cat prompts.jsonl | aici-batch run - > results.jsonl
       aici-batch run prompts.jsonl --model ./my-hf-model --batch-size 16 --stats-out s.json
       aici-batch run prompts.jsonl --controller yes_no.wasm --controller-arg '{"n": 3}'
+      aici-batch run prompts.jsonl -o results.jsonl --resume   # after Ctrl-C or a crash
+
+    Ctrl-C or SIGTERM starts no new lines, finishes those in flight, writes their
+    results and the summary; a second one stops at once. Either way `--resume` runs the
+    rest.
 
     Exit status: 0 when every line succeeded, 1 when some lines ended in an error (all
-    results are still written), 2 when the run could not start.
+    results are still written), 2 when the run could not start, 130 (Ctrl-C) or 143
+    (SIGTERM) when interrupted before every line ran.
     """
-    from aici_cli.runner import RunConfig, run_batch  # heavy imports (torch) only here
+    try:
+        from aici_cli.runner import RunConfig, run_batch  # heavy imports (torch) only here
+    except KeyboardInterrupt:
+        _exit_interrupted(signal.SIGINT)
 
     config = RunConfig(
         input=input,
@@ -139,18 +153,27 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         controller=controller,
         controller_arg=controller_arg,
         controller_call_ms=controller_timeout_ms,
+        resume=resume,
     )
     if controller is not None and config.defaults.constraint is not None:
         raise FatalError("--controller cannot be combined with --json-schema/--regex/--choices")
     try:
-        outcome = run_batch(config)
+        outcome = run_batch(config, handle_signals=True)
     except (UsageError, ModelError) as e:
         raise FatalError(str(e)) from None
     except BrokenPipeError:
         # The reader went away (e.g. `| head -1`): stop quietly, as shell tools do.
         _silence_stdout()
         sys.exit(0)
+    except KeyboardInterrupt as e:  # before any line ran: nothing to finish or flush
+        _exit_interrupted(getattr(e, "signum", signal.SIGINT))
     sys.exit(outcome.exit_code)
+
+
+def _exit_interrupted(signum: int) -> NoReturn:
+    click.echo(f"aici-batch: {signal.Signals(signum).name}, stopped before any line ran",
+               err=True)
+    sys.exit(128 + signum)
 
 
 @main.command()

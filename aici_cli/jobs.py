@@ -27,7 +27,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, ValidationError
 from jsonschema.validators import validator_for
 from jsonschema_specifications import REGISTRY as META_SCHEMAS
-from referencing import Registry, Resource
+from referencing import Registry, Resource, Specification
 from referencing.exceptions import NoSuchAnchor, NoSuchResource, PointerToNowhere, Unresolvable
 from referencing.jsonschema import DRAFT202012, specification_with
 
@@ -273,6 +273,10 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 _CONSTRAINT_FIELDS = ("json_schema", "regex", "choices")
 
+# A subschema and the resolver for the references in it (referencing does not export the
+# Resolver type).
+SchemaNode = tuple[Any, Resource[Any]]
+
 # A JSON string token, escapes included: written so that a long string is one fast run
 # of the character class, not one alternation per character.
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -330,12 +334,17 @@ def _parse_int(literal: str) -> int:
 # ------------------------------------------------------------------ line checks
 
 
+def _ending_length(raw: str | bytes) -> int:
+    """Length of the line ending (LF or CRLF) that `raw` ends with, if any."""
+    tail = raw[-2:]
+    ending = tail.decode("latin-1") if isinstance(tail, bytes) else tail
+    return 2 if ending == "\r\n" else 1 if ending.endswith("\n") else 0
+
+
 def _size_error(raw: str | bytes, index: int, limit: int) -> LineError | None:
     """Refuse a line over `limit` UTF-8 bytes (line ending excluded) before decoding or
     parsing it, so an oversized line costs no more than having been read."""
-    tail = raw[-2:]
-    ending = tail.decode("latin-1") if isinstance(tail, bytes) else tail
-    end = len(raw) - (2 if ending == "\r\n" else 1 if ending.endswith("\n") else 0)
+    end = len(raw) - _ending_length(raw)
     if isinstance(raw, str) and end > limit // 4:
         # A character is 1 to 4 bytes: measure exactly only where the limit is in reach.
         end = len(raw[:end].encode("utf-8", "surrogatepass"))
@@ -346,6 +355,7 @@ def _size_error(raw: str | bytes, index: int, limit: int) -> LineError | None:
 
 
 def _decode(raw: str | bytes, index: int) -> str | LineError:
+    """The line as text; bad UTF-8 is this line's error, not the run's."""
     if not isinstance(raw, bytes):
         return raw
     try:
@@ -474,6 +484,7 @@ def _unicode_problem(obj: Any, text: str) -> str | None:
 
 
 def _readable_id(obj: dict[str, Any]) -> str | None:
+    """The line's own id where results can echo it: a string with no lone surrogate."""
     raw_id = obj.get("id")
     if isinstance(raw_id, str) and not _SURROGATE.search(raw_id):
         return raw_id
@@ -515,54 +526,171 @@ def _check_json_schema(schema: dict[str, Any]) -> str | None:
     if any(issubclass(w.category, DeprecationWarning) for w in caught):
         return f"unknown '$schema' {_show(dialect)}"
     try:
-        cls.check_schema(schema)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # from `pattern`s, as for `regex`
+            cls.check_schema(schema)
     except SchemaError as exc:
         where = _field_path(list(exc.path))
         return f"at '{where}': {exc.message}" if where else exc.message
+    except OverflowError as exc:
+        # jsonschema compiles each `pattern` with `re` and expects only re.error; a
+        # repetition like `a{4294967295}` raises OverflowError instead.
+        return f"a 'pattern' in it is not a valid regular expression: {exc}"
     return None
 
 
+_REF_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+# Keywords that apply a subschema to the value itself rather than to a part of it: a
+# path through only these and references never gets closer to the end of the value.
+_IN_PLACE_ONE = ("not", "if", "then", "else")
+_IN_PLACE_LIST = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_MAP = ("dependentSchemas", "dependencies")
+# Drafts in which `$ref` makes every keyword beside it ignored.
+_REF_ALONE_DRAFTS = {"draft-03", "draft-04", "draft-06", "draft-07"}
+_LOOKUP_ERRORS = (Unresolvable, LookupError, TypeError, ValueError)
 
-def _ref_problem(ref: str, exc: Unresolvable) -> str:
+
+def _ref_problem(ref: str, exc: Exception) -> str:
     """Why `ref` does not resolve, without the resource's text the exception carries."""
-    if isinstance(exc, PointerToNowhere):
-        reason = "the schema has no such location"
-    elif isinstance(exc, NoSuchAnchor):
+    if isinstance(exc, NoSuchAnchor):
         reason = "the schema has no such anchor"
     elif isinstance(exc, NoSuchResource) or not ref.startswith("#"):
         reason = "it is not part of this schema, and schemas are never fetched"
+    elif isinstance(exc, (PointerToNowhere, LookupError, TypeError, ValueError)):
+        # referencing raises TypeError for a pointer through a boolean schema, and
+        # ValueError for a non-numeric array index.
+        reason = "the schema has no such location"
     else:
         reason = type(exc).__name__
     return f"'{ref}' cannot be resolved: {reason}"
 
 
-def _unresolvable_ref(schema: dict[str, Any]) -> str | None:
-    """Describe the first `$ref`/`$dynamicRef` in `schema` that does not resolve, or None.
+def _schema_nodes(schema: dict[str, Any]) -> tuple[Specification[Any], list[SchemaNode]]:
+    """Every subschema of `schema`, each with the resolver for references inside it.
 
-    Resolved the way jsonschema resolves them when it validates an output, but with no
-    retrieval: jsonschema would otherwise fetch a remote `$ref` over the network (which
-    can hang) or raise halfway through a run. Only meta-schemas are known besides the
-    schema itself.
+    References resolve the way jsonschema resolves them when it validates an output,
+    but with no retrieval: jsonschema would otherwise fetch a remote `$ref` over the
+    network (which can hang). Only meta-schemas are known besides the schema itself.
     """
     dialect = schema.get("$schema", "")
     spec = specification_with(dialect, default=DRAFT202012) if dialect else DRAFT202012
     root: Resource[Any] = spec.create_resource(schema)
-    resolver = META_SCHEMAS.combine(Registry()).resolver_with_root(root)
-    stack = [(resolver, root)]
-    while stack:
-        resolver, resource = stack.pop()
+    nodes = [(META_SCHEMAS.combine(Registry()).resolver_with_root(root), root)]
+    for resolver, resource in nodes:  # grows while it is walked
+        nodes.extend((resolver.in_subresource(sub), sub) for sub in resource.subresources())
+    return spec, nodes
+
+
+def _unresolvable_ref(nodes: list[SchemaNode]) -> str | None:
+    """Describe the first reference that does not resolve, or None."""
+    for resolver, resource in nodes:
         contents = resource.contents
-        if isinstance(contents, dict):
-            for keyword in ("$ref", "$dynamicRef"):
-                ref = contents.get(keyword)
-                if not isinstance(ref, str):
-                    continue
-                try:
-                    resolver.lookup(ref)
-                except Unresolvable as exc:
-                    return f"{keyword} {_ref_problem(ref, exc)}"
-        stack.extend((resolver.in_subresource(sub), sub) for sub in resource.subresources())
+        if not isinstance(contents, dict):
+            continue
+        for keyword in _REF_KEYWORDS:
+            ref = contents.get(keyword)
+            if not isinstance(ref, str):
+                continue
+            try:
+                resolver.lookup(ref)
+            except _LOOKUP_ERRORS as exc:
+                return f"{keyword} {_ref_problem(ref, exc)}"
     return None
+
+
+def _in_place(
+    contents: dict[str, Any], resolver: Any, spec: Specification[Any]
+) -> list[tuple[dict[str, Any], Any, str]]:
+    """The object subschemas that `contents` applies to the value itself, each with the
+    resolver to use inside it and the keyword that leads there."""
+    out: list[tuple[dict[str, Any], Any, str]] = []
+    for keyword in _REF_KEYWORDS:
+        ref = contents.get(keyword)
+        if isinstance(ref, str):
+            try:
+                resolved = resolver.lookup(ref)
+            except _LOOKUP_ERRORS:
+                continue  # reported by _unresolvable_ref
+            if isinstance(resolved.contents, dict):
+                out.append((resolved.contents, resolved.resolver, f"{keyword} '{ref}'"))
+    if spec.name in _REF_ALONE_DRAFTS and "$ref" in contents:
+        return out
+    children: list[tuple[Any, str]] = [(contents.get(k), k) for k in _IN_PLACE_ONE]
+    for keyword in _IN_PLACE_LIST:
+        members = contents.get(keyword)
+        if isinstance(members, list):
+            children += [(member, f"{keyword}[{i}]") for i, member in enumerate(members)]
+    for keyword in _IN_PLACE_MAP:
+        members = contents.get(keyword)
+        if isinstance(members, dict):
+            children += [(member, f"{keyword}.{name}") for name, member in members.items()]
+    for child, label in children:
+        if isinstance(child, dict):
+            inner = resolver.in_subresource(spec.create_resource(child))
+            out.append((child, inner, label))
+    return out
+
+
+def _reference_loop(
+    spec: Specification[Any], nodes: list[SchemaNode], limit: int
+) -> tuple[str, str] | None:
+    """(type, problem) when references make a schema apply to the same value forever
+    (`{"$ref": "#"}`), or through a chain longer than `limit`.
+
+    JSON Schema leaves such a loop undefined. jsonschema follows it by recursion when
+    it checks an output, so it ends in RecursionError however small the output, and so
+    does a long enough chain; llguidance may accept either. A path that goes into a
+    property or an item is fine: the output is finite. Depth-first over the in-place
+    edges, without recursion.
+    """
+    on_path, done = 1, 2
+    state: dict[int, int] = {}
+    longest: dict[int, int] = {}  # schemas in the longest in-place path from a schema
+    for resolver, resource in nodes:
+        start = resource.contents
+        if not isinstance(start, dict) or id(start) in state:
+            continue
+        state[id(start)] = on_path
+        frames = [(start, _in_place(start, resolver, spec), 0)]
+        while frames:
+            node, edges, next_edge = frames[-1]
+            if next_edge < len(edges):
+                frames[-1] = (node, edges, next_edge + 1)
+                child, child_resolver, label = edges[next_edge]
+                seen = state.get(id(child))
+                if seen == on_path:
+                    problem = (f"is not a valid JSON Schema: {label} loops back to a schema "
+                               "it is part of without going into the value (endless recursion)")
+                    return "invalid_schema", problem
+                if seen is None:
+                    state[id(child)] = on_path
+                    frames.append((child, _in_place(child, child_resolver, spec), 0))
+                continue
+            frames.pop()
+            state[id(node)] = done
+            longest[id(node)] = 1 + max((longest[id(child)] for child, _, _ in edges), default=0)
+    chain = max(longest.values(), default=0)
+    if chain <= limit:
+        return None
+    problem = (f"chains {chain:,} schemas through references and allOf/anyOf/oneOf/not/if "
+               f"without going into the value, over the limit of {limit}")
+    return "too_deep", problem
+
+
+def _schema_problem(schema: dict[str, Any], max_depth: int) -> tuple[str, str] | None:
+    """(type, problem) for a `json_schema` that cannot be used as it is, or None."""
+    try:
+        invalid = _check_json_schema(schema)
+        if invalid is not None:
+            return "invalid_schema", f"is not a valid JSON Schema: {invalid}"
+        spec, nodes = _schema_nodes(schema)
+        unresolvable = _unresolvable_ref(nodes)
+        if unresolvable is not None:
+            return "invalid_schema", f"is not a valid JSON Schema: {unresolvable}"
+        return _reference_loop(spec, nodes, max_depth)
+    except RecursionError:
+        return "too_deep", "is nested too deeply to check"
+
 
 def _validation_error(obj: dict[str, Any], index: int, id_: str | None) -> LineError | None:
     """Check the line against schemas/input-line.schema.json, reporting the root cause."""
@@ -584,19 +712,18 @@ def _constraint(
     """The line's own constraint, checked as far as can be without a tokenizer, or the
     default one."""
     if "json_schema" in obj:
-        try:
-            problem_ = _check_json_schema(obj["json_schema"]) or _unresolvable_ref(
-                obj["json_schema"]
-            )
-        except RecursionError:
-            problem_ = "nested too deeply"
-        if problem_ is not None:
-            problem = f"field 'json_schema' is not a valid JSON Schema: {problem_}"
-            return _line_error(index, id_, "invalid_schema", problem)
+        unusable = _schema_problem(obj["json_schema"], defaults.max_depth)
+        if unusable is not None:
+            type_, problem = unusable
+            return _line_error(index, id_, type_, f"field 'json_schema' {problem}")
         return Constraint("json_schema", obj["json_schema"])
     if "regex" in obj:
         try:
-            re.compile(obj["regex"])
+            with warnings.catch_warnings():
+                # re warns about constructs like `[[` whose meaning may change: stderr is
+                # no place for a note about one line.
+                warnings.simplefilter("ignore", FutureWarning)
+                re.compile(obj["regex"])
         except (re.error, RecursionError, OverflowError) as exc:
             problem = f"field 'regex' is not a valid regular expression: {exc}"
             return _line_error(index, id_, "invalid_regex", problem)
@@ -622,6 +749,9 @@ def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults) -> Job | Li
         text = text.removeprefix("\ufeff")  # editors on Windows like to add a BOM
     if not text.strip():
         return None
+    # json counts columns from the last newline: with the line's own ending still there,
+    # an error at the end of the line would be reported at column 1 of a line 2.
+    text = text[: len(text) - _ending_length(text)]
 
     obj = _load(text, index, defaults.max_depth)
     if isinstance(obj, LineError):
@@ -639,9 +769,9 @@ def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults) -> Job | Li
 
     id_ = _readable_id(obj)
     # Before validation: validating a million `choices` alone takes seconds.
-    too_large = _constraint_size_problem(obj, defaults.max_constraint_bytes)
-    if too_large is not None:
-        return _line_error(index, id_, *too_large)
+    oversized = _constraint_size_problem(obj, defaults.max_constraint_bytes)
+    if oversized is not None:
+        return _line_error(index, id_, *oversized)
     invalid = _validation_error(obj, index, id_)
     if invalid is not None:
         return invalid

@@ -1,24 +1,43 @@
 """`run_batch`: the library entry point behind `aici-batch run`.
 
 Reads input lines lazily, runs them on the engine, writes each result as soon as its
-sequence finishes, and returns the run summary. The CLI is a thin layer over this.
+sequence finishes, and returns the run summary. The CLI is a thin layer over this. With
+`resume`, lines that already have a result are skipped (see `aici_cli.resume`); with
+`handle_signals`, SIGINT/SIGTERM end the run cleanly (see `Interrupts`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 from aici_cli.engine.loop import ControllerFactory, Engine, EngineConfig
-from aici_cli.jobs import Job, JobDefaults, ResultWriter, UsageError, open_input, read_jobs
+from aici_cli.jobs import (
+    Job,
+    JobDefaults,
+    LineError,
+    ResultWriter,
+    UsageError,
+    open_input,
+    read_jobs,
+)
 from aici_cli.models import load_model
+from aici_cli.resume import InputLines, Interrupted, OutputFile, ResumePlan
 from aici_cli.stats import RunTally, percentile
 from aici_cli.ui import RunDisplay
+
+# fsync the output at most this often: an fsync costs milliseconds, more than a short
+# result takes to produce, and a process crash loses nothing without one (see ResultWriter).
+SYNC_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -35,15 +54,23 @@ class RunConfig:
     controller: str | None = None  # path of a .wasm controller component
     controller_arg: str = ""  # its argument, for lines without their own `controller_arg`
     controller_call_ms: int = 50  # deadline per guest call
+    resume: bool = False  # skip lines whose result is already in `output`, append the rest
 
 
 @dataclass
 class RunOutcome:
-    summary: dict[str, Any]
+    summary: dict[str, Any]  # this run's lines only (not those a resume skipped)
+    interrupted: int | None = None  # the signal that stopped the run before every line ran
+    earlier_errors: int = 0  # error results already in the output of a resumed run
+    skipped: int = 0  # lines a resumed run found done
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.summary["errors"] else 0
+        """128 + signal when interrupted; otherwise 1 when any result in the output (a
+        resumed run's earlier ones too) is an error, else 0."""
+        if self.interrupted is not None:
+            return 128 + self.interrupted
+        return 1 if self.summary["errors"] or self.earlier_errors else 0
 
 
 def wasm_factory(config: RunConfig, engine: Engine,
@@ -87,46 +114,178 @@ def _count_lines(path: str) -> int | None:
         return sum(1 for line in f if line.strip())
 
 
+class Interrupts:
+    """SIGINT/SIGTERM for the length of a run (main thread only).
+
+    The first signal stops the admission of new lines: the rows in flight finish, every
+    result is written, the summary is printed, and the run ends with 128 + the signal
+    number. Before the engine starts (model loading) there is nothing to finish, so it
+    raises `Interrupted` at once, as Ctrl-C normally does. A second signal exits at once:
+    every finished result is already in the OS (one write per line), and `--resume`
+    runs whatever did not finish.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.lines: InputLines | None = None  # set once the engine starts reading them
+        self.signum: int | None = None
+        self.engine_started = False  # from then on a signal only marks the outcome
+        self.announced = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                previous = signal.getsignal(sig)
+                if previous is signal.SIG_IGN:
+                    continue  # ignored by whoever started us (a shell's background job)
+                self._previous[sig] = previous
+                signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            with contextlib.suppress(OSError, ValueError):  # a closed stderr must not stop us
+                if sys.stderr.isatty():
+                    os.write(2, b"\x1b[?25h")  # the progress bar hid the cursor
+                os.write(2, f"aici-batch: {_signal_name(signum)} again, stopping now\n"
+                         .encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        if self.lines is not None:
+            self.lines.stop = True
+        if not self.engine_started or (self.lines is not None and self.lines.reading):
+            raise Interrupted(signum)
+
+    def should_admit(self) -> bool:
+        return self.signum is None
+
+
+def _signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def _check_resume(config: RunConfig) -> None:
+    if config.resume and config.output == "-":
+        raise UsageError("--resume needs -o FILE: results on stdout cannot be read back")
+    if config.resume and config.input == "-":
+        raise UsageError("--resume needs INPUT to be a file, to check it against the results")
+
+
 def run_batch(config: RunConfig, stderr: IO[str] | None = None,
-              on_result: Callable[[dict[str, Any]], None] | None = None) -> RunOutcome:
+              on_result: Callable[[dict[str, Any]], None] | None = None,
+              handle_signals: bool = False) -> RunOutcome:
     """Run every input line to exactly one result line. Raises `UsageError`/`ModelError`
-    for problems that stop the whole run before any line is read."""
+    for problems that stop the whole run before any line is read.
+
+    With `config.resume`, input lines whose result is already in the output are skipped
+    and new results are appended. With `handle_signals` (the CLI), SIGINT/SIGTERM end the
+    run early but cleanly (see `Interrupts`); the outcome says so."""
     stderr = stderr or sys.stderr
+    _check_resume(config)
     source = open_input(config.input)
-    total = _count_lines(config.input)
+    output: OutputFile | None = None
+    try:
+        # Opened (and locked) early, so that a second run on the same file is refused before
+        # it loads a model; nothing in it changes until the run is sure to go ahead.
+        output = OutputFile(config.output) if config.output != "-" else None
+        if output is not None and output.same_file_as(source):
+            raise UsageError(f"the output {config.output} is the input file")
+        interrupts = Interrupts() if handle_signals else None
+        with interrupts or contextlib.nullcontext():
+            return _run(config, stderr, on_result, source, output, interrupts)
+    finally:
+        if output is not None:
+            output.close()
+        if source is not sys.stdin.buffer:
+            source.close()
+
+
+def _run(config: RunConfig, stderr: IO[str],
+         on_result: Callable[[dict[str, Any]], None] | None, source: BinaryIO,
+         output: OutputFile | None, interrupts: Interrupts | None) -> RunOutcome:
+    plan = output.plan(config.input) if output is not None and config.resume else None
+    total = plan.remaining if plan is not None else _count_lines(config.input)
     lm = load_model(config.model, config.device, config.dtype)
-    out: IO[str]
-    if config.output == "-":
-        out = sys.stdout
-    else:
-        try:
-            out = open(config.output, "w", encoding="utf-8")  # noqa: SIM115 - closed below
-        except OSError as e:
-            raise UsageError(f"cannot write {config.output}: {e.strerror}") from None
-    writer = ResultWriter(out)
+    if output is not None:
+        output.prepare(plan)
+    out = output.stream() if output is not None else sys.stdout
+    lines = InputLines(source, skip=plan.done if plan is not None else None)
+    display = RunDisplay(stderr, total=total, quiet=config.quiet)
+    if plan is not None:
+        _announce_resume(display, config, plan)
+    return _drive(config, lm, out, lines, display, interrupts, on_result, plan)
+
+
+def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan) -> None:
+    if config.quiet:
+        return
+    scan = plan.scan
+    if scan.torn_line:
+        _note(display, f"{config.output}: cut off its incomplete last line (line "
+                       f"{scan.torn_line}, {scan.torn_bytes} bytes) left by an interrupted "
+                       "run; that input line runs again")
+    _note(display, f"resuming: {len(plan.done)} of {plan.total} lines of {config.input} "
+                   f"already have results in {config.output}; running the other "
+                   f"{plan.remaining}")
+
+
+def _note(display: RunDisplay, message: str) -> None:
+    display.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display: RunDisplay,
+           interrupts: Interrupts | None,
+           on_result: Callable[[dict[str, Any]], None] | None,
+           plan: ResumePlan | None) -> RunOutcome:
+    """Run the engine over `lines`, writing each result as it finishes."""
+    writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
     tally = RunTally()
     engine = Engine(lm, config.engine)
     call_times: list[float] = []  # ms of every wasm guest call in the run
     if config.controller is not None:
         engine.controller_factory = wasm_factory(config, engine, call_times)
-    display = RunDisplay(stderr, total=total, quiet=config.quiet)
     t0 = time.perf_counter()
 
+    def announce() -> None:
+        """Acknowledge a first signal from the loop, not from the handler, which may run
+        in the middle of drawing the progress bar."""
+        if interrupts is None or interrupts.signum is None or interrupts.announced:
+            return
+        interrupts.announced = True
+        if not config.quiet:
+            in_flight = sum(row is not None for row in engine.rows)
+            finishing = f", finishing the {_lines(in_flight)} in flight" if in_flight else ""
+            _note(display, f"{_signal_name(interrupts.signum)}: starting no new lines"
+                           f"{finishing} (again to stop at once)")
+
     def emit(result: dict[str, Any]) -> None:
+        result = lines.tag(result)
         writer.write(result)
         tally.add(result)
         display.advance(result)
         if on_result is not None:
             on_result(result)
+        announce()  # once the input is all read, the loop no longer asks should_admit
 
+    def should_admit() -> bool:
+        announce()
+        return interrupts is None or interrupts.should_admit()
+
+    if interrupts is not None:
+        interrupts.lines = lines
+        interrupts.engine_started = True
     try:
         with display:
-            engine.run(read_jobs(source, config.defaults), emit)
+            engine.run(_not_done(read_jobs(lines, config.defaults), lines), emit, should_admit)
     finally:
-        if out is not sys.stdout:
-            out.close()
-        if source is not sys.stdin.buffer:
-            source.close()
+        writer.sync()
     wall = time.perf_counter() - t0
     meta = {
         "model": lm.name,
@@ -151,4 +310,33 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     if config.stats_out:
         Path(config.stats_out).write_text(json.dumps(summary, indent=2) + "\n")
     display.summary(summary)
-    return RunOutcome(summary)
+    # An interrupt that came after the last line was read cost nothing: the run is whole.
+    signum = interrupts.signum if interrupts is not None and not lines.exhausted else None
+    outcome = RunOutcome(summary, interrupted=signum,
+                         earlier_errors=plan.scan.errors if plan is not None else 0,
+                         skipped=len(plan.done) if plan is not None else 0)
+    if signum is not None and not config.quiet:
+        _note(display, _interrupted_note(config, outcome, plan))
+    return outcome
+
+
+def _interrupted_note(config: RunConfig, outcome: RunOutcome, plan: ResumePlan | None) -> str:
+    assert outcome.interrupted is not None
+    name = _signal_name(outcome.interrupted)
+    have = outcome.skipped + outcome.summary["lines"]
+    if config.output == "-":
+        return f"{name}: stopped after {_lines(have)}; the others have no result"
+    total = plan.total if plan is not None else _count_lines(config.input)
+    done = f"{have} of {_lines(total)}" if total is not None else _lines(have)
+    return (f"{name}: stopped with {done} done in {config.output}; run again with "
+            "--resume to run the rest")
+
+
+def _not_done(items: Iterator[Job | LineError], lines: InputLines) -> Iterator[Job | LineError]:
+    """Drop items of lines that already have a result. `InputLines` hands those on as
+    blank lines, which `read_jobs` skips; this keeps that true whatever it does with them."""
+    return (item for item in items if item.index not in lines.skip)
+
+
+def _lines(n: int) -> str:
+    return f"{n} line" if n == 1 else f"{n} lines"
