@@ -153,7 +153,7 @@ def _job(line: str | bytes, defaults: JobDefaults = DEFAULTS) -> Job:
             ["got 'json_schema', 'regex' and 'choices'"],
         ),
         (b'{"prompt": "caf\xe9"}', "invalid_utf8", ["invalid UTF-8", "byte 16"]),
-        ("[" * 100_000, "invalid_json", ["nested too deeply"]),
+        ("[" * 100_000, "too_deep", ["nested too deeply", "limit of 100 levels"]),
     ],
 )
 def test_bad_line_gives_typed_error_naming_line_and_problem(
