@@ -75,6 +75,14 @@ def main() -> None:
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
               help="Default per-line sampling seed.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--n", "n", type=click.IntRange(1, 128), default=1, show_default=True,
+              help="Samples per line (lines may set their own `n`); they share the "
+                   "prompt's prefill and land in the result's `choices`.")
+@click.option("--format", "input_format", type=click.Choice(["auto", "aici", "openai"]),
+              default="auto", show_default=True,
+              help="Input line format: aici-batch's own, or OpenAI batch requests "
+                   "({custom_id, method, url, body}, as `vllm run-batch` reads), answered "
+                   "in the OpenAI batch output format. auto: decided by the first line.")
 @click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
               help="JSON Schema file enforced on every line without its own constraint.")
 @click.option("--regex", default=None, help="Regular expression enforced on every line.")
@@ -100,7 +108,7 @@ def main() -> None:
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors.")
 def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
         max_tokens: int, temperature: float, top_p: float, seed: int, stop: tuple[str, ...],
-        json_schema: str | None, regex: str | None, choices: str | None,
+        n: int, input_format: str, json_schema: str | None, regex: str | None, choices: str | None,
         json_permissive: bool, controller: str | None, controller_arg: str,
         controller_timeout_ms: int, no_ff: bool, step_stats: bool, stats_out: str | None,
         resume: bool, quiet: bool) -> None:
@@ -114,6 +122,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
       aici-batch run prompts.jsonl --model ./my-hf-model --batch-size 16 --stats-out s.json
       aici-batch run prompts.jsonl --controller yes_no.wasm --controller-arg '{"n": 3}'
       aici-batch run prompts.jsonl -o results.jsonl --resume   # after Ctrl-C or a crash
+      aici-batch run openai-batch.jsonl -o openai-out.jsonl    # OpenAI batch format
+      aici-batch run prompts.jsonl --n 4 --temperature 0.8      # 4 samples per line
 
     Ctrl-C or SIGTERM starts no new lines, finishes those in flight, writes their
     results and the summary; a second one stops at once. Either way `--resume` runs the
@@ -147,7 +157,9 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
             seed=seed,
             stop=tuple(stop),
             constraint=_constraint(json_schema, regex, choices),
+            n=n,
         ),
+        input_format=input_format,
         stats_out=stats_out,
         quiet=quiet,
         controller=controller,

@@ -17,7 +17,7 @@ import stat
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Literal
@@ -60,6 +60,7 @@ class JobDefaults:
     seed: int = 0
     stop: tuple[str, ...] = ()
     constraint: Constraint | None = None
+    n: int = 1
     # A line's size in UTF-8 bytes, without its line ending; checked before decoding.
     max_line_bytes: int = 8 * MIB
     # A line's `json_schema`, `regex` or `choices` as compact JSON: the grammar compiler's
@@ -733,7 +734,13 @@ def _constraint(
     return defaults.constraint
 
 
-def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults) -> Job | LineError | None:
+# Maps a parsed line of another format (e.g. an OpenAI batch request) onto this one's
+# fields, given the line number; raises ValueError with a message naming the problem.
+Translate = Callable[[dict[str, Any], int], dict[str, Any]]
+
+
+def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults,
+                translate: Translate | None = None) -> Job | LineError | None:
     """Turn one physical line into a Job, a LineError, or None for a blank line.
 
     Checks run cheapest first, and each one bounds what the next may cost: size before
@@ -766,6 +773,13 @@ def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults) -> Job | Li
     if not isinstance(obj, dict):
         problem = f"expected a JSON object, got {_json_type(obj)}"
         return _line_error(index, None, "invalid_line", problem)
+    if translate is not None:
+        try:
+            obj = translate(obj, index)
+        except ValueError as e:
+            custom_id = obj.get("custom_id")
+            id_ = custom_id if isinstance(custom_id, str) else None
+            return _line_error(index, id_, "invalid_request", str(e))
 
     id_ = _readable_id(obj)
     # Before validation: validating a million `choices` alone takes seconds.
@@ -797,28 +811,32 @@ def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults) -> Job | Li
         stop=tuple(obj["stop"]) if "stop" in obj else tuple(defaults.stop),
         constraint=constraint,
         extra=extra,
+        n=int(obj.get("n", defaults.n)),
     )
 
 
-def _parse_safely(raw: str | bytes, index: int, defaults: JobDefaults) -> Job | LineError | None:
+def _parse_safely(raw: str | bytes, index: int, defaults: JobDefaults,
+                  translate: Translate | None) -> Job | LineError | None:
     """`_parse_line`, with any failure it did not foresee confined to its own line: one
     odd line must not end a run of thousands."""
     try:
-        return _parse_line(raw, index, defaults)
+        return _parse_line(raw, index, defaults, translate)
     except Exception as exc:  # a bug in the checks, reported like the engine reports its own
         problem = f"line could not be read: {type(exc).__name__}: {exc}"
         return _line_error(index, None, "internal_error", problem)
 
 
-def read_jobs(lines: Iterable[str | bytes], defaults: JobDefaults) -> Iterator[Job | LineError]:
+def read_jobs(lines: Iterable[str | bytes], defaults: JobDefaults,
+              translate: Translate | None = None) -> Iterator[Job | LineError]:
     """Yield one Job or LineError per non-blank line, reading lazily.
 
     Lazy so that a stream like stdin can be processed while it is still being written;
     `index` counts every physical line (blank ones too) so results point back at the
-    exact line in the user's file even when ids are missing or repeated.
+    exact line in the user's file even when ids are missing or repeated. `translate`
+    maps each parsed object from another line format first (see `openai_batch`).
     """
     for index, raw in enumerate(lines, start=1):
-        item = _parse_safely(raw, index, defaults)
+        item = _parse_safely(raw, index, defaults, translate)
         if item is not None:
             yield item
 

@@ -137,7 +137,7 @@ def _choice(result: dict[str, Any], index: int, chat: bool) -> dict[str, Any]:
 
 def _aici(result: dict[str, Any]) -> dict[str, Any]:
     """aici-batch's own figures for the line (input line number, stats, validity)."""
-    keep = ("index", "valid", "warnings", "stats", "outputs", "logs")
+    keep = ("index", "input_sha256", "valid", "warnings", "stats", "outputs", "logs")
     out = {k: result[k] for k in keep if k in result}
     if "choices" in result:
         out["choices"] = [{k: c[k] for k in ("index", "valid", "stats") if k in c}
@@ -148,9 +148,9 @@ def _aici(result: dict[str, Any]) -> dict[str, Any]:
 def to_output(result: dict[str, Any], request: Request | None, model: str,
               created: int | None = None) -> dict[str, Any]:
     """The output line for one result; `request` is None when the line never parsed as a
-    request (it then carries the result's `id`, if any, as custom_id)."""
+    request with a custom_id (its custom_id is then null)."""
     request_id = f"req_{uuid.uuid4().hex[:24]}"
-    custom_id = request.custom_id if request is not None else result.get("id")
+    custom_id = request.custom_id if request is not None else None
     line: dict[str, Any] = {"id": f"batch_{request_id}", "custom_id": custom_id}
     if result.get("finish_reason") == "error":
         err = result.get("error", {})
@@ -175,3 +175,35 @@ def to_output(result: dict[str, Any], request: Request | None, model: str,
     line["error"] = None
     line["aici"] = _aici(result)
     return line
+
+
+class BatchFormat:
+    """The OpenAI batch format for one run: requests in (`translate`, for `read_jobs`),
+    output lines out (`output`), matched by input line number."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.created = int(time.time())
+        self.requests: dict[int, Request] = {}
+
+    def translate(self, obj: dict[str, Any], index: int) -> dict[str, Any]:
+        custom_id = obj.get("custom_id")
+        if isinstance(custom_id, str) and custom_id:  # known even if the request is refused
+            url = obj.get("url")
+            self.requests[index] = Request(custom_id, url if url == COMPLETIONS else CHAT)
+        line, self.requests[index] = to_line(obj)
+        return line
+
+    def output(self, result: dict[str, Any]) -> dict[str, Any]:
+        request = self.requests.pop(int(result.get("index", 0)), None)
+        return to_output(result, request, self.model, self.created)
+
+
+def resume_view(obj: dict[str, Any]) -> dict[str, Any]:
+    """An output line of this format as the fields `--resume` reads from a result line
+    (index, digest, id, whether it failed); other lines unchanged."""
+    own = obj.get("aici")
+    if "index" in obj or not isinstance(own, dict):
+        return obj
+    failed = obj.get("error") is not None
+    return {**own, "id": obj.get("custom_id"), "finish_reason": "error" if failed else "stop"}

@@ -9,6 +9,7 @@ sequence finishes, and returns the run summary. The CLI is a thin layer over thi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from aici_cli.jobs import (
     read_jobs,
 )
 from aici_cli.models import load_model
+from aici_cli.openai_batch import BatchFormat, looks_like_request
 from aici_cli.resume import InputLines, Interrupted, OutputFile, ResumePlan
 from aici_cli.stats import RunTally, percentile
 from aici_cli.ui import RunDisplay
@@ -55,6 +57,7 @@ class RunConfig:
     controller_arg: str = ""  # its argument, for lines without their own `controller_arg`
     controller_call_ms: int = 50  # deadline per guest call
     resume: bool = False  # skip lines whose result is already in `output`, append the rest
+    input_format: str = "auto"  # "aici", "openai" (batch requests), or "auto": by first line
 
 
 @dataclass
@@ -216,11 +219,32 @@ def _run(config: RunConfig, stderr: IO[str],
     if output is not None:
         output.prepare(plan)
     out = output.stream() if output is not None else sys.stdout
-    lines = InputLines(source, skip=plan.done if plan is not None else None)
+    peeked, input_format = _detect_format(source, config.input_format)
+    batch_format = BatchFormat(lm.name) if input_format == "openai" else None
+    lines = InputLines(itertools.chain(peeked, source),
+                       skip=plan.done if plan is not None else None)
     display = RunDisplay(stderr, total=total, quiet=config.quiet)
     if plan is not None:
         _announce_resume(display, config, plan)
-    return _drive(config, lm, out, lines, display, interrupts, on_result, plan)
+    return _drive(config, lm, out, lines, display, interrupts, on_result, plan, batch_format)
+
+
+def _detect_format(source: BinaryIO, wanted: str) -> tuple[list[bytes], str]:
+    """The input format: `wanted`, or for "auto" that of the first non-blank line (an
+    OpenAI batch request, or else aici-batch's own). Returns the lines read to decide,
+    which the run must still see."""
+    if wanted != "auto":
+        return [], wanted
+    peeked: list[bytes] = []
+    for raw in source:
+        peeked.append(raw)
+        if raw.strip():
+            try:
+                first = json.loads(raw)
+            except ValueError:
+                break
+            return peeked, "openai" if looks_like_request(first) else "aici"
+    return peeked, "aici"
 
 
 def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan) -> None:
@@ -243,8 +267,9 @@ def _note(display: RunDisplay, message: str) -> None:
 def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display: RunDisplay,
            interrupts: Interrupts | None,
            on_result: Callable[[dict[str, Any]], None] | None,
-           plan: ResumePlan | None) -> RunOutcome:
-    """Run the engine over `lines`, writing each result as it finishes."""
+           plan: ResumePlan | None, batch_format: BatchFormat | None = None) -> RunOutcome:
+    """Run the engine over `lines`, writing each result as it finishes (as an OpenAI
+    batch output line with `batch_format`)."""
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
     tally = RunTally()
     engine = Engine(lm, config.engine)
@@ -267,7 +292,7 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
 
     def emit(result: dict[str, Any]) -> None:
         result = lines.tag(result)
-        writer.write(result)
+        writer.write(batch_format.output(result) if batch_format is not None else result)
         tally.add(result)
         display.advance(result)
         if on_result is not None:
@@ -283,7 +308,9 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
         interrupts.engine_started = True
     try:
         with display:
-            engine.run(_not_done(read_jobs(lines, config.defaults), lines), emit, should_admit)
+            translate = batch_format.translate if batch_format is not None else None
+            jobs = read_jobs(lines, config.defaults, translate)
+            engine.run(_not_done(jobs, lines), emit, should_admit)
     finally:
         writer.sync()
     wall = time.perf_counter() - t0

@@ -78,9 +78,12 @@ class RunTally:
             self.errors += 1
             etype = result.get("error", {}).get("type", "error")
             self.error_types[etype] = self.error_types.get(etype, 0) + 1
-        elif "valid" in result:
-            self.schema_lines += 1
-            self.valid += bool(result["valid"])
+        else:
+            # A line with n samples counts each sample's output for compliance.
+            for sample in result.get("choices", [result]):
+                if "valid" in sample:
+                    self.schema_lines += 1
+                    self.valid += bool(sample["valid"])
 
     def summary(self, steps: Sequence[StepTimes], wall_s: float,
                 meta: dict[str, Any]) -> dict[str, Any]:

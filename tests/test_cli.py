@@ -142,3 +142,26 @@ def test_report_summarizes_a_finished_run(model_args: list[str], tmp_path: Path)
     assert table.exit_code == 0 and "row passes per output token" in table.stdout
     missing = invoke(["report", str(tmp_path / "nope.jsonl")])
     assert missing.exit_code == 2 and "nope.jsonl" in missing.stderr
+
+
+def test_n_samples_per_line_and_from_the_cli(model_args: list[str], tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    rows = [{"id": "one", "prompt": "Hello", "max_tokens": 6},
+            {"id": "three", "prompt": "Give JSON", "n": 3, "json_schema": schema,
+             "max_tokens": 30, "temperature": 1.0},
+            {"id": "bad", "prompt": "x", "n": 0}]
+    stats = tmp_path / "stats.json"
+    res = invoke(["run", "-", *model_args, "--n", "2", "--temperature", "0.7",
+                  "--stats-out", str(stats), "-q"], jsonl(rows))
+    assert res.exit_code == 1, res.output
+    by_id = {r["id"]: r for r in results_of(res.stdout)}  # validates against the schema
+    assert [c["index"] for c in by_id["one"]["choices"]] == [0, 1]  # --n 2 as the default
+    three = by_id["three"]
+    assert three["n"] == 3 and len(three["choices"]) == 3
+    for c in three["choices"]:
+        assert c["valid"] is True and "a" in c["json"]
+    assert three["stats"]["output_tokens"] == sum(
+        c["stats"]["output_tokens"] for c in three["choices"])
+    assert by_id["bad"]["error"]["type"] == "invalid_line"
+    summary = json.loads(stats.read_text())
+    assert summary["schema_lines"] == 3 and summary["valid"] == 3

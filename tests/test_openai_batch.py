@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from click.testing import CliRunner
 
+from aici_cli.cli import main
 from aici_cli.jobs import load_schema
 from aici_cli.openai_batch import (
     CHAT,
@@ -101,3 +105,55 @@ def test_error_and_n_sample_outputs() -> None:
     choices = out["response"]["body"]["choices"]
     assert [c["finish_reason"] for c in choices] == ["length", "stop"]
     assert out["response"]["body"]["usage"]["completion_tokens"] == 8
+
+
+# ------------------------------------------------------------------ through the CLI
+
+def _write(path: Path, rows: list[Any]) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+
+
+def test_openai_batch_file_runs_unchanged(tiny_model_dir: Path, tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    rows: list[Any] = [
+        {"custom_id": "chat-1", "method": "POST", "url": CHAT,
+         "body": {"model": "any", "messages": [{"role": "user", "content": "hi"}],
+                  "max_tokens": 5}},
+        {"custom_id": "schema-1", "method": "POST", "url": CHAT,
+         "body": {"model": "any", "messages": [{"role": "user", "content": "JSON please"}],
+                  "max_completion_tokens": 40,
+                  "response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "s", "schema": schema}}}},
+        {"custom_id": "text-1", "method": "POST", "url": COMPLETIONS,
+         "body": {"model": "any", "prompt": "Once upon", "max_tokens": 4, "n": 3,
+                  "temperature": 1.0, "seed": 3}},
+        {"custom_id": "tools-1", "method": "POST", "url": CHAT,
+         "body": {"model": "any", "messages": [], "tools": []}},
+        "{not json",
+    ]
+    src, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    _write(src, rows)
+    args = ["run", str(src), "-o", str(out), "--model", str(tiny_model_dir),
+            "--dtype", "float32", "-q"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 1, res.output  # two lines failed, the others ran
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) == len(rows)
+    for line in lines:
+        jsonschema.validate(line, SCHEMA)
+    by_id = {line["custom_id"]: line for line in lines}
+    chat = by_id["chat-1"]["response"]["body"]
+    assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 5
+    made = json.loads(by_id["schema-1"]["response"]["body"]["choices"][0]["message"]["content"])
+    jsonschema.validate(made, schema)
+    text = by_id["text-1"]["response"]["body"]
+    assert text["object"] == "text_completion" and len(text["choices"]) == 3
+    assert by_id["tools-1"]["response"] is None
+    assert "unsupported body field(s): tools" in by_id["tools-1"]["error"]["message"]
+    [bad] = [line for line in lines if line["custom_id"] is None]
+    assert bad["error"]["code"] == "invalid_json"
+
+    # The output can be resumed like aici-batch's own: nothing is left to run.
+    before = out.read_text()
+    res = CliRunner().invoke(main, [*args, "--resume"])
+    assert res.exit_code == 1 and out.read_text() == before
