@@ -308,3 +308,9 @@ def test_n_samples_with_a_grammar_each_follow_it(lm: LoadedModel) -> None:
     [result] = run(lm, [line], batch_size=3, fast_forward=True)
     for c in result["choices"]:
         assert re.fullmatch("[a-c]{3,6}", c["text"]), c
+
+
+def test_vanishing_temperature_is_greedy(lm: LoadedModel) -> None:
+    greedy = run(lm, [job(1, max_tokens=8)])[0]["text"]
+    tiny = run(lm, [job(1, max_tokens=8, temperature=1e-300)])[0]["text"]
+    assert tiny == greedy

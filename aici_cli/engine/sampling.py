@@ -20,6 +20,11 @@ def row_generator(seed: int, sample: int = 0) -> torch.Generator:
     return g
 
 
+# Below this a temperature is greedy: logits / t would overflow to inf (and the softmax to
+# NaN) long before the distribution differs from the argmax.
+MIN_TEMPERATURE = 1e-5
+
+
 def sample(
     logits: torch.Tensor,
     greedy: Sequence[int],
@@ -32,7 +37,7 @@ def sample(
     -inf, in any float dtype). Greedy rows take `greedy[row]` (the argmax the caller already
     has); rows with a temperature are sampled in fp32."""
     out = [greedy[r] for r in rows]
-    hot = [i for i, t in enumerate(temperatures) if t > 0.0]
+    hot = [i for i, t in enumerate(temperatures) if t >= MIN_TEMPERATURE]
     if not hot:
         return out
     temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32)[:, None]
