@@ -258,6 +258,23 @@ def report(results: str, stats_file: str | None, plot_file: str | None, as_json:
         Console().print(report_table(summary))
 
 
+def _options_from_environment(command: click.Command, prefix: str = "AICI_BATCH_") -> None:
+    """Let every option of `command` also come from AICI_BATCH_<LONG_NAME> (e.g.
+    AICI_BATCH_MODEL, AICI_BATCH_BATCH_SIZE), for CI jobs that set options once; a flag
+    given on the command line wins. Shown in --help beside each option."""
+    for param in command.params:
+        if not isinstance(param, click.Option) or param.envvar is not None:
+            continue
+        long_names = [o for o in param.opts if o.startswith("--")]
+        if not long_names:
+            continue
+        param.envvar = prefix + long_names[0][2:].replace("-", "_").upper()
+        param.show_envvar = True
+
+
+_options_from_environment(run)
+
+
 def _silence_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +168,36 @@ def test_n_samples_per_line_and_from_the_cli(model_args: list[str], tmp_path: Pa
     assert by_id["bad"]["error"]["type"] == "invalid_line"
     summary = json.loads(stats.read_text())
     assert summary["schema_lines"] == 3 and summary["valid"] == 3
+
+
+def test_options_come_from_aici_batch_environment_variables(model_args: list[str]) -> None:
+    rows = [{"id": "a", "prompt": "Hello"}]
+    res = CliRunner().invoke(main, ["run", "-", *model_args, "-q"], input=jsonl(rows),
+                             env={"AICI_BATCH_MAX_TOKENS": "3", "AICI_BATCH_N": "2"})
+    assert res.exit_code == 0, res.output
+    [r] = results_of(res.stdout)
+    assert len(r["choices"]) == 2
+    assert all(c["stats"]["output_tokens"] <= 3 for c in r["choices"])
+    # The command line wins over the environment.
+    res = CliRunner().invoke(main, ["run", "-", *model_args, "-q", "--max-tokens", "1"],
+                             input=jsonl(rows), env={"AICI_BATCH_MAX_TOKENS": "3"})
+    assert results_of(res.stdout)[0]["stats"]["output_tokens"] == 1
+
+
+@pytest.mark.parametrize("command", sorted(main.commands))
+def test_every_command_has_help_with_an_example(command: str) -> None:
+    res = invoke([command, "--help"])
+    assert res.exit_code == 0
+    assert "Example" in res.output
+    assert len(res.output.split("\n\n")[1].strip()) > 20  # a description, not just usage
+
+
+def test_shell_completion(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "aici-batch"
+    env = {**os.environ, "_AICI_BATCH_COMPLETE": "bash_source"}
+    script = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60)
+    assert "_aici_batch_completion" in script.stdout
+    env = {**os.environ, "_AICI_BATCH_COMPLETE": "bash_complete",
+           "COMP_WORDS": "aici-batch run --batch-s", "COMP_CWORD": "2"}
+    words = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60)
+    assert "--batch-size" in words.stdout
