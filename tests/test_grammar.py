@@ -158,3 +158,28 @@ def test_finished_outputs_validate_on_jsonschemabench(lm: LoadedModel) -> None:
         assert r["valid"] == jsonschema.validators.validator_for(schema)(schema).is_valid(
             r["json"]
         )
+
+
+def test_choices_match_exactly_one_choice(compiler: GrammarCompiler, lm: LoadedModel) -> None:
+    # One terminal for all choices (linear to compile): quotes, escapes, non-ASCII, an
+    # empty choice and choices that are prefixes of others must all still work.
+    choices = ['say "hi"\\n', "é ü 日本", "", "yes", "yesss"]
+    compiled = compiler.compile(Constraint("choices", choices))
+
+    def accepted(text: str) -> bool:
+        m = GrammarController(compiled, fast_forward=False).matcher
+        tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
+
+    assert all(accepted(c) for c in choices)
+    assert not any(accepted(t) for t in ("ye", "yess", "no", 'say "hi"'))
+
+
+def test_report_never_raises_on_odd_output_or_schema(compiler: GrammarCompiler) -> None:
+    deep = GrammarController(compiler.compile(Constraint("json_schema", {})), True)
+    assert deep.report("[" * 5000 + "]" * 5000)["valid"] is False
+    dangling = {"if": {"type": "null"}, "then": {"$ref": "#/nope"}}
+    report = GrammarController(compiler.compile(Constraint("json_schema", dangling)),
+                               True).report("null")
+    assert report["valid"] is False
+    assert any("could not be validated" in w for w in report["warnings"])

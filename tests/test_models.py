@@ -24,6 +24,10 @@ from aici_cli.models import (
 
 ACCEPTED = f"expected a Hugging Face model directory, a .gguf file, or '{DEFAULT_MODEL}'"
 
+# A well-formed GGUF file holding nothing: magic, version 3, no tensors, no metadata. For
+# tests that stub the conversion itself.
+EMPTY_GGUF = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)
+
 
 @pytest.fixture
 def tiny_copy(tiny_model_dir: Path, tmp_path: Path) -> Path:
@@ -107,7 +111,10 @@ def test_unknown_spec_says_what_is_accepted(tmp_path: Path, monkeypatch) -> None
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelError) as info:
         resolve_model("foo")
-    assert str(info.value) == f"model 'foo' not found: {ACCEPTED}"
+    assert str(info.value) == (
+        f"model 'foo' not found: not a known model name, and no file or directory "
+        f"{tmp_path / 'foo'} exists; {ACCEPTED}"
+    )
 
 
 def test_directory_without_config_is_rejected(tmp_path: Path) -> None:
@@ -211,7 +218,7 @@ def test_gguf_is_converted_once_into_a_keyed_cache_dir(
     fake_conversion: list[Path], tmp_path: Path
 ) -> None:
     gguf = tmp_path / "My Model.Q4.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf.write_bytes(EMPTY_GGUF)
 
     first = resolve_model(str(gguf))
     second = resolve_model(str(gguf))
@@ -235,7 +242,7 @@ def test_failed_conversion_leaves_no_partial_cache(monkeypatch, tmp_path: Path) 
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
     gguf = tmp_path / "x.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf.write_bytes(EMPTY_GGUF)
 
     with pytest.raises(ModelError, match="cannot convert .*x.gguf: ValueError: GGUF model"):
         resolve_model(str(gguf))
@@ -254,7 +261,7 @@ def test_concurrent_conversion_keeps_the_winners_copy(monkeypatch, tmp_path: Pat
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
     gguf = tmp_path / "x.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf.write_bytes(EMPTY_GGUF)
 
     target = resolve_model(str(gguf))
     assert json.loads((target / "config.json").read_text()) == {"winner": True}

@@ -230,6 +230,9 @@ class WasmController:
         """End-of-sequence inside a segment ends the segment, not the sequence."""
         if self.segment is None:
             return None
+        grammar = self.segment.grammar
+        if grammar is not None:
+            grammar.on_eos()  # raises if the segment's matcher failed: not a normal end
         return self._end_segment(Directive())
 
     def fill_mask(self, out: torch.Tensor) -> bool | Directive:
