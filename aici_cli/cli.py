@@ -260,6 +260,69 @@ def report(results: str, stats_file: str | None, plot_file: str | None, as_json:
         Console().print(report_table(summary))
 
 
+@main.command("models")
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON instead.")
+def models_command(as_json: bool) -> None:
+    """List the models --model can name on this machine: the short names of models that
+    pip packages ship (installed or not, and the default), the GGUF conversions in
+    aici-batch's cache, and the models in the Hugging Face hub cache. Nothing is
+    downloaded or converted.
+
+    \b
+    Examples:
+      aici-batch models
+      aici-batch models --json
+      aici-batch run prompts.jsonl --model gemma-3-270m
+      aici-batch run prompts.jsonl --model HuggingFaceTB/SmolLM2-360M-Instruct
+    """
+    from aici_cli.models import available_models
+
+    listing = available_models()
+    if as_json:
+        click.echo(json.dumps(listing, indent=2))
+        return
+    for line in _models_text(listing):
+        click.echo(line)
+
+
+def _models_text(listing: dict[str, Any]) -> list[str]:
+    """The `aici-batch models` listing as aligned text, one section per source."""
+    def size(n: int) -> str:
+        return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+    names = listing["short_names"]
+    rows = [
+        (("* " if m["default"] else "  ") + m["name"],
+         "ready" if m["converted"] else "installed" if m["installed"] else "missing",
+         m["package"], m["description"])
+        for m in names
+    ]
+    widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+    lines = ["Short names (--model NAME; * the default):"]
+    lines += ["  ".join(f"{c:<{w}}" for c, w in zip(r, widths)) + "  " + r[3] for r in rows]
+    lines.append("  (ready: converted; installed: converts on first use; "
+                 "missing: pip install the package)")
+
+    converted = listing["converted"]
+    lines += ["", f"Converted GGUF models in {converted['cache_dir']}:"]
+    width = max((len(m["name"]) for m in converted["models"]), default=0)
+    for m in converted["models"]:
+        serves = f"  ({m['short_name']})" if m["short_name"] else ""
+        lines.append(f"  {m['name']:<{width}}  {size(m['size_bytes']):>8}{serves}")
+    if not converted["models"]:
+        lines.append("  none")
+
+    hub = listing["hub"]
+    lines += ["", f"Hugging Face hub cache {hub['cache_dir']} (--model ORG/NAME[@REVISION]):"]
+    width = max((len(m["name"]) for m in hub["models"]), default=0)
+    for m in hub["models"]:
+        usable = "" if m["loadable"] else "  (no config.json or .gguf in its main snapshot)"
+        lines.append(f"  {m['name']:<{width}}  {size(m['size_bytes']):>8}{usable}")
+    if not hub["models"]:
+        lines.append("  none (`hf download ORG/NAME` fetches one where there is network)")
+    return lines
+
+
 def _options_from_environment(command: click.Command, prefix: str = "AICI_BATCH_") -> None:
     """Let every option of `command` also come from AICI_BATCH_<LONG_NAME> (e.g.
     AICI_BATCH_MODEL, AICI_BATCH_BATCH_SIZE), for CI jobs that set options once; a flag

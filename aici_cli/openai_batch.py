@@ -199,11 +199,43 @@ class BatchFormat:
         return to_output(result, request, self.model, self.created)
 
 
-def resume_view(obj: dict[str, Any]) -> dict[str, Any]:
-    """An output line of this format as the fields `--resume` reads from a result line
-    (index, digest, id, whether it failed); other lines unchanged."""
-    own = obj.get("aici")
-    if "index" in obj or not isinstance(own, dict):
-        return obj
-    failed = obj.get("error") is not None
-    return {**own, "id": obj.get("custom_id"), "finish_reason": "error" if failed else "stop"}
+def is_output_line(obj: Any) -> bool:
+    """True for an output line of this format written by aici-batch (it has `aici`)."""
+    return isinstance(obj, dict) and "custom_id" in obj and isinstance(obj.get("aici"), dict)
+
+
+def as_result(line: dict[str, Any]) -> dict[str, Any]:
+    """An output line of this format read back as aici-batch's own result line (for
+    `--resume` and `report`); other lines are returned unchanged."""
+    if not is_output_line(line):
+        return line
+    own = line["aici"]
+    body = (line.get("response") or {}).get("body") or {}
+    samples = body.get("choices") or [{}]
+    figures = own.get("choices") or [own]
+
+    def text_of(choice: dict[str, Any]) -> str:
+        message = choice.get("message") or {}
+        return str(message.get("content") or choice.get("text") or "")
+
+    result: dict[str, Any] = {"id": line.get("custom_id") or str(own.get("index")),
+                              "index": own.get("index")}
+    if "input_sha256" in own:
+        result["input_sha256"] = own["input_sha256"]
+    error = line.get("error")
+    result["text"] = text_of(samples[0])
+    result["finish_reason"] = "error" if error else samples[0].get("finish_reason", "stop")
+    if error:
+        result["error"] = {"type": str(error.get("code")), "message": str(error.get("message"))}
+    for key in ("valid", "warnings", "outputs", "logs"):
+        if key in own:
+            result[key] = own[key]
+    result["stats"] = own.get("stats", {})
+    if len(samples) > 1:
+        result["n"] = len(samples)
+        result["choices"] = [
+            {"index": i, "text": text_of(c), "finish_reason": c.get("finish_reason", "stop"),
+             **{k: f[k] for k in ("valid", "stats") if k in f}}
+            for i, (c, f) in enumerate(zip(samples, figures))
+        ]
+    return result

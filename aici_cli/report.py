@@ -28,6 +28,7 @@ from jsonschema.exceptions import best_match
 from rich.table import Table
 
 from aici_cli.jobs import load_schema
+from aici_cli.openai_batch import as_result
 from aici_cli.stats import percentile
 
 #: Per-step timings that result lines carry (per-step records and per-sequence stats).
@@ -85,6 +86,7 @@ def parse_results(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
             raise ReportError(f"line {n}: not JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(value, dict):
             raise ReportError(f"line {n}: expected a result object, got {type(value).__name__}")
+        value = as_result(value)  # an OpenAI batch output line, read as a result line
         problem = _schema_problem("result-line", value)
         if problem is not None:
             raise ReportError(f"line {n}: not a result line: {problem}")
@@ -145,9 +147,11 @@ class _Tally:
             self.errors += 1
             etype = result["error"]["type"]
             self.error_types[etype] = self.error_types.get(etype, 0) + 1
-        elif "valid" in result:
-            self.schema_lines += 1
-            self.valid += bool(result["valid"])
+        else:
+            for sample in result.get("choices", [result]):  # each of n samples counts
+                if "valid" in sample:
+                    self.schema_lines += 1
+                    self.valid += bool(sample["valid"])
 
         if passes > 0:
             self.ran += 1

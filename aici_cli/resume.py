@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO
 
 from aici_cli.jobs import UsageError
-from aici_cli.openai_batch import resume_view
+from aici_cli.openai_batch import as_result
 
 try:  # POSIX only; elsewhere two runs on one output are not kept apart
     import fcntl
@@ -124,7 +124,7 @@ def scan_output(data: bytes, name: str) -> OutputScan:
 
 
 def _add_done(scan: OutputScan, obj: dict[str, Any], number: int, name: str) -> None:
-    obj = resume_view(obj)  # an OpenAI batch output line keeps these under `aici`
+    obj = as_result(obj)  # an OpenAI batch output line keeps these under `aici`
     index, digest = obj.get("index"), obj.get(DIGEST_FIELD)
     if not isinstance(index, int) or isinstance(index, bool) or index < 1:
         raise ResumeError(f"{name} line {number} has no valid 'index', so it cannot be "

@@ -14,6 +14,7 @@ from aici_cli import models
 from aici_cli.models import (
     DEFAULT_MODEL,
     ModelError,
+    NoChatTemplateError,
     cache_dir,
     load_model,
     pick_device,
@@ -83,15 +84,18 @@ def test_chat_template_renders_with_generation_prompt(tiny_model_dir: Path) -> N
     assert lm.tokenizer.decode(ids) == text  # byte-level BPE round-trips any text
 
 
-def test_render_prompt_without_template_is_a_model_error(tiny_model_dir: Path) -> None:
-    from transformers import AutoTokenizer
+def test_render_prompt_without_template_is_a_typed_model_error(tiny_model_dir: Path) -> None:
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    lm.tokenizer.chat_template = None
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
-    tokenizer.chat_template = None
-
-    with pytest.raises(ModelError) as info:
-        render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
-    assert str(info.value) == "model has no chat template; use 'prompt' instead of 'messages'"
+    with pytest.raises(NoChatTemplateError) as info:
+        render_prompt(lm.tokenizer, [{"role": "user", "content": "hi"}])
+    assert isinstance(info.value, ModelError)  # the engine's per-line error, typed:
+    assert info.value.type == "no_chat_template"
+    assert str(info.value) == (
+        f"model '{tiny_model_dir.name}' has no chat template, so 'messages' cannot be "
+        "rendered; give this line a 'prompt' (raw text) instead"
+    )
 
 
 def test_template_that_rejects_messages_is_a_model_error(tiny_model_dir: Path) -> None:

@@ -157,3 +157,9 @@ def test_openai_batch_file_runs_unchanged(tiny_model_dir: Path, tmp_path: Path) 
     before = out.read_text()
     res = CliRunner().invoke(main, [*args, "--resume"])
     assert res.exit_code == 1 and out.read_text() == before
+    # `report` reads the format back like its own result lines.
+    res = CliRunner().invoke(main, ["report", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output)
+    assert summary["lines"] == 5 and summary["errors"] == 2
+    assert summary["schema_lines"] == 1
