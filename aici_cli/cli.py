@@ -61,8 +61,9 @@ def main() -> None:
 @click.option("-o", "--output", default="-", show_default=True,
               help="Result JSONL file; '-' is stdout.")
 @click.option("--model", default=None,
-              help="Hugging Face model directory, .gguf file, or 'smollm2-135m-instruct' "
-                   "(the default, bundled offline).")
+              help="Hugging Face model directory, .gguf file, hub id in the local hub cache "
+                   "(org/name[@revision]), or a short name: 'smollm2-135m-instruct' (the "
+                   "default) or 'gemma-3-270m'. `aici-batch models` lists what is here.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),

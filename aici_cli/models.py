@@ -58,7 +58,8 @@ _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion's output changes, so existing cache entries are not reused.
 _CONVERTER_VERSION = "1"
 
-_ACCEPTED = f"expected a Hugging Face model directory, a .gguf file, or {DEFAULT_MODEL!r}"
+_ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
+             "(org/name), or a short name ('aici-batch models' lists them)")
 
 # The package that ships Gemma 3 270M: its GGUF comes in four parts (four companion
 # packages) that the package itself assembles into one file.

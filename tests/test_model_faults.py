@@ -41,7 +41,8 @@ from aici_cli.control.grammar import (
 from aici_cli.jobs import Constraint
 from aici_cli.models import DEFAULT_MODEL, resolve_model
 
-ACCEPTED = f"expected a Hugging Face model directory, a .gguf file, or '{DEFAULT_MODEL}'"
+ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
+            "(org/name), or a short name ('aici-batch models' lists them)")
 
 # A schema real models meet (JSONSchemaBench o21053): up to 100 words, at most 5000
 # characters. The intersection makes the lexer's work per mask explode after the first

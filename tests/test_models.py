@@ -23,7 +23,8 @@ from aici_cli.models import (
     resolve_model,
 )
 
-ACCEPTED = f"expected a Hugging Face model directory, a .gguf file, or '{DEFAULT_MODEL}'"
+ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
+            "(org/name), or a short name ('aici-batch models' lists them)")
 
 # A well-formed GGUF file holding nothing: magic, version 3, no tensors, no metadata. For
 # tests that stub the conversion itself.
