@@ -314,3 +314,16 @@ def test_vanishing_temperature_is_greedy(lm: LoadedModel) -> None:
     greedy = run(lm, [job(1, max_tokens=8)])[0]["text"]
     tiny = run(lm, [job(1, max_tokens=8, temperature=1e-300)])[0]["text"]
     assert tiny == greedy
+
+
+def test_samples_of_a_started_line_finish_after_admission_stops(lm: LoadedModel) -> None:
+    """An interrupt stops admitting lines; the waiting samples of a line already started
+    still run, so that line gets its result, and the next line does not start."""
+    results: list[dict[str, Any]] = []
+    admitted = iter([True, True])  # admit the first line only, then stop (an interrupt)
+    Engine(lm, EngineConfig(batch_size=2)).run(
+        [job(1, n=3, temperature=1.0, max_tokens=4), job(2)], results.append,
+        should_admit=lambda: next(admitted, False),
+    )
+    assert [r["index"] for r in results] == [1]
+    assert len(results[0]["choices"]) == 3

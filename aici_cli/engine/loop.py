@@ -168,8 +168,11 @@ class Engine:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
         try:
             while True:
-                if source is not None and should_admit():
-                    source = self._admit(source, emit)
+                # Samples of a line already started are admitted even after admission of
+                # new lines stopped (an interrupt): the line must still get its result.
+                pull = source is not None and should_admit()
+                if pull or self.waiting:
+                    source = self._admit(source, emit, pull)
                 if not any(self.rows):
                     if not self.waiting and (source is None or not should_admit()):
                         return
@@ -214,10 +217,11 @@ class Engine:
                 return row
         return None
 
-    def _admit(self, source: Iterator[Job | LineError],
-               emit: Callable[[dict[str, Any]], None]) -> Iterator[Job | LineError] | None:
-        """Fill idle rows, first with waiting samples, then from `source`, up to
-        `live_cap` rows in all; returns None once the source is exhausted."""
+    def _admit(self, source: Iterator[Job | LineError] | None,
+               emit: Callable[[dict[str, Any]], None],
+               pull: bool) -> Iterator[Job | LineError] | None:
+        """Fill idle rows, first with waiting samples, then (if `pull`) from `source`, up
+        to `live_cap` rows in all; returns the source, or None once it is exhausted."""
         live = sum(s is not None for s in self.rows)
         for row in range(len(self.rows)):
             if self.rows[row] is not None:
@@ -225,7 +229,9 @@ class Engine:
             if live >= self.live_cap:
                 break
             while not self.waiting:
-                item = next(source, None) if source is not None else None
+                if not pull or source is None:
+                    return source
+                item = next(source, None)
                 if item is None:
                     return None
                 if isinstance(item, LineError):
