@@ -40,7 +40,7 @@ bench: setup
 	$(BIN)/python bench/step_profile.py --models default --batch-sizes 1,8,32
 	$(BIN)/python bench/scaling.py
 	$(BIN)/python bench/controller_costs.py
-	$(BIN)/python bench/peers.py
+	$(BIN)/python bench/peers.py --repeats 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
