@@ -101,6 +101,10 @@ def main() -> None:
 @click.option("--controller-timeout-ms", type=click.IntRange(1), default=50, show_default=True,
               help="Wall-clock deadline of each controller call.")
 @click.option("--no-ff", is_flag=True, help="Sample forced tokens one by one (no fast-forward).")
+@click.option("--draft-tokens", type=click.IntRange(0, 64), default=4, show_default=True,
+              help="Prompt-lookup draft length for greedy lines: tokens guessed from the "
+                   "line's own history and kept where the model agrees (outputs unchanged, "
+                   "fewer passes). 0 turns drafts off.")
 @click.option("--step-stats", is_flag=True, help="Add per-step records to each result line.")
 @click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
               help="Write the run summary (JSON) here.")
@@ -113,7 +117,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         max_tokens: int, temperature: float, top_p: float, seed: int, stop: tuple[str, ...],
         n: int, input_format: str, json_schema: str | None, regex: str | None, choices: str | None,
         json_permissive: bool, controller: str | None, controller_arg: str,
-        controller_timeout_ms: int, no_ff: bool, step_stats: bool, stats_out: str | None,
+        controller_timeout_ms: int, no_ff: bool, draft_tokens: int, step_stats: bool,
+        stats_out: str | None,
         resume: bool, quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
     per input line.
@@ -150,6 +155,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         engine=EngineConfig(
             batch_size=batch_size,
             fast_forward=not no_ff,
+            draft_tokens=draft_tokens,
             step_stats=step_stats,
             strict_json=not json_permissive,
         ),

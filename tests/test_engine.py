@@ -327,3 +327,28 @@ def test_samples_of_a_started_line_finish_after_admission_stops(lm: LoadedModel)
     )
     assert [r["index"] for r in results] == [1]
     assert len(results[0]["choices"]) == 3
+
+
+def test_prompt_lookup_drafts_keep_greedy_outputs_and_save_passes(lm: LoadedModel) -> None:
+    """Verified drafts change nothing in what greedy decoding writes, only how many
+    passes it takes; sampled rows and grammars keep working beside them."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {
+        "enum": ["quick brown fox", "lazy dog"]}}}, "required": ["a"]}
+    jobs = [
+        job(1, prompt="the quick brown fox the quick brown fox the quick", max_tokens=40),
+        job(2, prompt="Hello World Hello World", max_tokens=40,
+            constraint=Constraint("regex", "(Hello World ){2,8}")),
+        job(3, prompt="A list", max_tokens=60, constraint=Constraint("json_schema", schema)),
+        job(4, prompt="sampled", max_tokens=20, temperature=0.9),
+        job(5, prompt="stop here", max_tokens=40, stop=("fox",)),
+    ]
+    plain = by_index(run(lm, jobs, batch_size=3, draft_tokens=0))
+    drafted = by_index(run(lm, jobs, batch_size=3, draft_tokens=4))
+    for i in plain:
+        assert drafted[i]["text"] == plain[i]["text"], i
+        assert drafted[i]["finish_reason"] == plain[i]["finish_reason"]
+    taken = sum(r["stats"]["draft_tokens"] for r in drafted.values())
+    assert taken > 0
+    assert drafted[4]["stats"]["draft_tokens"] == 0  # sampled rows are never drafted
+    passes = [sum(r["stats"]["forward_passes"] for r in rs.values()) for rs in (plain, drafted)]
+    assert passes[1] < passes[0]

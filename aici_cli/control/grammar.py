@@ -477,6 +477,11 @@ class GrammarController:
             raise self._fault()
         return self._next()
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar accepts from the current state, consuming
+        nothing (used to trim draft tokens before they are verified)."""
+        return int(self.matcher.validate_tokens(list(tokens)))
+
     def on_eos(self) -> Directive | None:
         """End-of-sequence was sampled: a normal stop, unless the last mask failed.
 

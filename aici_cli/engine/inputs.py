@@ -23,7 +23,10 @@ class ForwardInputs:
     position_ids: torch.Tensor  # [1, T] long
     # A placeholder 4D mask: it tells transformers not to build one (attention.py ignores it).
     attention_mask: torch.Tensor | dict[str, torch.Tensor]
-    last: torch.Tensor  # [b] long: packed index of each row's last token (0 for idle rows)
+    # Packed indices whose logits the pass returns: `keep[i]` trailing tokens of each row
+    # (1 by default; 0 tokens fed: a dummy index 0).
+    last: torch.Tensor
+    first: list[int]  # row i's logits start at row first[i] of the returned logits
     plan: PackedPlan
 
 
@@ -63,28 +66,34 @@ def build_inputs(
     chunks: Sequence[Sequence[int]],
     mask_shape: MaskShape,
     device: torch.device,
+    keep: Sequence[int] | None = None,
 ) -> ForwardInputs:
     """Inputs for rows `first_row ..` whose cache holds `lengths[i]` tokens and which feed
-    `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty."""
+    `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty.
+    `keep[i]` (default 1): how many of row i's last positions to return logits for."""
     b = len(chunks)
     window = mask_shape.sliding_window
     ids: list[int] = []
     positions: list[int] = []
     token_rows: list[int] = []
-    last = [0] * b
+    last: list[int] = []
+    first: list[int] = []
     single_tok = [0] * b
     members: list[int] = []
     runs: list[RowRun] = []
     single_kv = 1
     for i, (length, chunk) in enumerate(zip(lengths, chunks)):
         n = len(chunk)
+        first.append(len(last))
         if n == 0:
+            last.append(0)
             continue
         start = len(ids)
         ids += chunk
         positions += range(length, length + n)
         token_rows += [first_row + i] * n
-        last[i] = start + n - 1
+        k = keep[i] if keep is not None else 1
+        last += range(start + n - k, start + n)
         if n == 1:
             single_tok[i] = start
             members.append(i)
@@ -134,13 +143,15 @@ def build_inputs(
         position_ids=pos_t[None].to(device),
         attention_mask=mask,
         last=torch.tensor(last, dtype=torch.long, device=device),
+        first=first,
         plan=plan,
     )
 
 
 def forward(model: Any, cache: Any, inputs: ForwardInputs) -> torch.Tensor:
-    """One packed pass; returns the logits of each row's last token, [b, vocab] (rows
-    that fed nothing get the logits of token 0, to be ignored)."""
+    """One packed pass; returns the logits of the positions `inputs.last` names: [b, vocab]
+    with the default `keep`, row i's last token in row i (rows that fed nothing get the
+    logits of token 0, to be ignored)."""
     cache.plan = inputs.plan
     with packed(inputs.plan):
         out = model(

@@ -31,8 +31,9 @@ from aici_cli.control.base import Controller, ControllerError, Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController, GrammarError
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
+from aici_cli.engine.draft import lookup
 from aici_cli.engine.inputs import MaskShape, build_inputs, forward
-from aici_cli.engine.sampling import row_generator, sample
+from aici_cli.engine.sampling import MIN_TEMPERATURE, row_generator, sample
 from aici_cli.engine.sequence import Family, Finish, Sequence
 from aici_cli.jobs import Job, LineError, error_result
 from aici_cli.models import LoadedModel, ModelError, render_prompt
@@ -61,6 +62,8 @@ class EngineConfig:
     step_stats: bool = False
     strict_json: bool = True
     initial_capacity: int = 256
+    # Prompt-lookup draft length for greedy rows (see draft.py); below 2: no drafts.
+    draft_tokens: int = 4
 
 
 def controller_fault(e: Exception) -> tuple[str, str]:
@@ -323,18 +326,22 @@ class Engine:
         t_start = time.perf_counter()
         rows, seqs = self._take_part()
         fresh = any(s is not None and s.length == 0 for s in seqs)
-        chunks = [s.pending if s is not None else [] for s in seqs]
         lengths = [s.length if s is not None else 0 for s in seqs]
+        drafts = self._drafts(seqs)  # before the mask worker starts: both read matchers
+        fed = sum(len(s.pending) for s in seqs if s is not None)
+        fed += sum(len(d) - 1 for d in drafts if d)
 
         masks = self.pool.submit(self._masks, rows, seqs)  # overlaps the forward pass
 
         t0 = time.perf_counter()
-        logits, out_of_memory = self._forward(rows[0], lengths, chunks)
-        # [b, V] in the model's dtype: masking and greedy argmax need no fp32 copy (a bf16
-        # value widens to fp32 exactly, so argmax is the same); `sample` widens what it
-        # samples with temperature.
-        if logits.shape[-1] > self.vocab_size:
-            logits = logits[:, : self.vocab_size]
+        every, first, out_of_memory = self._forward_drafts(rows[0], lengths, seqs, drafts)
+        # In the model's dtype: masking and greedy argmax need no fp32 copy (a bf16 value
+        # widens to fp32 exactly, so argmax is the same); `sample` widens what it samples
+        # with temperature. `every` holds draft positions too; `logits` [b, V] the row's
+        # next token after its real tokens.
+        if every.shape[-1] > self.vocab_size:
+            every = every[:, : self.vocab_size]
+        logits = every if every.shape[0] == len(seqs) else every[first]
         t1 = time.perf_counter()
 
         result = masks.result()
@@ -373,7 +380,7 @@ class Engine:
         times = StepTimes(
             kind="prefill" if fresh else "decode",
             rows=len(real),
-            tokens=sum(len(c) for c in chunks),
+            tokens=fed,
             forward_ms=ms(t0, t1),
             mask_ms=ms(t1, t2),
             mask_wait_ms=ms(t1, t_mask_ready),
@@ -384,6 +391,8 @@ class Engine:
             seq = seqs[k]
             assert seq is not None
             controller_ms += self._commit(seq, token, times)
+            if drafts[k]:
+                controller_ms += self._accept_draft(seq, drafts[k], token, every, first[k])
         for k, directive in deferred.items():
             seq = seqs[k]
             if seq is not None:
@@ -398,6 +407,83 @@ class Engine:
             if seq is not None and seq.finish is not None:
                 self.rows[rows[k]] = None
                 self._finish(seq, emit)
+
+    def _drafts(self, seqs: list[Sequence | None]) -> list[list[int]]:
+        """A prompt-lookup draft per row (empty: none): greedy rows past their prefill,
+        with no controller or a grammar one, trimmed to what the grammar accepts, to
+        the token budget and to before any end-of-sequence token."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        k = self.config.draft_tokens
+        if k < 2:
+            return drafts
+        for i, seq in enumerate(seqs):
+            if seq is None or seq.length == 0 or seq.job.temperature >= MIN_TEMPERATURE:
+                continue
+            controller = seq.controller
+            if controller is not None and not hasattr(controller, "valid_prefix"):
+                continue  # a wasm controller's next answer cannot be predicted
+            n = min(k, seq.job.max_tokens - len(seq.output))
+            if n < 2:
+                continue
+            draft = lookup(seq.prompt, seq.output, n)
+            for j, token in enumerate(draft):
+                if token in self.eos:
+                    del draft[j:]
+                    break
+            if controller is not None and draft:
+                del draft[controller.valid_prefix(draft):]  # type: ignore[attr-defined]
+            if len(draft) >= 2:
+                drafts[i] = draft
+        return drafts
+
+    def _forward_drafts(
+        self, first_row: int, lengths: list[int], seqs: list[Sequence | None],
+        drafts: list[list[int]],
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The pass, with each row's draft (but its last token) fed after its pending
+        tokens: logits for the row's next token and after each fed draft token (row i's
+        start at `first[i]`), and the rows out of memory even alone.
+
+        A draft d is checked against the logits after d[0..-2]: its last token needs no
+        pass of its own. Out of memory, drafts are dropped and the pass retried as usual.
+        """
+        chunks = [s.pending if s is not None else [] for s in seqs]
+        if any(drafts):
+            fed = [c + d[:-1] for c, d in zip(chunks, drafts)]
+            keep = [max(1, len(d)) for d in drafts]
+            try:
+                self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
+                inputs = build_inputs(first_row, lengths, fed, self.mask_shape,
+                                      self.lm.device, keep)
+                return forward(self.model, self.cache, inputs), inputs.first, []
+            except Exception as e:
+                if not is_out_of_memory(e):
+                    raise
+                drafts[:] = [[] for _ in drafts]
+        logits, out_of_memory = self._forward(first_row, lengths, chunks)
+        return logits, list(range(len(chunks))), out_of_memory
+
+    def _accept_draft(self, seq: Sequence, draft: list[int], picked: int,
+                      every: torch.Tensor, at: int) -> float:
+        """Take the draft's tokens after `picked` while each is what the model predicts
+        after the one before (so the output is what greedy decoding gives), stopping at
+        anything else the sequence does: finishing, forced tokens, a backtrack.
+        Returns the controller's ms."""
+        if draft[0] != picked or seq.finish is not None:
+            return 0.0
+        predicted = every[at + 1 : at + len(draft)].argmax(dim=-1).tolist()
+        spent = 0.0
+        previous = picked
+        for token, expected in zip(draft[1:], predicted):
+            # An allowed token that is the unmasked argmax is the masked argmax too.
+            if token != expected or seq.finish is not None or seq.pending != [previous]:
+                break
+            seq.length += 1  # `previous` was fed in this pass as a draft token
+            seq.pending = []
+            spent += self._take_token(seq, token)
+            seq.stats.draft_tokens += 1
+            previous = token
+        return spent
 
     def _forward(self, first_row: int, lengths: list[int],
                  chunks: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
@@ -521,6 +607,15 @@ class Engine:
         if st.ttft_ms == 0.0:
             st.ttft_ms = ms(seq.started, now)
         ff_before = st.ff_tokens
+        controller_ms = self._take_token(seq, token)
+        self._record_step(seq, times, sampled=0 if token in self.eos else 1,
+                          forced=st.ff_tokens - ff_before, controller_ms=controller_ms)
+        return controller_ms
+
+    def _take_token(self, seq: Sequence, token: int) -> float:
+        """`token` follows the sequence's tokens (all in the cache): end at EOS, or append
+        it and apply the controller's answer. Returns the controller's ms."""
+        st = seq.stats
         controller_ms = 0.0
         on_eos = getattr(seq.controller, "on_eos", None)
         if token in self.eos and on_eos is not None:
@@ -557,8 +652,6 @@ class Engine:
                     self._check_limits(seq)
             elif seq.controller is None:
                 self._check_limits(seq)
-        self._record_step(seq, times, sampled=0 if token in self.eos else 1,
-                          forced=st.ff_tokens - ff_before, controller_ms=controller_ms)
         return controller_ms
 
     def _check_limits(self, seq: Sequence) -> bool:

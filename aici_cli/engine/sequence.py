@@ -20,6 +20,7 @@ class SeqStats:
     output_tokens: int = 0
     forward_passes: int = 0
     ff_tokens: int = 0
+    draft_tokens: int = 0  # output tokens taken from verified drafts (no pass of their own)
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     forward_ms: float = 0.0
