@@ -226,6 +226,14 @@ class WasmController:
             return d
         return self._end_segment(Directive(forced=d.forced))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """Draft tokens the host can vouch for: inside a grammar segment, those its
+        grammar accepts (the segment's end is its grammar's end); anywhere the guest
+        decides next, none."""
+        if self._pending is not None or self.segment is None or self.segment.grammar is None:
+            return 0
+        return self.segment.grammar.valid_prefix(tokens)
+
     def on_eos(self) -> Directive | None:
         """End-of-sequence inside a segment ends the segment, not the sequence."""
         if self.segment is None:

@@ -478,6 +478,10 @@ class Engine:
             # An allowed token that is the unmasked argmax is the masked argmax too.
             if token != expected or seq.finish is not None or seq.pending != [previous]:
                 break
+            # Ask again from the controller's current state: a segment may have ended
+            # (its guest decides what follows) since the draft was checked.
+            if seq.controller is not None and seq.controller.valid_prefix([token]) < 1:  # type: ignore[attr-defined]
+                break
             seq.length += 1  # `previous` was fed in this pass as a draft token
             seq.pending = []
             spent += self._take_token(seq, token)
