@@ -120,3 +120,21 @@ def test_controller_arg_from_cli_and_bad_lines(tiny_model_dir: Path,
     assert results[2]["error"]["type"] == "invalid_line"
     assert results[3]["finish_reason"] == "error"
     assert "max_tokens must be at least 1" in results[3]["error"]["message"]
+
+
+@pytest.mark.parametrize("name", ["yes_no", "profile", "rewrite"])
+def test_drafts_inside_segments_change_no_output(tiny_model_dir: Path, built: dict[str, Path],
+                                                 name: str) -> None:
+    """Prompt-lookup drafts run inside a wasm controller's grammar segments; what each
+    example writes (text, outputs) is the same with them off."""
+    lines = [{"prompt": f"Make up a person {i}. Make up a person {i}."} for i in range(3)]
+    off = run_controller(tiny_model_dir, built[name], lines, "--max-tokens", "120",
+                         "--draft-tokens", "0")
+    on = run_controller(tiny_model_dir, built[name], lines, "--max-tokens", "120",
+                        "--draft-tokens", "6")
+    assert off[0] == on[0]
+    for i, r in off[1].items():
+        assert on[1][i]["text"] == r["text"]
+        assert on[1][i].get("outputs") == r.get("outputs")
+    if name == "yes_no":  # its free-text segment loops on the tiny model: drafts were taken
+        assert sum(r["stats"]["draft_tokens"] for r in on[1].values()) > 0
