@@ -23,10 +23,11 @@ class ForwardInputs:
     position_ids: torch.Tensor  # [1, T] long
     # A placeholder 4D mask: it tells transformers not to build one (attention.py ignores it).
     attention_mask: torch.Tensor | dict[str, torch.Tensor]
-    # Packed indices whose logits the pass returns: `keep[i]` trailing tokens of each row
-    # (1 by default; 0 tokens fed: a dummy index 0).
+    # Packed indices whose logits the pass returns: first each row's next-token position
+    # (its last real token; 0 for a row that fed nothing), so logits[:b] is [b, V] as a
+    # view; then the `keep[i] - 1` positions after it (draft tokens), row by row.
     last: torch.Tensor
-    first: list[int]  # row i's logits start at row first[i] of the returned logits
+    extra_at: list[int]  # where row i's draft-position logits start in the returned logits
     plan: PackedPlan
 
 
@@ -77,14 +78,15 @@ def build_inputs(
     positions: list[int] = []
     token_rows: list[int] = []
     last: list[int] = []
-    first: list[int] = []
+    extra: list[int] = []
+    extra_at: list[int] = []
     single_tok = [0] * b
     members: list[int] = []
     runs: list[RowRun] = []
     single_kv = 1
     for i, (length, chunk) in enumerate(zip(lengths, chunks)):
         n = len(chunk)
-        first.append(len(last))
+        extra_at.append(b + len(extra))
         if n == 0:
             last.append(0)
             continue
@@ -93,7 +95,8 @@ def build_inputs(
         positions += range(length, length + n)
         token_rows += [first_row + i] * n
         k = keep[i] if keep is not None else 1
-        last += range(start + n - k, start + n)
+        last.append(start + n - k)
+        extra += range(start + n - k + 1, start + n)
         if n == 1:
             single_tok[i] = start
             members.append(i)
@@ -142,8 +145,8 @@ def build_inputs(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         position_ids=pos_t[None].to(device),
         attention_mask=mask,
-        last=torch.tensor(last, dtype=torch.long, device=device),
-        first=first,
+        last=torch.tensor(last + extra, dtype=torch.long, device=device),
+        extra_at=extra_at,
         plan=plan,
     )
 

@@ -334,14 +334,14 @@ class Engine:
         masks = self.pool.submit(self._masks, rows, seqs)  # overlaps the forward pass
 
         t0 = time.perf_counter()
-        every, first, out_of_memory = self._forward_drafts(rows[0], lengths, seqs, drafts)
+        every, extra_at, out_of_memory = self._forward_drafts(rows[0], lengths, seqs, drafts)
         # In the model's dtype: masking and greedy argmax need no fp32 copy (a bf16 value
         # widens to fp32 exactly, so argmax is the same); `sample` widens what it samples
-        # with temperature. `every` holds draft positions too; `logits` [b, V] the row's
-        # next token after its real tokens.
+        # with temperature. `logits` [b, V] (a view): each row's next token after its real
+        # tokens; draft positions follow in `every`.
         if every.shape[-1] > self.vocab_size:
             every = every[:, : self.vocab_size]
-        logits = every if every.shape[0] == len(seqs) else every[first]
+        logits = every[: len(seqs)]
         t1 = time.perf_counter()
 
         result = masks.result()
@@ -392,7 +392,8 @@ class Engine:
             assert seq is not None
             controller_ms += self._commit(seq, token, times)
             if drafts[k]:
-                controller_ms += self._accept_draft(seq, drafts[k], token, every, first[k])
+                controller_ms += self._accept_draft(seq, drafts[k], token, every,
+                                                    extra_at[k])
         for k, directive in deferred.items():
             seq = seqs[k]
             if seq is not None:
@@ -441,8 +442,8 @@ class Engine:
         drafts: list[list[int]],
     ) -> tuple[torch.Tensor, list[int], list[int]]:
         """The pass, with each row's draft (but its last token) fed after its pending
-        tokens: logits for the row's next token and after each fed draft token (row i's
-        start at `first[i]`), and the rows out of memory even alone.
+        tokens: logits for each row's next token (rows 0..b-1), then after each fed draft
+        token (row i's from `extra_at[i]`), and the rows out of memory even alone.
 
         A draft d is checked against the logits after d[0..-2]: its last token needs no
         pass of its own. Out of memory, drafts are dropped and the pass retried as usual.
@@ -455,23 +456,24 @@ class Engine:
                 self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
                 inputs = build_inputs(first_row, lengths, fed, self.mask_shape,
                                       self.lm.device, keep)
-                return forward(self.model, self.cache, inputs), inputs.first, []
+                return forward(self.model, self.cache, inputs), inputs.extra_at, []
             except Exception as e:
                 if not is_out_of_memory(e):
                     raise
                 drafts[:] = [[] for _ in drafts]
         logits, out_of_memory = self._forward(first_row, lengths, chunks)
-        return logits, list(range(len(chunks))), out_of_memory
+        return logits, [len(chunks)] * len(chunks), out_of_memory
 
     def _accept_draft(self, seq: Sequence, draft: list[int], picked: int,
                       every: torch.Tensor, at: int) -> float:
+        # every[at + j]: the logits after draft[j], which decide draft[j + 1].
         """Take the draft's tokens after `picked` while each is what the model predicts
         after the one before (so the output is what greedy decoding gives), stopping at
         anything else the sequence does: finishing, forced tokens, a backtrack.
         Returns the controller's ms."""
         if draft[0] != picked or seq.finish is not None:
             return 0.0
-        predicted = every[at + 1 : at + len(draft)].argmax(dim=-1).tolist()
+        predicted = every[at : at + len(draft) - 1].argmax(dim=-1).tolist()
         spent = 0.0
         previous = picked
         for token, expected in zip(draft[1:], predicted):
