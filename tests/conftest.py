@@ -22,3 +22,20 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Session-scoped and shared: tests must not modify its files (copy it first).
     """
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def stub_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
+    """A private conversion cache (`tmp_path/cache`), and the ~20 s GGUF conversion
+    replaced by writing a stub config; returns the GGUF files converted."""
+    from aici_cli import models
+
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
+    calls: list[Path] = []
+
+    def convert(gguf: Path, out_dir: Path) -> None:
+        calls.append(gguf)
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    return calls

@@ -261,19 +261,6 @@ def test_damaged_gguf_is_one_line_and_leaves_no_cache_entry(
     assert cache_entries(private_cache) == []
 
 
-@pytest.fixture
-def stub_conversion(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
-    """Replace the ~20 s conversion by writing a stub model; returns the calls."""
-    calls: list[Path] = []
-
-    def convert(gguf: Path, out_dir: Path) -> None:
-        calls.append(gguf)
-        (out_dir / "config.json").write_text("{}")
-
-    monkeypatch.setattr(models, "_convert_gguf", convert)
-    return calls
-
-
 def test_stale_temporary_dir_is_removed_and_a_live_one_kept(
     tmp_path: Path, private_cache: Path, stub_conversion: list[Path]
 ) -> None:

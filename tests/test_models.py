@@ -205,22 +205,8 @@ def test_cache_dir_precedence(monkeypatch, tmp_path: Path) -> None:
     assert cache_dir() == tmp_path / "explicit"
 
 
-@pytest.fixture
-def fake_conversion(monkeypatch, tmp_path: Path) -> list[Path]:
-    """Replace the ~20 s GGUF conversion by writing a stub config; returns the calls."""
-    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
-    calls: list[Path] = []
-
-    def convert(gguf: Path, out_dir: Path) -> None:
-        calls.append(gguf)
-        (out_dir / "config.json").write_text("{}")
-
-    monkeypatch.setattr(models, "_convert_gguf", convert)
-    return calls
-
-
 def test_gguf_is_converted_once_into_a_keyed_cache_dir(
-    fake_conversion: list[Path], tmp_path: Path
+    stub_conversion: list[Path], tmp_path: Path
 ) -> None:
     gguf = tmp_path / "My Model.Q4.gguf"
     gguf.write_bytes(EMPTY_GGUF)
@@ -231,7 +217,7 @@ def test_gguf_is_converted_once_into_a_keyed_cache_dir(
     assert first == second
     assert first.parent == tmp_path / "cache" / "models"
     assert first.name.startswith("my-model.q4-") and len(first.name) == len("my-model.q4-") + 12
-    assert fake_conversion == [gguf.resolve()]
+    assert stub_conversion == [gguf.resolve()]
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temp left
 
     os.utime(gguf, ns=(0, 0))  # a changed file gets a new cache entry
