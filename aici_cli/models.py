@@ -605,10 +605,11 @@ def _load_weights(path: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
             output_loading_info=True,
         )
+        model, info = loaded  # (model, loading info) with output_loading_info
     except Exception as exc:  # corrupt/missing files surface as many exception types
         problem = model_files_problem(path) or _load_problem(exc)
         raise ModelError(f"cannot load model from {path}: {problem}{_cache_hint(path)}") from exc

@@ -391,8 +391,9 @@ class GrammarCompiler:
         errors: list[str] = []
         for note, extra in RELAXATIONS:
             try:
+                options: Any = {**JSON_OPTIONS, **extra}  # a JsonCompileOptions dict
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    schema, overrides={**JSON_OPTIONS, **extra}
+                    schema, overrides=options
                 )
             except ValueError as e:
                 errors.append(str(e))

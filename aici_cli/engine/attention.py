@@ -141,9 +141,9 @@ def rows_attention(
         q = query[:, :, r.start : r.start + r.n]  # [1, H, n, D]
         k = key[r.row : r.row + 1, :, : r.kv_len]
         v = value[r.row : r.row + 1, :, : r.kv_len]
-        mask = r.sliding if windowed and r.sliding is not None else r.mask
+        run_mask = r.sliding if windowed and r.sliding is not None else r.mask
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
+            q, k, v, attn_mask=run_mask, is_causal=run_mask is None, scale=scaling,
             enable_gqa=rep > 1,
         )
         out[r.start : r.start + r.n] = o[0].transpose(0, 1)
