@@ -33,7 +33,6 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy aici_cli --ignore-missing-imports
-	$(BIN)/ruff format --check .
 
 # Benchmarks (not pass/fail): results land in out/. Peers need bench/peers/requirements.txt.
 bench: setup
