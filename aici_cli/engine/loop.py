@@ -386,14 +386,18 @@ class Engine:
             mask_wait_ms=ms(t1, t_mask_ready),
             sample_ms=ms(t2, t3),
         )
+        # The model's own pick after every fed draft token, in one call for the batch.
+        b = len(seqs)
+        predicted = every[b:].argmax(dim=-1).tolist() if every.shape[0] > b else []
         controller_ms = 0.0
         for k, token in zip(real, picked):
             seq = seqs[k]
             assert seq is not None
             controller_ms += self._commit(seq, token, times)
             if drafts[k]:
-                controller_ms += self._accept_draft(seq, drafts[k], token, every,
-                                                    extra_at[k])
+                at = extra_at[k] - b
+                controller_ms += self._accept_draft(
+                    seq, drafts[k], token, predicted[at : at + len(drafts[k]) - 1])
         for k, directive in deferred.items():
             seq = seqs[k]
             if seq is not None:
@@ -465,15 +469,13 @@ class Engine:
         return logits, [len(chunks)] * len(chunks), out_of_memory
 
     def _accept_draft(self, seq: Sequence, draft: list[int], picked: int,
-                      every: torch.Tensor, at: int) -> float:
-        # every[at + j]: the logits after draft[j], which decide draft[j + 1].
+                      predicted: list[int]) -> float:
         """Take the draft's tokens after `picked` while each is what the model predicts
-        after the one before (so the output is what greedy decoding gives), stopping at
-        anything else the sequence does: finishing, forced tokens, a backtrack.
-        Returns the controller's ms."""
+        after the one before (`predicted[j]`: its unmasked argmax after draft[j]), so the
+        output is what greedy decoding gives; stop at anything else the sequence does:
+        finishing, forced tokens, a backtrack. Returns the controller's ms."""
         if draft[0] != picked or seq.finish is not None:
             return 0.0
-        predicted = every[at : at + len(draft) - 1].argmax(dim=-1).tolist()
         spent = 0.0
         previous = picked
         for token, expected in zip(draft[1:], predicted):
