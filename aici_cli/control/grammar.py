@@ -444,17 +444,17 @@ class GrammarController:
     def _next(self) -> Directive:
         m = self.matcher
         if m.is_error():
-            raise self._fault()
+            raise self.fault()
         if m.is_stopped():
             return Directive(stop=True)
         if not self.fast_forward:
             return Directive()
         forced = m.compute_ff_tokens()
         if m.is_error() or (forced and not m.consume_tokens(forced)):
-            raise self._fault()
+            raise self.fault()
         return Directive(forced=tuple(forced), stop=m.is_stopped())
 
-    def _fault(self) -> ControllerError:
+    def fault(self) -> ControllerError:
         """The error of a matcher in its error state, typed by cause.
 
         A per-step limit of `GRAMMAR_LIMITS` (lexer fuel, lexer states, Earley items) is
@@ -475,7 +475,7 @@ class GrammarController:
 
     def advance(self, tokens: Sequence[int]) -> Directive:
         if not self.matcher.consume_tokens(list(tokens)):
-            raise self._fault()
+            raise self.fault()
         return self._next()
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
@@ -491,13 +491,13 @@ class GrammarController:
         this check the sequence would end as a normal stop with a truncated output.
         """
         if self.matcher.is_error():
-            raise self._fault()
+            raise self.fault()
         return None
 
     def fill_mask(self, out: torch.Tensor) -> bool:
         self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
         if self.matcher.is_error():
-            raise self._fault()
+            raise self.fault()
         return True
 
     def report(self, text: str) -> dict[str, Any]:

@@ -533,6 +533,7 @@ class Engine:
         failed: dict[int, ControllerError] = {}
         deferred: dict[int, Directive] = {}
         grammar: list[tuple[llguidance.LLMatcher, int]] = []
+        grammar_k: list[tuple[int, Controller]] = []
         custom: list[tuple[int, int, Controller]] = []
         for k, (row, seq) in enumerate(zip(rows, seqs)):
             if seq is None or seq.controller is None:
@@ -540,6 +541,7 @@ class Engine:
             matcher = getattr(seq.controller, "matcher", None)
             if matcher is not None:  # llguidance-backed: filled in parallel with the others
                 grammar.append((matcher, row))
+                grammar_k.append((k, seq.controller))
             else:
                 custom.append((k, row, seq.controller))
         if not grammar and not custom:
@@ -548,6 +550,11 @@ class Engine:
             self.executor.unsafe_compute_mask_ptr(
                 grammar, self.bitmask.data_ptr(), self.words * 4, self.bitmask.shape[0]
             )
+            # A matcher that failed computing its mask (a per-step limit) allows only EOS:
+            # end the row with its error here rather than sample that EOS.
+            for (matcher, _), (k, controller) in zip(grammar, grammar_k):
+                if matcher.is_error():
+                    failed[k] = controller.fault()  # type: ignore[attr-defined]
         constrained = {row for _, row in grammar}
         for k, row, controller in custom:
             try:
