@@ -12,9 +12,9 @@ from typing import Any, NoReturn
 import click
 
 from aici_cli import __version__
-from aici_cli.engine.loop import EngineConfig
-from aici_cli.jobs import Constraint, JobDefaults, UsageError
-from aici_cli.models import ModelError
+from aici_cli.config import EngineConfig, JobDefaults
+from aici_cli.control.constraint import Constraint
+from aici_cli.errors import ModelError, UsageError
 
 
 class FatalError(click.ClickException):
@@ -46,7 +46,7 @@ def _constraint(json_schema: str | None, regex: str | None,
         options = [c for c in choices.split(",") if c]
         if not options:
             raise FatalError("--choices needs at least one non-empty choice")
-        return Constraint("choices", options)
+        return Constraint("choice", options)
     return None
 
 
@@ -142,7 +142,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     (SIGTERM) when interrupted before every line ran.
     """
     try:
-        from aici_cli.runner import RunConfig, run_batch  # heavy imports (torch) only here
+        from aici_cli.config import RunConfig
+        from aici_cli.runner import run_batch  # heavy imports (torch) only here
     except KeyboardInterrupt:
         _exit_interrupted(signal.SIGINT)
 

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Literal
+from typing import IO, Any, BinaryIO
 
 import numpy as np
 from jsonschema import Draft202012Validator
@@ -31,45 +31,9 @@ from referencing import Registry, Resource, Specification
 from referencing.exceptions import NoSuchAnchor, NoSuchResource, PointerToNowhere, Unresolvable
 from referencing.jsonschema import DRAFT202012, specification_with
 
-ConstraintKind = Literal["json_schema", "regex", "choices", "lark"]
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """What a built-in controller enforces. `value` is a schema dict, a regex or a list."""
-
-    kind: ConstraintKind
-    value: Any
-
-
-MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class JobDefaults:
-    """CLI-level defaults; a line's own fields override them.
-
-    The `max_*` limits are not per-line settings: they bound what one hostile line can
-    cost (memory, parser and schema-checker time, grammar compile time), and a line past
-    one becomes an error result like any other bad line.
-    """
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    constraint: Constraint | None = None
-    n: int = 1
-    # A line's size in UTF-8 bytes, without its line ending; checked before decoding.
-    max_line_bytes: int = 8 * MIB
-    # A line's `json_schema`, `regex` or `choices` as compact JSON: the grammar compiler's
-    # time grows with it (about 10 s at 1 MiB), and real schemas stay far below.
-    max_constraint_bytes: int = MIB
-    # Nesting of arrays and objects, the line itself being level 1. Beyond about 125
-    # levels llguidance refuses a schema and recursive checks come near Python's stack
-    # limit, so deeper lines are refused here with a message that says so.
-    max_depth: int = 100
+from aici_cli.config import MIB, JobDefaults
+from aici_cli.control.constraint import Constraint
+from aici_cli.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -98,11 +62,6 @@ class LineError:
     id: str
     type: str
     message: str
-
-
-class UsageError(Exception):
-    """A problem with how the CLI was invoked (e.g. unreadable input); the CLI prints it
-    as one line and exits with a usage status instead of showing a traceback."""
 
 
 # --------------------------------------------------------------------------- schemas
@@ -730,7 +689,7 @@ def _constraint(
             return _line_error(index, id_, "invalid_regex", problem)
         return Constraint("regex", obj["regex"])
     if "choices" in obj:
-        return Constraint("choices", list(obj["choices"]))
+        return Constraint("choice", list(obj["choices"]))
     return defaults.constraint
 
 

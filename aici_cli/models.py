@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from aici_cli.errors import ModelError, NoChatTemplateError
 from aici_cli.model_files import model_files_problem, tokenizer_files_problem
 
 logger = logging.getLogger(__name__)
@@ -88,19 +89,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-class ModelError(Exception):
-    """A one-line, user-facing reason the model cannot be used (the CLI exits with 2)."""
-
-
-class NoChatTemplateError(ModelError):
-    """A `messages` line for a model without a chat template: that line's error only.
-
-    The engine reports `type` as the line's error type; `prompt` lines still run.
-    """
-
-    type = "no_chat_template"
 
 
 @dataclass

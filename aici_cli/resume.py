@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO
 
-from aici_cli.jobs import UsageError
+from aici_cli.errors import UsageError
 from aici_cli.openai_batch import as_result
 
 try:  # POSIX only; elsewhere two runs on one output are not kept apart

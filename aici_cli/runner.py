@@ -17,20 +17,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-from aici_cli.engine.loop import ControllerFactory, Engine, EngineConfig
-from aici_cli.jobs import (
-    Job,
-    JobDefaults,
-    LineError,
-    ResultWriter,
-    UsageError,
-    open_input,
-    read_jobs,
-)
+from aici_cli.config import RunConfig
+from aici_cli.engine.loop import ControllerFactory, Engine
+from aici_cli.errors import UsageError
+from aici_cli.jobs import Job, LineError, ResultWriter, open_input, read_jobs
 from aici_cli.models import load_model
 from aici_cli.openai_batch import BatchFormat, looks_like_request
 from aici_cli.resume import InputLines, Interrupted, OutputFile, ResumePlan
@@ -40,24 +34,6 @@ from aici_cli.ui import RunDisplay
 # fsync the output at most this often: an fsync costs milliseconds, more than a short
 # result takes to produce, and a process crash loses nothing without one (see ResultWriter).
 SYNC_INTERVAL_S = 1.0
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    input: str  # path or "-"
-    output: str = "-"  # path or "-"
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    defaults: JobDefaults = field(default_factory=JobDefaults)
-    stats_out: str | None = None
-    quiet: bool = False
-    controller: str | None = None  # path of a .wasm controller component
-    controller_arg: str = ""  # its argument, for lines without their own `controller_arg`
-    controller_call_ms: int = 50  # deadline per guest call
-    resume: bool = False  # skip lines whose result is already in `output`, append the rest
-    input_format: str = "auto"  # "aici", "openai" (batch requests), or "auto": by first line
 
 
 @dataclass
@@ -79,9 +55,9 @@ class RunOutcome:
 def wasm_factory(config: RunConfig, engine: Engine,
                  call_times: list[float]) -> ControllerFactory:
     """A factory giving every job its own runner of the `--controller` component."""
-    from aici_cli.control.base import ControllerError
     from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
     from aici_cli.control.wasm_controller import TokenizerServices, WasmController
+    from aici_cli.errors import ControllerError
 
     assert config.controller is not None
     try:

@@ -81,11 +81,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "controller_costs")
     args = ap.parse_args()
 
+    from aici_cli.config import EngineConfig, JobDefaults, RunConfig
     from aici_cli.control.build import build_controller
     from aici_cli.control.wasm import ControllerComponent
-    from aici_cli.engine.loop import EngineConfig
-    from aici_cli.jobs import JobDefaults
-    from aici_cli.runner import RunConfig, run_batch
+    from aici_cli.runner import run_batch
 
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}

@@ -66,9 +66,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "coverage")
     args = ap.parse_args()
 
-    from aici_cli.engine.loop import EngineConfig
-    from aici_cli.jobs import JobDefaults
-    from aici_cli.runner import RunConfig, run_batch
+    from aici_cli.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.runner import run_batch
     from aici_cli.stats import percentile
 
     if not args.data.is_dir():

@@ -32,7 +32,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "scaling.json")
     args = ap.parse_args()
 
-    from aici_cli.engine.loop import Engine, EngineConfig
+    from aici_cli.config import EngineConfig
+    from aici_cli.engine.loop import Engine
     from aici_cli.jobs import Job
     from aici_cli.models import load_model
 

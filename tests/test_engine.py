@@ -10,9 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from aici_cli.control.base import ControllerError, Directive
-from aici_cli.engine.loop import Engine, EngineConfig
-from aici_cli.jobs import Constraint, Job, LineError
+from aici_cli.config import EngineConfig
+from aici_cli.control.base import Directive
+from aici_cli.control.constraint import Constraint
+from aici_cli.engine.loop import Engine
+from aici_cli.errors import ControllerError
+from aici_cli.jobs import Job, LineError
 from aici_cli.models import LoadedModel, load_model
 
 
@@ -106,7 +109,7 @@ def test_fast_forward_matches_token_by_token_and_saves_passes(lm: LoadedModel) -
 
 def test_choices_and_regex_are_enforced(lm: LoadedModel) -> None:
     results = by_index(run(lm, [
-        job(1, constraint=Constraint("choices", ["red", "green", "blue"])),
+        job(1, constraint=Constraint("choice", ["red", "green", "blue"])),
         job(2, constraint=Constraint("regex", r"[0-9]{3}-[a-z]{2}"), max_tokens=20),
     ]))
     assert results[1]["text"] in ("red", "green", "blue")

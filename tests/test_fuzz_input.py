@@ -26,7 +26,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from aici_cli.jobs import MIB, Job, JobDefaults, LineError, read_jobs
+from aici_cli.config import MIB, JobDefaults
+from aici_cli.jobs import Job, LineError, read_jobs
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULTS = JobDefaults()

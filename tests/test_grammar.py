@@ -9,15 +9,17 @@ from typing import Any
 import jsonschema
 import pytest
 
+from aici_cli.config import EngineConfig
+from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import (
     GrammarCompiler,
     GrammarController,
-    GrammarError,
     close_objects,
     exclusive_one_of,
 )
-from aici_cli.engine.loop import Engine, EngineConfig
-from aici_cli.jobs import Constraint, Job
+from aici_cli.engine.loop import Engine
+from aici_cli.errors import GrammarError
+from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel, load_model
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
@@ -164,7 +166,7 @@ def test_choices_match_exactly_one_choice(compiler: GrammarCompiler, lm: LoadedM
     # One terminal for all choices (linear to compile): quotes, escapes, non-ASCII, an
     # empty choice and choices that are prefixes of others must all still work.
     choices = ['say "hi"\\n', "é ü 日本", "", "yes", "yesss"]
-    compiled = compiler.compile(Constraint("choices", choices))
+    compiled = compiler.compile(Constraint("choice", choices))
 
     def accepted(text: str) -> bool:
         m = GrammarController(compiled, fast_forward=False).matcher

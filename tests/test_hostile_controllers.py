@@ -21,8 +21,8 @@ from click.testing import CliRunner
 
 from aici_cli.cli import main
 from aici_cli.control.actions import Sample, StepInput, TokenSet
-from aici_cli.control.base import ControllerError
 from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits, Runner
+from aici_cli.errors import ControllerError
 
 HERE = Path(__file__).resolve().parent
 WAT = HERE / "wat" / "controller.wat"

@@ -13,17 +13,10 @@ from typing import Any
 
 import pytest
 
-from aici_cli.jobs import (
-    Constraint,
-    Job,
-    JobDefaults,
-    LineError,
-    ResultWriter,
-    UsageError,
-    error_result,
-    open_input,
-    read_jobs,
-)
+from aici_cli.config import JobDefaults
+from aici_cli.control.constraint import Constraint
+from aici_cli.errors import UsageError
+from aici_cli.jobs import Job, LineError, ResultWriter, error_result, open_input, read_jobs
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -287,7 +280,7 @@ def test_line_values_override_defaults() -> None:
     assert (job.max_tokens, job.temperature, job.top_p, job.seed) == (5, 0.0, 1.0, 2**63 - 1)
     assert isinstance(job.temperature, float) and isinstance(job.top_p, float)
     assert job.stop == ()
-    assert job.constraint == Constraint("choices", ["yes", "no"])
+    assert job.constraint == Constraint("choice", ["yes", "no"])
     assert job.extra == {"controller_arg": {"mode": "strict"}}
 
 
@@ -300,7 +293,7 @@ def test_line_values_override_defaults() -> None:
             Constraint("json_schema", {"type": "object", "required": ["a"]}),
         ),
         ("regex", "[0-9]{3}", Constraint("regex", "[0-9]{3}")),
-        ("choices", ["a", "b"], Constraint("choices", ["a", "b"])),
+        ("choices", ["a", "b"], Constraint("choice", ["a", "b"])),
     ],
 )
 def test_line_constraint_replaces_default(field: str, value: Any, expected: Constraint) -> None:

@@ -29,16 +29,15 @@ from safetensors.torch import load_file, save_file
 
 from aici_cli import models
 from aici_cli.cli import main
-from aici_cli.control.base import ControllerError
+from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import (
     MAX_OBJECT_PROPERTIES,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
     GrammarCompiler,
     GrammarController,
-    GrammarError,
 )
-from aici_cli.jobs import Constraint
+from aici_cli.errors import ControllerError, GrammarError
 from aici_cli.models import DEFAULT_MODEL, resolve_model
 
 ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
@@ -443,7 +442,7 @@ TOO_LARGE: list[tuple[str, Constraint, str]] = [
     ("huge enum", Constraint("json_schema", {"enum": [f"value{i}" for i in range(20_000)]}),
      "JSON schema too large or complex to compile within the grammar limits: initial lexer "
      "configuration (grammar) too big (limit for this grammar: 200000)"),
-    ("huge choices", Constraint("choices", [f"choice{i}" for i in range(100_000)]),
+    ("huge choices", Constraint("choice", [f"choice{i}" for i in range(100_000)]),
      "choices too large or complex to compile within the grammar limits: initial lexer "
      "configuration (grammar) too big"),
     ("nested regex", Constraint("regex", "(" * 300 + "a" + ")" * 300),

@@ -29,9 +29,9 @@ from tiny_model import CHAT_TEMPLATE
 
 from aici_cli import models
 from aici_cli.cli import main
+from aici_cli.errors import ModelError
 from aici_cli.models import (
     DEFAULT_MODEL,
-    ModelError,
     ModelSource,
     available_models,
     hub_cache_dir,

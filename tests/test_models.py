@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from aici_cli import models
+from aici_cli.errors import ModelError, NoChatTemplateError
 from aici_cli.models import (
     DEFAULT_MODEL,
-    ModelError,
-    NoChatTemplateError,
     cache_dir,
     load_model,
     pick_device,

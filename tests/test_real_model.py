@@ -13,11 +13,13 @@ import jsonschema
 import pytest
 import torch
 
+from aici_cli.config import EngineConfig
+from aici_cli.control.constraint import Constraint
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.inputs import MaskShape, build_inputs, forward
-from aici_cli.engine.loop import Engine, EngineConfig
-from aici_cli.jobs import Constraint, Job
+from aici_cli.engine.loop import Engine
+from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel, load_model
 
 pytestmark = pytest.mark.real_model
@@ -44,9 +46,9 @@ def test_default_model_answers_with_a_choice(lm: LoadedModel) -> None:
     results: list[dict[str, Any]] = []
     Engine(lm, EngineConfig(batch_size=2)).run([
         chat_job(1, "What is the capital of France?",
-                 constraint=Constraint("choices", ["Paris", "Rome", "Berlin"])),
+                 constraint=Constraint("choice", ["Paris", "Rome", "Berlin"])),
         chat_job(2, "Is fire hot? Answer yes or no.",
-                 constraint=Constraint("choices", ["yes", "no"])),
+                 constraint=Constraint("choice", ["yes", "no"])),
     ], results.append)
     got = {r["index"]: r for r in results}
     # Token-level greedy under a mask can pick a prefix the model prefers ("B" of

@@ -20,7 +20,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 from aici_cli.cli import main
-from aici_cli.jobs import JobDefaults, ResultWriter, UsageError, load_schema, read_jobs
+from aici_cli.config import JobDefaults
+from aici_cli.errors import UsageError
+from aici_cli.jobs import ResultWriter, load_schema, read_jobs
 from aici_cli.resume import (
     DIGEST_FIELD,
     InputLines,

@@ -28,8 +28,8 @@ from aici_cli.control.actions import (
     Stop,
     TokenSet,
 )
-from aici_cli.control.base import ControllerError
 from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits, Runner
+from aici_cli.errors import ControllerError
 
 WAT = Path(__file__).parent / "wat"
 CONTROLLER = WAT / "controller.wat"

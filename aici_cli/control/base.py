@@ -16,15 +16,6 @@ from typing import Any, Protocol
 import torch
 
 
-class ControllerError(Exception):
-    """A controller failed; it ends only its own sequence (finish_reason "error")."""
-
-    def __init__(self, type: str, message: str) -> None:
-        super().__init__(message)
-        self.type = type
-        self.message = message
-
-
 @dataclass(frozen=True)
 class Directive:
     """A controller's answer after the engine appended tokens."""

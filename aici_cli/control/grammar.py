@@ -29,8 +29,9 @@ import llguidance.hf
 import referencing
 import torch
 
-from aici_cli.control.base import ControllerError, Directive
-from aici_cli.jobs import Constraint
+from aici_cli.control.base import Directive
+from aici_cli.control.constraint import Constraint
+from aici_cli.errors import ControllerError, GrammarError
 
 # Compact, predictable JSON: fixed separators (Python's own `json.dumps` style, which
 # models have seen a lot) and no free whitespace. Free whitespace lets small models loop
@@ -114,15 +115,6 @@ _LIMIT_PHRASES = (
     "too many items",  # step_max_items
     "items; max is",  # max_items_in_row
 )
-
-
-class GrammarError(Exception):
-    """A constraint that cannot be compiled; `type` is the result line's error type."""
-
-    def __init__(self, type: str, message: str) -> None:
-        super().__init__(message)
-        self.type = type
-        self.message = message
 
 
 def is_limit_error(message: str) -> bool:
@@ -356,7 +348,7 @@ class GrammarCompiler:
         if constraint.kind == "lark":
             grammar = llguidance.LLMatcher.grammar_from_lark(constraint.value)
             return self._compile_grammar(constraint, grammar, "Lark grammar", "invalid_grammar")
-        if constraint.kind == "choices":
+        if constraint.kind == "choice":
             grammar = llguidance.LLMatcher.grammar_from_lark(choices_grammar(constraint.value))
             return self._compile_grammar(constraint, grammar, "choices", "invalid_choices")
         raise GrammarError("invalid_constraint", f"unknown constraint kind {constraint.kind!r}")

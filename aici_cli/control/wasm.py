@@ -104,7 +104,7 @@ from aici_cli.control.actions import (
     TokenSet,
     TokenSetKind,
 )
-from aici_cli.control.base import ControllerError
+from aici_cli.errors import ControllerError
 
 __all__ = [
     "CONTROLLER_INTERFACE",

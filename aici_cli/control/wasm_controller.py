@@ -33,10 +33,11 @@ from aici_cli.control.actions import (
     Stop,
     TokenSet,
 )
-from aici_cli.control.base import ControllerError, Directive
-from aici_cli.control.grammar import GrammarCompiler, GrammarController, GrammarError
+from aici_cli.control.base import Directive
+from aici_cli.control.constraint import Constraint
+from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.wasm import ControllerComponent, Runner, clip
-from aici_cli.jobs import Constraint
+from aici_cli.errors import ControllerError, GrammarError
 
 # Most tokens one chain of splices may force before the guest lets the model sample. Far
 # past any context window this engine runs; it bounds the host memory and the quadratic
@@ -176,7 +177,7 @@ def grammar_constraint(g: Grammar) -> Constraint:
         return Constraint("regex", str(g.value))
     if g.kind == "lark":
         return Constraint("lark", str(g.value))
-    return Constraint("choices", list(g.value))
+    return Constraint("choice", list(g.value))
 
 
 class WasmController:

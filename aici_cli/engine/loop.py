@@ -27,16 +27,18 @@ import llguidance
 import numpy as np
 import torch
 
-from aici_cli.control.base import Controller, ControllerError, Directive
-from aici_cli.control.grammar import GrammarCompiler, GrammarController, GrammarError
+from aici_cli.config import EngineConfig
+from aici_cli.control.base import Controller, Directive
+from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.draft import lookup
 from aici_cli.engine.inputs import MaskShape, build_inputs, forward
 from aici_cli.engine.sampling import MIN_TEMPERATURE, row_generator, sample
 from aici_cli.engine.sequence import Family, Finish, Sequence
+from aici_cli.errors import ControllerError, GrammarError, ModelError
 from aici_cli.jobs import Job, LineError, error_result
-from aici_cli.models import LoadedModel, ModelError, render_prompt
+from aici_cli.models import LoadedModel, render_prompt
 from aici_cli.stats import StepTimes
 
 # Prompt tokens one pass takes on; further new rows wait for the next pass. Bounds the
@@ -53,17 +55,6 @@ class MaskResult:
     disallowed: torch.Tensor | None  # [b, V] bool; None: every token allowed everywhere
     failed: dict[int, ControllerError]
     deferred: dict[int, Directive]  # the controller answered with a directive, not a mask
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    batch_size: int = 8
-    fast_forward: bool = True
-    step_stats: bool = False
-    strict_json: bool = True
-    initial_capacity: int = 256
-    # Prompt-lookup draft length for greedy rows (see draft.py); below 2: no drafts.
-    draft_tokens: int = 4
 
 
 def controller_fault(e: Exception) -> tuple[str, str]:
@@ -256,7 +247,7 @@ class Engine:
             prompt_ids = self._tokenize(job)
             controllers = [self._controller(job) for _ in range(job.n)]
         except (GrammarError, ControllerError, ModelError) as e:
-            etype = getattr(e, "type", "model_error")
+            etype = e.type
             emit(error_result(LineError(job.index, job.id, etype, f"line {job.index}: {e}")))
             return []
         except Exception as e:  # a bug must cost this line only, not the run

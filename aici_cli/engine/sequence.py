@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from aici_cli.control.base import Controller, ControllerError, Directive
+from aici_cli.control.base import Controller, Directive
+from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job
 
 

@@ -24,9 +24,8 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
         batch_size: int, max_tokens: int, *, fast_forward: bool = True,
         controller: str | None = None) -> PeerRun:
     """One `run_batch` over all prompts; counts come from its summary, texts from results."""
-    from aici_cli.engine.loop import EngineConfig
-    from aici_cli.jobs import JobDefaults
-    from aici_cli.runner import RunConfig, run_batch
+    from aici_cli.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.runner import run_batch
 
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="aici-peers-") as tmp:

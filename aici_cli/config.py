@@ -1,0 +1,69 @@
+"""The settings of a run, as frozen dataclasses: what the CLI builds from its options.
+
+Torch-free, so `aici-batch --help` and the other light commands never load the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aici_cli.control.constraint import Constraint
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    batch_size: int = 8
+    fast_forward: bool = True
+    step_stats: bool = False
+    strict_json: bool = True
+    initial_capacity: int = 256
+    # Prompt-lookup draft length for greedy rows (see draft.py); below 2: no drafts.
+    draft_tokens: int = 4
+
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class JobDefaults:
+    """CLI-level defaults; a line's own fields override them.
+
+    The `max_*` limits are not per-line settings: they bound what one hostile line can
+    cost (memory, parser and schema-checker time, grammar compile time), and a line past
+    one becomes an error result like any other bad line.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    constraint: Constraint | None = None
+    n: int = 1
+    # A line's size in UTF-8 bytes, without its line ending; checked before decoding.
+    max_line_bytes: int = 8 * MIB
+    # A line's `json_schema`, `regex` or `choices` as compact JSON: the grammar compiler's
+    # time grows with it (about 10 s at 1 MiB), and real schemas stay far below.
+    max_constraint_bytes: int = MIB
+    # Nesting of arrays and objects, the line itself being level 1. Beyond about 125
+    # levels llguidance refuses a schema and recursive checks come near Python's stack
+    # limit, so deeper lines are refused here with a message that says so.
+    max_depth: int = 100
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    input: str  # path or "-"
+    output: str = "-"  # path or "-"
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    defaults: JobDefaults = field(default_factory=JobDefaults)
+    stats_out: str | None = None
+    quiet: bool = False
+    controller: str | None = None  # path of a .wasm controller component
+    controller_arg: str = ""  # its argument, for lines without their own `controller_arg`
+    controller_call_ms: int = 50  # deadline per guest call
+    resume: bool = False  # skip lines whose result is already in `output`, append the rest
+    input_format: str = "auto"  # "aici", "openai" (batch requests), or "auto": by first line

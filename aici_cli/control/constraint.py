@@ -1,0 +1,21 @@
+"""What a built-in controller enforces: a JSON schema, a regex, a Lark grammar or a choice.
+
+Torch-free: the input parser and the CLI build constraints without loading the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# "choice": the value is the list of options (the input field and CLI flag are named
+# `choices`; in a result, `choices` are the n samples of a line).
+ConstraintKind = Literal["json_schema", "regex", "choice", "lark"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """`value`: a schema (dict or bool), a regex, a Lark grammar, or a list of options."""
+
+    kind: ConstraintKind
+    value: Any

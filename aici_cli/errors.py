@@ -1,0 +1,49 @@
+"""The errors the library raises, in one torch-free module the CLI can import at once.
+
+Two tiers, as in llguidance: a `LineFailure` is the state of one line or sequence (its
+`type` becomes the result's `error.type`, the run goes on); `UsageError` and `ModelError`
+stop the whole run with one line on stderr (exit code 2).
+"""
+
+from __future__ import annotations
+
+
+class UsageError(Exception):
+    """A problem with how the CLI was invoked (e.g. unreadable input); the CLI prints it
+    as one line and exits with a usage status instead of showing a traceback."""
+
+
+class ModelError(Exception):
+    """A one-line, user-facing reason the model cannot be used (the CLI exits with 2).
+
+    Raised while a line is admitted (its prompt cannot be tokenized), it is that line's
+    error of type `type` instead.
+    """
+
+    type = "model_error"
+
+
+class NoChatTemplateError(ModelError):
+    """A `messages` line for a model without a chat template: that line's error only.
+
+    The engine reports `type` as the line's error type; `prompt` lines still run.
+    """
+
+    type = "no_chat_template"
+
+
+class LineFailure(Exception):
+    """Something that ends one line or sequence; `type` is the result's error type."""
+
+    def __init__(self, type: str, message: str) -> None:
+        super().__init__(message)
+        self.type = type
+        self.message = message
+
+
+class ControllerError(LineFailure):
+    """A controller failed; it ends only its own sequence (finish_reason "error")."""
+
+
+class GrammarError(LineFailure):
+    """A constraint that cannot be compiled; `type` is the result line's error type."""
