@@ -32,7 +32,7 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy aici_cli --ignore-missing-imports
+	$(BIN)/mypy aici_cli controllers/aici_controller --ignore-missing-imports
 
 # Benchmarks (not pass/fail): results land in out/. Peers need bench/peers/requirements.txt.
 bench: setup

@@ -1,11 +1,48 @@
-"""Per-step timings and the run summary (the `--stats-out` file and the summary table)."""
+"""The figures of a run: each result's `stats`, per-step timings, and the run summary.
+
+`LineStats` is the one declaration of a result's `stats` fields: the engine counts into
+it, error results carry its zero value, and the run tally and `aici-batch report` read
+results by its field names.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+
+@dataclass
+class LineStats:
+    """A result's `stats`; timings are wall-clock ms of the steps the sequence took part
+    in (a batched pass counts in full for every row that took part in it)."""
+
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    forward_passes: int = 0  # passes this sequence took part in
+    ff_tokens: int = 0  # output tokens fast-forwarded (appended without sampling)
+    draft_tokens: int = 0  # output tokens taken from verified drafts (no pass of their own)
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    forward_ms: float = 0.0
+    mask_ms: float = 0.0
+    controller_ms: float = 0.0
+    sample_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for k, v in out.items():
+            if isinstance(v, float):
+                out[k] = round(v, 3)
+        return out
+
+
+#: The `stats` of a result that never ran (an input line that could not run).
+ZERO_STATS: dict[str, int | float] = LineStats().as_dict()
+
+#: The per-step timings a result's stats and `steps` records carry, in ms.
+TIMING_FIELDS = ("forward_ms", "mask_ms", "controller_ms", "sample_ms")
 
 STEP_FIELDS = ("forward_ms", "mask_ms", "controller_ms", "sample_ms", "overhead_ms", "step_ms")
 

@@ -16,7 +16,7 @@ import torch
 
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
-from aici_cli.engine.inputs import MaskShape, build_inputs, forward
+from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
 from aici_cli.models import LoadedModel, load_model
 
 TOL = 1e-4
@@ -60,7 +60,7 @@ class Harness:
         self.cache = RowCache(lm.model.config.num_hidden_layers, rows, capacity)
         self.tokens: list[list[int]] = [[] for _ in range(rows)]
         self.lengths = [0] * rows
-        self.mask_shape = MaskShape.for_config(lm.model.config)
+        self.attention_layout = AttentionLayout.for_config(lm.model.config)
         install(lm.model)
 
     def forward(self, rows: list[int], chunks: list[list[int]], fresh: bool) -> torch.Tensor:
@@ -74,7 +74,7 @@ class Harness:
         span_chunks = [by_row.get(r, []) for r in span]
         lengths = [self.lengths[r] for r in span]
         self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, span_chunks)))
-        inputs = build_inputs(span[0], lengths, span_chunks, self.mask_shape,
+        inputs = build_inputs(span[0], lengths, span_chunks, self.attention_layout,
                               torch.device("cpu"))
         with torch.inference_mode():
             logits = forward(self.lm.model, self.cache, inputs)

@@ -201,3 +201,28 @@ def test_shell_completion(tmp_path: Path) -> None:
            "COMP_WORDS": "aici-batch run --batch-s", "COMP_CWORD": "2"}
     words = subprocess.run([str(exe)], env=env, capture_output=True, text=True, timeout=60)
     assert "--batch-size" in words.stdout
+
+
+# The commands that never run a model must not pay for torch, transformers, llguidance or
+# wasmtime (seconds of imports): `--help`, `wit`, `report` and shell completion.
+HEAVY = ("torch", "transformers", "llguidance", "wasmtime")
+LIGHT_COMMANDS = [["--help"], ["run", "--help"], ["wit"], ["report", "--help"]]
+
+
+def heavy_modules_after(code: str) -> list[str]:
+    probe = (f"import sys\n{code}\n"
+             f"print([m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    return json.loads(done.stderr.strip().splitlines()[-1].replace("'", '"'))
+
+
+def test_importing_the_cli_does_not_import_torch() -> None:
+    assert heavy_modules_after("import aici_cli.cli") == []
+
+
+@pytest.mark.parametrize("args", LIGHT_COMMANDS, ids=" ".join)
+def test_light_commands_do_not_import_torch(args: list[str]) -> None:
+    code = ("from aici_cli.cli import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass")
+    assert heavy_modules_after(code) == []

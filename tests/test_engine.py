@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from aici_cli.config import EngineConfig
-from aici_cli.control.base import Directive
+from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.constraint import Constraint
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import ControllerError
@@ -140,26 +140,20 @@ def test_bad_grammar_is_a_line_error_and_others_run(lm: LoadedModel) -> None:
     assert results[1]["finish_reason"] != "error" and results[4]["finish_reason"] != "error"
 
 
-class FailingController:
-    """Forces two tokens, then fails on its third step."""
+class FailingController(ControllerBase):
+    """Fast-forwards two tokens, then fails on its third step."""
 
     def __init__(self) -> None:
         self.calls = 0
 
     def start(self, prompt: Sequence[int]) -> Directive:
-        return Directive(forced=(5, 6))
+        return Directive(ff_tokens=(5, 6))
 
     def advance(self, tokens: Sequence[int]) -> Directive:
         self.calls += 1
         if self.calls == 3:
             raise ControllerError("controller_trap", "boom on step 3")
         return Directive()
-
-    def fill_mask(self, out: torch.Tensor) -> bool:
-        return False
-
-    def report(self, text: str) -> dict[str, Any]:
-        return {}
 
 
 def test_controller_fault_ends_only_its_sequence(lm: LoadedModel) -> None:
@@ -211,9 +205,9 @@ def test_host_bug_in_a_controller_is_confined_to_its_line(lm: LoadedModel) -> No
 def _oom_above(monkeypatch: pytest.MonkeyPatch, max_tokens_per_pass: int) -> list[int]:
     """Make every pass of more than `max_tokens_per_pass` tokens run out of memory, the way
     the CPU allocator reports it; returns the sizes of the passes that ran."""
-    import aici_cli.engine.loop as loop
+    import aici_cli.engine.passes as passes
 
-    real = loop.forward
+    real = passes.forward
     sizes: list[int] = []
 
     def forward(model: Any, cache: Any, inputs: Any) -> torch.Tensor:
@@ -224,7 +218,7 @@ def _oom_above(monkeypatch: pytest.MonkeyPatch, max_tokens_per_pass: int) -> lis
         sizes.append(n)
         return real(model, cache, inputs)
 
-    monkeypatch.setattr(loop, "forward", forward)
+    monkeypatch.setattr(passes, "forward", forward)
     return sizes
 
 
@@ -239,7 +233,7 @@ def test_out_of_memory_retries_with_fewer_rows(lm: LoadedModel,
     engine.run(jobs, results.append)
     assert {r["index"]: r["text"] for r in results} == expected
     assert all(r["finish_reason"] == "length" for r in results)
-    assert engine.live_cap == 2  # four prompts did not fit, two did
+    assert engine.rows.live_cap == 2  # four prompts did not fit, two did
     assert max(sizes) <= 2 * prompt_len + 2
 
 
@@ -257,9 +251,9 @@ def test_out_of_memory_alone_fails_only_that_line(lm: LoadedModel,
 def _count_prompt_tokens(monkeypatch: pytest.MonkeyPatch, prompt: list[int]) -> list[int]:
     """Record, for each pass, how many of its tokens sit at prompt positions 1.. (every
     prefill of `prompt` feeds them; re-feeding only the last prompt token does not)."""
-    import aici_cli.engine.loop as loop
+    import aici_cli.engine.passes as passes
 
-    real = loop.forward
+    real = passes.forward
     counts: list[int] = []
 
     def forward(model: Any, cache: Any, inputs: Any) -> torch.Tensor:
@@ -267,7 +261,7 @@ def _count_prompt_tokens(monkeypatch: pytest.MonkeyPatch, prompt: list[int]) -> 
         counts.append(sum(1 for p in positions if 0 < p < len(prompt) - 1))
         return real(model, cache, inputs)
 
-    monkeypatch.setattr(loop, "forward", forward)
+    monkeypatch.setattr(passes, "forward", forward)
     return counts
 
 

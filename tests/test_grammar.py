@@ -40,7 +40,7 @@ def accepts(compiler: GrammarCompiler, lm: LoadedModel, schema: Any, text: str) 
     controller = GrammarController(compiler.compile(Constraint("json_schema", schema)),
                                    fast_forward=False)
     tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    m = controller.matcher
+    m = controller.matcher()
     return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
 
 
@@ -169,7 +169,7 @@ def test_choices_match_exactly_one_choice(compiler: GrammarCompiler, lm: LoadedM
     compiled = compiler.compile(Constraint("choice", choices))
 
     def accepted(text: str) -> bool:
-        m = GrammarController(compiled, fast_forward=False).matcher
+        m = GrammarController(compiled, fast_forward=False).matcher()
         tokens = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
         return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
 

@@ -29,7 +29,7 @@ import llguidance.hf
 import referencing
 import torch
 
-from aici_cli.control.base import Directive
+from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.constraint import Constraint
 from aici_cli.errors import ControllerError, GrammarError
 
@@ -425,35 +425,35 @@ def _limit_error(label: str, error: str, keep_position: bool = False) -> Grammar
     )
 
 
-class GrammarController:
+class GrammarController(ControllerBase):
     """A sequence constrained by a compiled grammar; see `aici_cli.control.base`."""
 
     def __init__(self, grammar: CompiledGrammar, fast_forward: bool = True) -> None:
         self.grammar = grammar
-        self.matcher = grammar.template.deep_copy()
+        self._matcher = grammar.template.deep_copy()
         self.fast_forward = fast_forward
 
     def _next(self) -> Directive:
-        m = self.matcher
+        m = self._matcher
         if m.is_error():
-            raise self.fault()
+            raise self.matcher_fault()
         if m.is_stopped():
             return Directive(stop=True)
         if not self.fast_forward:
             return Directive()
         forced = m.compute_ff_tokens()
         if m.is_error() or (forced and not m.consume_tokens(forced)):
-            raise self.fault()
-        return Directive(forced=tuple(forced), stop=m.is_stopped())
+            raise self.matcher_fault()
+        return Directive(ff_tokens=tuple(forced), stop=m.is_stopped())
 
-    def fault(self) -> ControllerError:
+    def matcher_fault(self) -> ControllerError:
         """The error of a matcher in its error state, typed by cause.
 
         A per-step limit of `GRAMMAR_LIMITS` (lexer fuel, lexer states, Earley items) is
         `grammar_too_complex`: the grammar cannot be followed further within bounded
         time. Anything else (a token the grammar rejects) is `grammar_error`.
         """
-        error = self.matcher.get_error()
+        error = self._matcher.get_error()
         if is_limit_error(error):
             return ControllerError(
                 "grammar_too_complex",
@@ -466,14 +466,14 @@ class GrammarController:
         return self._next()
 
     def advance(self, tokens: Sequence[int]) -> Directive:
-        if not self.matcher.consume_tokens(list(tokens)):
-            raise self.fault()
+        if not self._matcher.consume_tokens(list(tokens)):
+            raise self.matcher_fault()
         return self._next()
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` the grammar accepts from the current state, consuming
         nothing (used to trim draft tokens before they are verified)."""
-        return int(self.matcher.validate_tokens(list(tokens)))
+        return int(self._matcher.validate_tokens(list(tokens)))
 
     def on_eos(self) -> Directive | None:
         """End-of-sequence was sampled: a normal stop, unless the last mask failed.
@@ -482,14 +482,17 @@ class GrammarController:
         error state and allows only end-of-sequence, so the sampler picks it: without
         this check the sequence would end as a normal stop with a truncated output.
         """
-        if self.matcher.is_error():
-            raise self.fault()
+        if self._matcher.is_error():
+            raise self.matcher_fault()
         return None
 
+    def matcher(self) -> llguidance.LLMatcher:
+        return self._matcher
+
     def fill_mask(self, out: torch.Tensor) -> bool:
-        self.matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
-        if self.matcher.is_error():
-            raise self.fault()
+        self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+        if self._matcher.is_error():
+            raise self.matcher_fault()
         return True
 
     def report(self, text: str) -> dict[str, Any]:

@@ -11,7 +11,10 @@ correct guesses costs one pass instead of one per token.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+
+from aici_cli.engine.generation import Generation
+from aici_cli.engine.sampling import MIN_TEMPERATURE
 
 # Longest and shortest history suffix looked up; longer matches predict better.
 MAX_NGRAM = 3
@@ -53,3 +56,56 @@ def _rfind_aligned(data: bytes, tail: bytes, end: int, width: int) -> int | None
             return at // width
         end = at + len(tail) - 1
     return None
+
+
+def propose_drafts(gens: Sequence[Generation | None], k: int,
+                   eos: Collection[int]) -> list[list[int]]:
+    """A draft per row (empty: none) of up to `k` tokens: greedy rows past their prefill,
+    trimmed to what their controller accepts (a wasm guest's next answer cannot be
+    predicted: it accepts none), to the token budget and to before any end-of-sequence."""
+    drafts: list[list[int]] = [[] for _ in gens]
+    if k < 2:
+        return drafts
+    for i, gen in enumerate(gens):
+        if gen is None or gen.length == 0 or gen.job.temperature >= MIN_TEMPERATURE:
+            continue
+        n = min(k, gen.job.max_tokens - len(gen.output))
+        if n < 2:
+            continue
+        draft = lookup(gen.prompt, gen.output, n)
+        for j, token in enumerate(draft):
+            if token in eos:
+                del draft[j:]
+                break
+        if gen.controller is not None and draft:
+            del draft[gen.controller.valid_prefix(draft):]
+        if len(draft) >= 2:
+            drafts[i] = draft
+    return drafts
+
+
+def accept_draft(gen: Generation, draft: Sequence[int], picked: int,
+                 predicted: Sequence[int], take: Callable[[Generation, int], float]) -> float:
+    """Take the draft's tokens after `picked` while each is what the model predicts after
+    the one before (`predicted[j]`: its unmasked argmax after draft[j]), so the output is
+    what greedy decoding gives; stop at anything else the generation does: finishing,
+    fast-forward tokens, a backtrack. `take` appends a token as if it had been sampled
+    and returns the controller's ms; returns their sum."""
+    if draft[0] != picked or gen.finish is not None:
+        return 0.0
+    spent = 0.0
+    previous = picked
+    for token, expected in zip(draft[1:], predicted):
+        # An allowed token that is the unmasked argmax is the masked argmax too.
+        if token != expected or gen.finish is not None or gen.pending != [previous]:
+            break
+        # Ask again from the controller's current state: a segment may have ended
+        # (its guest decides what follows) since the draft was checked.
+        if gen.controller is not None and gen.controller.valid_prefix([token]) < 1:
+            break
+        gen.length += 1  # `previous` was fed in this pass as a draft token
+        gen.pending = []
+        spent += take(gen, token)
+        gen.stats.draft_tokens += 1
+        previous = token
+    return spent

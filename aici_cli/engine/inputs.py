@@ -32,14 +32,15 @@ class ForwardInputs:
 
 
 @dataclass(frozen=True)
-class MaskShape:
-    """What the model needs from the mask: a sliding window, and whether it takes a dict."""
+class AttentionLayout:
+    """What the model needs from the attention mask: a sliding window, and whether it
+    takes one mask per layer type."""
 
     sliding_window: int | None = None
     dict_mask: bool = False  # Gemma-style models take {"full_attention", "sliding_attention"}
 
     @classmethod
-    def for_config(cls, config: object) -> MaskShape:
+    def for_config(cls, config: object) -> AttentionLayout:
         layer_types = getattr(config, "layer_types", None) or []
         window = getattr(config, "sliding_window", None)
         if "sliding_attention" in layer_types and window:
@@ -65,7 +66,7 @@ def build_inputs(
     first_row: int,
     lengths: Sequence[int],
     chunks: Sequence[Sequence[int]],
-    mask_shape: MaskShape,
+    attention_layout: AttentionLayout,
     device: torch.device,
     keep: Sequence[int] | None = None,
 ) -> ForwardInputs:
@@ -73,7 +74,7 @@ def build_inputs(
     `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty.
     `keep[i]` (default 1): how many of row i's last positions to return logits for."""
     b = len(chunks)
-    window = mask_shape.sliding_window
+    window = attention_layout.sliding_window
     ids: list[int] = []
     positions: list[int] = []
     token_rows: list[int] = []
@@ -139,7 +140,7 @@ def build_inputs(
     )
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     mask: torch.Tensor | dict[str, torch.Tensor] = placeholder
-    if mask_shape.dict_mask:
+    if attention_layout.dict_mask:
         mask = {"full_attention": placeholder, "sliding_attention": placeholder}
     return ForwardInputs(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),

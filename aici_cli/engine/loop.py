@@ -1,125 +1,70 @@
 """The decode loop: rows refilled continuously, one batched forward pass per step.
 
-A step, top to bottom:
-  1. admit new lines into idle rows (their first pass is a prefill of the prompt plus any
-     tokens their controller forces at the start);
-  2. start filling token masks in a worker thread: they depend only on tokens already
-     known, so they overlap the forward pass (llguidance and torch both release the GIL);
-  3. one forward pass over the span of running rows, each feeding 1 sampled token,
-     several forced ones (fast-forward) or, for a new line, its prompt: the tokens are
-     packed without padding (inputs.py, attention.py), so a long chunk costs its own
-     tokens only and new prompts ride along with the others' decoding;
-  4. apply the masks in place, sample one token per row;
-  5. hand each row's token to its controller, which answers with forced tokens,
-     backtrack or stop; finished rows emit their result and free their row.
+A step, top to bottom (`Engine._step`):
+  1. take the rows: new lines were admitted into idle rows (their first pass prefills the
+     prompt plus any tokens their controller fast-forwards at the start);
+  2. propose drafts for greedy rows (draft.py);
+  3. start filling token masks in a worker thread: they depend only on tokens already
+     known, so they overlap the forward pass (llguidance and torch release the GIL);
+  4. one forward pass over the span of running rows, each feeding 1 sampled token,
+     several fast-forward ones or, for a new line, its prompt: packed without padding
+     (inputs.py, attention.py), so a long chunk costs its own tokens only;
+  5. apply the masks in place, sample one token per row;
+  6. hand each row's token (and its accepted draft) to its controller, which answers
+     with fast-forward tokens, backtrack or stop;
+  7. release finished rows: each emits its result and its row is free for the next line.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import llguidance
-import numpy as np
 import torch
 
 from aici_cli.config import EngineConfig
 from aici_cli.control.base import Controller, Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.control.stop_strings import find_stop
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
-from aici_cli.engine.draft import lookup
-from aici_cli.engine.inputs import MaskShape, build_inputs, forward
-from aici_cli.engine.sampling import MIN_TEMPERATURE, row_generator, sample
-from aici_cli.engine.sequence import Family, Finish, Sequence
+from aici_cli.engine.clock import Now, StepClock, ms
+from aici_cli.engine.draft import accept_draft, propose_drafts
+from aici_cli.engine.generation import Finish, Generation, SampleGroup
+from aici_cli.engine.masks import MaskVerdict, TokenMasks, apply_masks, controller_fault
+from aici_cli.engine.passes import ModelPass
+from aici_cli.engine.result_line import combine_samples, generation_result
+from aici_cli.engine.rows import RowTable, Source
+from aici_cli.engine.sampling import row_generator, sample
 from aici_cli.errors import ControllerError, GrammarError, ModelError
-from aici_cli.jobs import Job, LineError, error_result
+from aici_cli.jobs import Job, LineError
 from aici_cli.models import LoadedModel, render_prompt
+from aici_cli.results import error_result
 from aici_cli.stats import StepTimes
 
-# Prompt tokens one pass takes on; further new rows wait for the next pass. Bounds the
-# activations of a pass (and its latency for the rows already decoding).
-PREFILL_TOKENS_PER_PASS = 4096
-
 ControllerFactory = Callable[[Job], "Controller | None"]
-
-
-@dataclass
-class MaskResult:
-    """What the mask worker hands back, by position in the step's rows."""
-
-    disallowed: torch.Tensor | None  # [b, V] bool; None: every token allowed everywhere
-    failed: dict[int, ControllerError]
-    deferred: dict[int, Directive]  # the controller answered with a directive, not a mask
-
-
-def controller_fault(e: Exception) -> tuple[str, str]:
-    """(type, message) of a controller failure; anything but a ControllerError is a bug in
-    the host, reported as such but still confined to its sequence."""
-    if isinstance(e, ControllerError):
-        return e.type, e.message
-    return "internal_error", f"{type(e).__name__}: {e}"
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """CUDA raises OutOfMemoryError; the CPU allocator raises a RuntimeError saying so."""
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(e, RuntimeError) and (
-        "out of memory" in str(e) or "can't allocate memory" in str(e))
-
-
-def combine_samples(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result line for a line's n samples, in sample order.
-
-    The top level mirrors sample 0 (text, finish_reason, json, ...), so a reader that takes
-    one answer per line still works; `choices` holds every sample with its own text,
-    finish reason and stats; the top-level `stats` add up the samples' work. If a sample
-    failed, the line's finish_reason is "error" with that sample's error.
-    """
-    line = {k: v for k, v in results[0].items() if k != "steps"}
-    line["n"] = len(results)
-    line["choices"] = [
-        {"index": i, **{k: v for k, v in r.items() if k not in ("id", "index")}}
-        for i, r in enumerate(results)
-    ]
-    stats: dict[str, Any] = {}
-    for r in results:
-        for key, value in r.get("stats", {}).items():
-            stats[key] = round(stats.get(key, 0) + value, 3)
-    stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
-                           default=0.0)
-    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
-    line["stats"] = stats
-    failed = next((r for r in results if r["finish_reason"] == "error"), None)
-    if failed is not None:
-        line["finish_reason"] = "error"
-        line["error"] = failed["error"]
-    return line
-
-
-def ms(t0: float, t1: float) -> float:
-    return (t1 - t0) * 1000.0
+Emit = Callable[[dict[str, Any]], None]
 
 
 class Engine:
-    """Runs jobs on one loaded model. `run` emits one result dict per job or line error."""
+    """Runs jobs on one loaded model. `run` emits one result dict per job or line error.
+
+    `now` is the clock of every timing (seconds); tests pass a fake one.
+    """
 
     def __init__(self, lm: LoadedModel, config: EngineConfig,
-                 controller_factory: ControllerFactory | None = None) -> None:
+                 controller_factory: ControllerFactory | None = None,
+                 now: Now = time.perf_counter) -> None:
         self.lm = lm
         self.config = config
-        self.model = lm.model
+        self.now = now
         self.vocab_size = lm.vocab_size
         self.eos = lm.eos_token_ids
-        model_cfg = self.model.config
+        model_cfg = lm.model.config
         self.max_positions = int(getattr(model_cfg, "max_position_embeddings", 1 << 15))
-        self.mask_shape = MaskShape.for_config(model_cfg)
-        install(self.model)
+        install(lm.model)
         self._compiler: GrammarCompiler | None = None
         self.controller_factory = controller_factory
         self.cache = RowCache(
@@ -127,17 +72,10 @@ class Engine:
             rows=config.batch_size,
             capacity=min(config.initial_capacity, self.max_positions),
         )
-        self.rows: list[Sequence | None] = [None] * config.batch_size
-        self.words = (self.vocab_size + 31) // 32
-        # bitmask[i]: allowed tokens of row i (bit t = token t), written by llguidance.
-        self.bitmask = torch.zeros((config.batch_size, self.words), dtype=torch.int32)
-        self.executor = llguidance.LLExecutor()
+        self.rows = RowTable(config.batch_size, self.cache)
+        self.model_pass = ModelPass(lm, self.cache, self.rows)
+        self.masks = TokenMasks(config.batch_size, self.vocab_size)
         self.step_times: list[StepTimes] = []
-        self.steps = 0
-        # Rows that may run at once; lowered when a pass runs out of memory.
-        self.live_cap = config.batch_size
-        # Samples of admitted lines (n > 1) still waiting for a free row.
-        self.waiting: deque[Sequence] = deque()
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -155,134 +93,156 @@ class Engine:
     # ----------------------------------------------------------------------------- run
 
     @torch.inference_mode()
-    def run(self, items: Iterable[Job | LineError], emit: Callable[[dict[str, Any]], None],
+    def run(self, items: Iterable[Job | LineError], emit: Emit,
             should_admit: Callable[[], bool] = lambda: True) -> None:
         """Drive every item to exactly one `emit`ted result; returns when all are done."""
-        source: Iterator[Job | LineError] | None = iter(items)
+        source: Source | None = iter(items)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
         try:
             while True:
                 # Samples of a line already started are admitted even after admission of
                 # new lines stopped (an interrupt): the line must still get its result.
                 pull = source is not None and should_admit()
-                if pull or self.waiting:
-                    source = self._admit(source, emit, pull)
-                if not any(self.rows):
-                    if not self.waiting and (source is None or not should_admit()):
+                if pull or self.rows.waiting:
+                    source = self.rows.admit(source, pull, lambda item: self._start(item, emit))
+                if not self.rows.busy():
+                    if not self.rows.waiting and (source is None or not should_admit()):
                         return
                     continue
                 self._step(emit)
         finally:
             self.pool.shutdown(wait=True)
 
-    def _take_part(self) -> tuple[list[int], list[Sequence | None]]:
-        """The span of live rows, and the sequence of each row taking part in this pass
-        (None: idle, or a new row that waits: for the prefill budget, or for a sibling
-        sample prefilling the same prompt in this pass)."""
-        live = [i for i, s in enumerate(self.rows) if s is not None]
-        rows = list(range(live[0], live[-1] + 1))
-        seqs = [self.rows[i] for i in rows]
-        budget = PREFILL_TOKENS_PER_PASS
-        prefilling: set[int] = set()  # families whose prompt a row of this pass prefills
-        for k, seq in enumerate(seqs):
-            if seq is None or seq.length > 0:
-                continue
-            if seq.family is not None:
-                if id(seq.family) in prefilling:
-                    seqs[k] = None
-                    continue
-                source = self._prompt_row(seq.family)
-                if source is not None:
-                    self.cache.copy_prefix(source, rows[k], seq.family.prompt_len)
-                    seq.adopt_prompt()
-                    continue
-            if budget <= 0:
-                seqs[k] = None
-                continue
-            budget -= len(seq.pending)
-            if seq.family is not None:
-                prefilling.add(id(seq.family))
-        return rows, seqs
+    # ---------------------------------------------------------------------------- step
 
-    def _prompt_row(self, family: Family) -> int | None:
-        """A row whose cache holds the family's prompt (a sibling past its prefill)."""
-        for row, seq in enumerate(self.rows):
-            if seq is not None and seq.family is family and seq.length >= family.prompt_len:
-                return row
-        return None
+    def _step(self, emit: Emit) -> None:
+        clock = StepClock(self.now)
+        rows, gens = self.rows.take_part()  # who feeds what in this pass
+        kind = "prefill" if any(g is not None and g.length == 0 for g in gens) else "decode"
+        # Before the mask worker starts: drafts and masks both read the matchers.
+        drafts = propose_drafts(gens, self.config.draft_tokens, self.eos)
+        fed = sum(len(g.pending) for g in gens if g is not None)
+        fed += sum(len(d) - 1 for d in drafts if d)
+        masks = self.pool.submit(self.masks.fill, rows, gens)  # overlaps the forward pass
+        clock.mark("forward")
+        out = self.model_pass.run(rows[0], gens, drafts)
+        clock.mark("forwarded")
+        verdict = self._verdict(masks.result(), out.out_of_memory)
+        clock.mark("masks_ready")
+        logits = out.next_token_logits(len(gens))
+        greedy = apply_masks(logits, verdict)  # the failed rows now include empty masks
+        clock.mark("masked")
+        self._release(rows, gens, self._fail(gens, verdict.failed), emit)
+        real = [k for k, g in enumerate(gens) if g is not None and k not in verdict.deferred]
+        picked = self._sample(logits, greedy.tolist(), real, gens)
+        clock.mark("sampled")
+        times = clock.times(kind, rows=len(real), tokens=fed)
+        controller_ms = self._hand_over(gens, real, picked, drafts, out.draft_picks(len(gens)),
+                                        out.extra_at, verdict.deferred, times)
+        self.step_times.append(clock.finish(times, controller_ms))
+        self._release(rows, gens, [*real, *verdict.deferred], emit)  # finished rows
 
-    def _admit(self, source: Iterator[Job | LineError] | None,
-               emit: Callable[[dict[str, Any]], None],
-               pull: bool) -> Iterator[Job | LineError] | None:
-        """Fill idle rows, first with waiting samples, then (if `pull`) from `source`, up
-        to `live_cap` rows in all; returns the source, or None once it is exhausted."""
-        live = sum(s is not None for s in self.rows)
-        for row in range(len(self.rows)):
-            if self.rows[row] is not None:
+    @staticmethod
+    def _verdict(verdict: MaskVerdict, out_of_memory: list[int]) -> MaskVerdict:
+        """A row that ran out of memory even alone has no logits: it fails, whatever its
+        controller answered."""
+        for k in out_of_memory:
+            verdict.deferred.pop(k, None)
+            verdict.failed[k] = ControllerError(
+                "out_of_memory", "out of memory even with this sequence alone in the pass")
+        return verdict
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, greedy: list[int], real: list[int],
+                gens: list[Generation | None]) -> list[int]:
+        """One token for each row in `real` (greedy, or seeded temperature / top-p)."""
+        chosen = [g for g in (gens[k] for k in real) if g is not None]
+        return sample(logits, greedy, real, [g.job.temperature for g in chosen],
+                      [g.job.top_p for g in chosen], [g.generator for g in chosen])
+
+    def _hand_over(self, gens: list[Generation | None], real: list[int], picked: list[int],
+                   drafts: list[list[int]], predicted: list[int], extra_at: list[int],
+                   deferred: dict[int, Directive], times: StepTimes) -> float:
+        """Give each row its sampled token and the draft tokens the model confirmed, and
+        the rows whose controller answered with a directive that directive; returns the
+        controllers' ms."""
+        b = len(gens)
+        controller_ms = 0.0
+        for k, token in zip(real, picked):
+            gen = gens[k]
+            assert gen is not None
+            controller_ms += self._commit(gen, token, times)
+            if drafts[k]:
+                at = extra_at[k] - b
+                controller_ms += accept_draft(gen, drafts[k], token,
+                                              predicted[at : at + len(drafts[k]) - 1],
+                                              self._take_token)
+        for k, directive in deferred.items():
+            gen = gens[k]
+            if gen is not None:
+                self._commit_directive(gen, directive, times)
+        return controller_ms
+
+    @staticmethod
+    def _fail(gens: list[Generation | None], failed: dict[int, ControllerError]) -> list[int]:
+        """Rows whose mask failed (or allows nothing) cannot sample: their error is their
+        finish. Returns their positions."""
+        for k, err in failed.items():
+            gen = gens[k]
+            assert gen is not None
+            gen.finish = Finish("error", (err.type, err.message))
+        return list(failed)
+
+    def _release(self, rows: list[int], gens: list[Generation | None], ks: Iterable[int],
+                 emit: Emit) -> None:
+        """Free the rows of the generations at positions `ks` that finished, and emit
+        their results. A released position is None in `gens` from then on."""
+        for k in ks:
+            gen = gens[k]
+            if gen is None or gen.finish is None:
                 continue
-            if live >= self.live_cap:
-                break
-            while not self.waiting:
-                if not pull or source is None:
-                    return source
-                item = next(source, None)
-                if item is None:
-                    return None
-                if isinstance(item, LineError):
-                    emit(error_result(item))
-                    continue
-                for seq in self._start(item, emit):
-                    if seq.finish is not None:
-                        self._finish(seq, emit)
-                    else:
-                        self.waiting.append(seq)
-            self.rows[row] = self.waiting.popleft()
-            live += 1
-        return source
+            self.rows.release(rows[k])
+            self._finish(gen, emit)
+            gens[k] = None
 
-    def _start(self, job: Job, emit: Callable[[dict[str, Any]], None]) -> list[Sequence]:
-        """Tokenize and build the job's `n` samples with their controllers; a failure to
-        tokenize or to build a controller becomes that line's error result (and [])."""
+    # ----------------------------------------------------------------------- admission
+
+    def _start(self, item: Job | LineError, emit: Emit) -> list[Generation]:
+        """The generations of an input item that need a row: its `n` samples with their
+        controllers. A line error, or a failure to tokenize or to build a controller,
+        becomes that line's error result (and [])."""
+        if isinstance(item, LineError):
+            emit(error_result(item))
+            return []
+        job = item
         try:
             prompt_ids = self._tokenize(job)
             controllers = [self._controller(job) for _ in range(job.n)]
         except (GrammarError, ControllerError, ModelError) as e:
-            etype = e.type
-            emit(error_result(LineError(job.index, job.id, etype, f"line {job.index}: {e}")))
+            emit(error_result(LineError(job.index, job.id, e.type, f"line {job.index}: {e}")))
             return []
         except Exception as e:  # a bug must cost this line only, not the run
             emit(error_result(LineError(job.index, job.id, "internal_error",
                                         f"line {job.index}: {type(e).__name__}: {e}")))
             return []
-        family = Family(job.n, len(prompt_ids)) if job.n > 1 else None
-        seqs = []
+        group = SampleGroup(job.n, len(prompt_ids)) if job.n > 1 else None
+        gens = []
         for i, controller in enumerate(controllers):
-            seq = Sequence(job, prompt_ids, controller, row_generator(job.seed, i),
-                           family=family, sample=i)
+            gen = Generation(job, prompt_ids, controller, row_generator(job.seed, i),
+                             started=self.now(), group=group, sample=i)
             if self.config.step_stats:
-                seq.steps = []
+                gen.steps = []
             if controller is not None:
-                try:
-                    t0 = time.perf_counter()
-                    seq.apply(controller.start(prompt_ids))
-                    seq.stats.controller_ms += ms(t0, time.perf_counter())
-                except Exception as e:
-                    seq.finish = Finish("error", controller_fault(e))
-            self._check_limits(seq)
-            seqs.append(seq)
-        return seqs
-
-    def _finish(self, seq: Sequence, emit: Callable[[dict[str, Any]], None]) -> None:
-        """Emit a finished sequence's result, or, for a sample, the line's result once
-        its last sample finishes."""
-        result = self._result(seq)
-        family = seq.family
-        if family is None:
-            emit(result)
-            return
-        family.results[seq.sample] = result
-        if family.done:
-            emit(combine_samples([r for r in family.results if r is not None]))
+                self._consult(gen, lambda c=controller: c.start(prompt_ids))
+            self._check_limits(gen)
+            gens.append(gen)
+        waiting = []
+        for gen in gens:
+            if gen.finish is not None:
+                self._finish(gen, emit)
+            else:
+                waiting.append(gen)
+        return waiting
 
     def _tokenize(self, job: Job) -> list[int]:
         tok = self.lm.tokenizer
@@ -311,398 +271,127 @@ class Engine:
             return None
         return GrammarController(self.compiler.compile(job.constraint), self.config.fast_forward)
 
-    # ---------------------------------------------------------------------------- step
+    def _finish(self, gen: Generation, emit: Emit) -> None:
+        """Emit a finished generation's result, or, for a sample, the line's result once
+        its last sample finishes."""
+        result = generation_result(gen, self.lm.tokenizer, self.now())
+        group = gen.group
+        if group is None:
+            emit(result)
+            return
+        group.results[gen.sample] = result
+        if group.done:
+            emit(combine_samples([r for r in group.results if r is not None]))
 
-    def _step(self, emit: Callable[[dict[str, Any]], None]) -> None:
-        t_start = time.perf_counter()
-        rows, seqs = self._take_part()
-        fresh = any(s is not None and s.length == 0 for s in seqs)
-        lengths = [s.length if s is not None else 0 for s in seqs]
-        drafts = self._drafts(seqs)  # before the mask worker starts: both read matchers
-        fed = sum(len(s.pending) for s in seqs if s is not None)
-        fed += sum(len(d) - 1 for d in drafts if d)
+    # ------------------------------------------------------------------- controllers
 
-        masks = self.pool.submit(self._masks, rows, seqs)  # overlaps the forward pass
+    def _consult(self, gen: Generation,
+                 ask: Callable[[], Directive | None]) -> tuple[bool, float]:
+        """The one place a controller decides: run `ask`, apply its directive (None: the
+        generation stops), and time it. A failure ends only this generation. Returns
+        whether the output changed, and the controller's ms."""
+        t0 = self.now()
+        changed = False
+        try:
+            directive = ask()
+            if directive is None:
+                gen.finish = Finish("stop")
+            else:
+                changed = gen.apply(directive)
+        except Exception as e:
+            gen.finish = Finish("error", controller_fault(e))
+        spent = ms(t0, self.now())
+        gen.stats.controller_ms += spent
+        return changed, spent
 
-        t0 = time.perf_counter()
-        every, extra_at, out_of_memory = self._forward_drafts(rows[0], lengths, seqs, drafts)
-        # In the model's dtype: masking and greedy argmax need no fp32 copy (a bf16 value
-        # widens to fp32 exactly, so argmax is the same); `sample` widens what it samples
-        # with temperature. `logits` [b, V] (a view): each row's next token after its real
-        # tokens; draft positions follow in `every`.
-        if every.shape[-1] > self.vocab_size:
-            every = every[:, : self.vocab_size]
-        logits = every[: len(seqs)]
-        t1 = time.perf_counter()
-
-        result = masks.result()
-        disallowed, failed, deferred = result.disallowed, result.failed, result.deferred
-        for k in out_of_memory:
-            deferred.pop(k, None)
-            failed[k] = ControllerError(
-                "out_of_memory", "out of memory even with this sequence alone in the pass")
-        t_mask_ready = time.perf_counter()
-        if disallowed is not None:
-            logits.masked_fill_(disallowed.to(logits.device, non_blocking=True), float("-inf"))
-        t2 = time.perf_counter()
-        best, greedy = logits.max(dim=-1)  # [b]: the greedy pick, and whether any is allowed
-        if disallowed is not None:
-            # A row whose mask allows nothing cannot continue; say so instead of sampling.
-            for k in torch.isneginf(best).nonzero().flatten().tolist():
-                if k not in deferred:
-                    failed.setdefault(k, ControllerError("empty_mask", "the mask allows no token"))
-
-        for k, err in failed.items():
-            seq = seqs[k]
-            assert seq is not None
-            seq.finish = Finish("error", (err.type, err.message))
-            self.rows[rows[k]] = None
-            self._finish(seq, emit)
-            seqs[k] = None
-        real = [k for k, s in enumerate(seqs) if s is not None and k not in deferred]
-        picked = sample(
-            logits, greedy.tolist(), real,
-            [seqs[k].job.temperature for k in real],  # type: ignore[union-attr]
-            [seqs[k].job.top_p for k in real],  # type: ignore[union-attr]
-            [seqs[k].generator for k in real],  # type: ignore[union-attr]
-        )
-        t3 = time.perf_counter()
-
-        times = StepTimes(
-            kind="prefill" if fresh else "decode",
-            rows=len(real),
-            tokens=fed,
-            forward_ms=ms(t0, t1),
-            mask_ms=ms(t1, t2),
-            mask_wait_ms=ms(t1, t_mask_ready),
-            sample_ms=ms(t2, t3),
-        )
-        # The model's own pick after every fed draft token, in one call for the batch.
-        b = len(seqs)
-        predicted = every[b:].argmax(dim=-1).tolist() if every.shape[0] > b else []
-        controller_ms = 0.0
-        for k, token in zip(real, picked):
-            seq = seqs[k]
-            assert seq is not None
-            controller_ms += self._commit(seq, token, times)
-            if drafts[k]:
-                at = extra_at[k] - b
-                controller_ms += self._accept_draft(
-                    seq, drafts[k], token, predicted[at : at + len(drafts[k]) - 1])
-        for k, directive in deferred.items():
-            seq = seqs[k]
-            if seq is not None:
-                self._commit_directive(seq, directive, times)
-        t4 = time.perf_counter()
-        times.controller_ms = controller_ms
-        times.step_ms = ms(t_start, t4)
-        self.step_times.append(times)
-        self.steps += 1
-        for k in [*real, *deferred]:
-            seq = seqs[k]
-            if seq is not None and seq.finish is not None:
-                self.rows[rows[k]] = None
-                self._finish(seq, emit)
-
-    def _drafts(self, seqs: list[Sequence | None]) -> list[list[int]]:
-        """A prompt-lookup draft per row (empty: none): greedy rows past their prefill,
-        with no controller or a grammar one, trimmed to what the grammar accepts, to
-        the token budget and to before any end-of-sequence token."""
-        drafts: list[list[int]] = [[] for _ in seqs]
-        k = self.config.draft_tokens
-        if k < 2:
-            return drafts
-        for i, seq in enumerate(seqs):
-            if seq is None or seq.length == 0 or seq.job.temperature >= MIN_TEMPERATURE:
-                continue
-            controller = seq.controller
-            if controller is not None and not hasattr(controller, "valid_prefix"):
-                continue  # a wasm controller's next answer cannot be predicted
-            n = min(k, seq.job.max_tokens - len(seq.output))
-            if n < 2:
-                continue
-            draft = lookup(seq.prompt, seq.output, n)
-            for j, token in enumerate(draft):
-                if token in self.eos:
-                    del draft[j:]
-                    break
-            if controller is not None and draft:
-                del draft[controller.valid_prefix(draft):]  # type: ignore[attr-defined]
-            if len(draft) >= 2:
-                drafts[i] = draft
-        return drafts
-
-    def _forward_drafts(
-        self, first_row: int, lengths: list[int], seqs: list[Sequence | None],
-        drafts: list[list[int]],
-    ) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The pass, with each row's draft (but its last token) fed after its pending
-        tokens: logits for each row's next token (rows 0..b-1), then after each fed draft
-        token (row i's from `extra_at[i]`), and the rows out of memory even alone.
-
-        A draft d is checked against the logits after d[0..-2]: its last token needs no
-        pass of its own. Out of memory, drafts are dropped and the pass retried as usual.
-        """
-        chunks = [s.pending if s is not None else [] for s in seqs]
-        if any(drafts):
-            fed = [c + d[:-1] for c, d in zip(chunks, drafts)]
-            keep = [max(1, len(d)) for d in drafts]
-            try:
-                self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
-                inputs = build_inputs(first_row, lengths, fed, self.mask_shape,
-                                      self.lm.device, keep)
-                return forward(self.model, self.cache, inputs), inputs.extra_at, []
-            except Exception as e:
-                if not is_out_of_memory(e):
-                    raise
-                drafts[:] = [[] for _ in drafts]
-        logits, out_of_memory = self._forward(first_row, lengths, chunks)
-        return logits, [len(chunks)] * len(chunks), out_of_memory
-
-    def _accept_draft(self, seq: Sequence, draft: list[int], picked: int,
-                      predicted: list[int]) -> float:
-        """Take the draft's tokens after `picked` while each is what the model predicts
-        after the one before (`predicted[j]`: its unmasked argmax after draft[j]), so the
-        output is what greedy decoding gives; stop at anything else the sequence does:
-        finishing, forced tokens, a backtrack. Returns the controller's ms."""
-        if draft[0] != picked or seq.finish is not None:
+    def _take_token(self, gen: Generation, token: int) -> float:
+        """`token` follows the generation's tokens (all in the cache): end at EOS (unless
+        the controller takes it as a segment's end), or append it and ask the controller
+        what follows. Returns the controller's ms."""
+        controller = gen.controller
+        if token in self.eos:
+            if controller is None:
+                gen.finish = Finish("stop")
+                return 0.0
+            _, spent = self._consult(gen, controller.on_eos)
+            self._check_limits(gen)
+            return spent
+        gen.append(token)
+        if self._check_limits(gen) or controller is None:
             return 0.0
-        spent = 0.0
-        previous = picked
-        for token, expected in zip(draft[1:], predicted):
-            # An allowed token that is the unmasked argmax is the masked argmax too.
-            if token != expected or seq.finish is not None or seq.pending != [previous]:
-                break
-            # Ask again from the controller's current state: a segment may have ended
-            # (its guest decides what follows) since the draft was checked.
-            if seq.controller is not None and seq.controller.valid_prefix([token]) < 1:  # type: ignore[attr-defined]
-                break
-            seq.length += 1  # `previous` was fed in this pass as a draft token
-            seq.pending = []
-            spent += self._take_token(seq, token)
-            seq.stats.draft_tokens += 1
-            previous = token
+        changed, spent = self._consult(gen, lambda: controller.advance([token]))
+        if changed:  # only a changed output needs another look for stop strings
+            self._check_limits(gen)
         return spent
 
-    def _forward(self, first_row: int, lengths: list[int],
-                 chunks: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """One packed pass: the logits [b, V] of each row's last token, and the rows that
-        could not run even alone for lack of memory.
+    def _commit(self, gen: Generation, token: int, times: StepTimes) -> float:
+        """The row took part in this pass and sampled `token`; returns the controller's
+        ms."""
+        self._account(gen, times)
+        if gen.stats.ttft_ms == 0.0:
+            gen.stats.ttft_ms = ms(gen.started, self.now())
+        ff_before = gen.stats.ff_tokens
+        controller_ms = self._take_token(gen, token)
+        self._record_step(gen, times, sampled=0 if token in self.eos else 1,
+                          ff_tokens=gen.stats.ff_tokens - ff_before,
+                          controller_ms=controller_ms)
+        return controller_ms
 
-        Out of memory, the same rows are run in two halves (same masks, same tokens: the
-        step goes on unchanged; keys a failed pass wrote are rewritten at the same slots),
-        and fewer rows are admitted from then on.
-        """
+    def _commit_directive(self, gen: Generation, directive: Directive,
+                          times: StepTimes) -> None:
+        """The controller answered this pass with a directive instead of a mask (it was
+        decided, and timed, in the mask worker): apply it in place of a sampled token
+        (the pass's logits for this row go unused)."""
+        self._account(gen, times)
+        ff_before = gen.stats.ff_tokens
         try:
-            self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
-            inputs = build_inputs(first_row, lengths, chunks, self.mask_shape, self.lm.device)
-            return forward(self.model, self.cache, inputs), []
+            gen.apply(directive)
         except Exception as e:
-            if not is_out_of_memory(e):
-                raise
-        active = [k for k, c in enumerate(chunks) if c]
-        if len(active) == 1:
-            logits = torch.zeros(len(chunks), self.vocab_size, dtype=self.lm.dtype,
-                                 device=self.lm.device)
-            return logits, active
-        self.live_cap = max(1, min(self.live_cap, len(active) // 2))
-        halves = active[: len(active) // 2], active[len(active) // 2 :]
-        parts = [self._forward(first_row, lengths,
-                               [c if k in half else [] for k, c in enumerate(chunks)])
-                 for half in halves]
-        logits = parts[0][0]
-        logits[halves[1]] = parts[1][0][halves[1]]
-        return logits, parts[0][1] + parts[1][1]
+            gen.finish = Finish("error", controller_fault(e))
+        self._check_limits(gen)
+        self._record_step(gen, times, sampled=0, ff_tokens=gen.stats.ff_tokens - ff_before,
+                          controller_ms=0.0)
 
-    def _masks(self, rows: list[int], seqs: list[Sequence | None]) -> MaskResult:
-        """Runs in the worker thread, beside the forward pass.
+    def _check_limits(self, gen: Generation) -> bool:
+        """Finish on max_tokens or a stop string; True when the generation is finished."""
+        if gen.finish is not None:
+            return True
+        if gen.job.stop:
+            text = self.lm.tokenizer.decode(gen.output, skip_special_tokens=True)
+            hit = find_stop(text, gen.job.stop, gen.text_checked)
+            gen.text_checked = len(text)
+            if hit is not None:
+                gen.finish = Finish("stop", text_end=hit)
+                return True
+        if len(gen.output) >= gen.job.max_tokens:
+            gen.finish = Finish("length")
+            return True
+        return False
 
-        Returns the disallowed tokens [b, V] (None: all allowed), the controllers that
-        failed, and the rows whose controller answered with a directive instead of a mask,
-        all by position in `rows`.
-        """
-        failed: dict[int, ControllerError] = {}
-        deferred: dict[int, Directive] = {}
-        grammar: list[tuple[llguidance.LLMatcher, int]] = []
-        grammar_k: list[tuple[int, Controller]] = []
-        custom: list[tuple[int, int, Controller]] = []
-        for k, (row, seq) in enumerate(zip(rows, seqs)):
-            if seq is None or seq.controller is None:
-                continue
-            matcher = getattr(seq.controller, "matcher", None)
-            if matcher is not None:  # llguidance-backed: filled in parallel with the others
-                grammar.append((matcher, row))
-                grammar_k.append((k, seq.controller))
-            else:
-                custom.append((k, row, seq.controller))
-        if not grammar and not custom:
-            return MaskResult(None, failed, deferred)
-        if grammar:
-            self.executor.unsafe_compute_mask_ptr(
-                grammar, self.bitmask.data_ptr(), self.words * 4, self.bitmask.shape[0]
-            )
-            # A matcher that failed computing its mask (a per-step limit) allows only EOS:
-            # end the row with its error here rather than sample that EOS.
-            for (matcher, _), (k, controller) in zip(grammar, grammar_k):
-                if matcher.is_error():
-                    failed[k] = controller.fault()  # type: ignore[attr-defined]
-        constrained = {row for _, row in grammar}
-        for k, row, controller in custom:
-            try:
-                answer = controller.fill_mask(self.bitmask[row])
-            except Exception as e:
-                failed[k] = ControllerError(*controller_fault(e))
-                continue
-            if isinstance(answer, Directive):
-                deferred[k] = answer
-            elif answer:
-                constrained.add(row)
-        # Complement the words, then unpack: bit = 1 where the token is disallowed. One pass
-        # over [b, V] instead of two (unpack, then compare); V/32 words are cheap to flip.
-        words = ~self.bitmask.numpy()[rows]
-        for k, row in enumerate(rows):
-            if row not in constrained:
-                words[k] = 0
-        disallowed = np.unpackbits(words.view(np.uint8), axis=1, count=self.vocab_size,
-                                   bitorder="little").view(np.bool_)
-        return MaskResult(torch.from_numpy(disallowed), failed, deferred)
+    # ----------------------------------------------------------------------- accounts
 
-    def _account(self, seq: Sequence, times: StepTimes) -> None:
+    @staticmethod
+    def _account(gen: Generation, times: StepTimes) -> None:
         """The row took part in this pass: its pending tokens are now in the cache."""
-        st = seq.stats
+        st = gen.stats
         st.forward_passes += 1
         st.forward_ms += times.forward_ms
         st.mask_ms += times.mask_ms
         st.sample_ms += times.sample_ms
-        seq.length += len(seq.pending)
-        seq.pending = []
+        gen.fed()
 
-    def _commit_directive(self, seq: Sequence, directive: Directive, times: StepTimes) -> None:
-        """The controller answered this pass with a directive instead of a mask: apply it
-        in place of a sampled token (the pass's logits for this row go unused)."""
-        self._account(seq, times)
-        ff_before = seq.stats.ff_tokens
-        try:
-            seq.apply(directive)
-        except Exception as e:
-            seq.finish = Finish("error", controller_fault(e))
-        self._check_limits(seq)
-        self._record_step(seq, times, sampled=0, forced=seq.stats.ff_tokens - ff_before,
-                          controller_ms=0.0)
-
-    def _record_step(self, seq: Sequence, times: StepTimes, sampled: int, forced: int,
+    @staticmethod
+    def _record_step(gen: Generation, times: StepTimes, sampled: int, ff_tokens: int,
                      controller_ms: float) -> None:
-        if seq.steps is None:
+        if gen.steps is None:
             return
-        seq.steps.append({
-            "step": len(seq.steps),
-            "kind": "prefill" if seq.stats.forward_passes == 1 else "decode",
+        gen.steps.append({
+            "step": len(gen.steps),
+            "kind": "prefill" if gen.stats.forward_passes == 1 else "decode",
             "sampled": sampled,
-            "forced": forced,
+            "forced": ff_tokens,
             "forward_ms": round(times.forward_ms, 3),
             "mask_ms": round(times.mask_ms, 3),
             "controller_ms": round(controller_ms, 3),
             "sample_ms": round(times.sample_ms, 3),
         })
-
-    def _commit(self, seq: Sequence, token: int, times: StepTimes) -> float:
-        """Append the sampled token, ask the controller what follows; returns its ms."""
-        now = time.perf_counter()
-        st = seq.stats
-        self._account(seq, times)
-        if st.ttft_ms == 0.0:
-            st.ttft_ms = ms(seq.started, now)
-        ff_before = st.ff_tokens
-        controller_ms = self._take_token(seq, token)
-        self._record_step(seq, times, sampled=0 if token in self.eos else 1,
-                          forced=st.ff_tokens - ff_before, controller_ms=controller_ms)
-        return controller_ms
-
-    def _take_token(self, seq: Sequence, token: int) -> float:
-        """`token` follows the sequence's tokens (all in the cache): end at EOS, or append
-        it and apply the controller's answer. Returns the controller's ms."""
-        st = seq.stats
-        controller_ms = 0.0
-        on_eos = getattr(seq.controller, "on_eos", None)
-        if token in self.eos and on_eos is not None:
-            # The controller may treat end-of-sequence as the end of a segment only.
-            t0 = time.perf_counter()
-            try:
-                directive = on_eos()
-                if directive is None:
-                    seq.finish = Finish("stop")
-                else:
-                    seq.apply(directive)
-            except Exception as e:
-                seq.finish = Finish("error", controller_fault(e))
-            controller_ms = ms(t0, time.perf_counter())
-            st.controller_ms += controller_ms
-            self._check_limits(seq)
-        elif token in self.eos:
-            seq.finish = Finish("stop")
-        else:
-            seq.output.append(token)
-            seq.pending.append(token)
-            if seq.controller is not None and not self._check_limits(seq):
-                t0 = time.perf_counter()
-                changed = False
-                try:
-                    directive = seq.controller.advance([token])
-                    seq.apply(directive)
-                    changed = bool(directive.forced or directive.backtrack)
-                except Exception as e:
-                    seq.finish = Finish("error", controller_fault(e))
-                controller_ms = ms(t0, time.perf_counter())
-                st.controller_ms += controller_ms
-                if changed:  # only a changed output needs another look for stop strings
-                    self._check_limits(seq)
-            elif seq.controller is None:
-                self._check_limits(seq)
-        return controller_ms
-
-    def _check_limits(self, seq: Sequence) -> bool:
-        """Finish on max_tokens or a stop string; True when the sequence is finished."""
-        if seq.finish is not None:
-            return True
-        if seq.job.stop:
-            text = self.lm.tokenizer.decode(seq.output, skip_special_tokens=True)
-            longest = max(len(s) for s in seq.job.stop)
-            start = max(0, seq._text_checked - longest + 1)
-            hits = [p for p in (text.find(s, start) for s in seq.job.stop) if p >= 0]
-            seq._text_checked = len(text)
-            if hits:
-                seq.finish = Finish("stop", text_end=min(hits))
-                return True
-        if len(seq.output) >= seq.job.max_tokens:
-            seq.finish = Finish("length")
-            return True
-        return False
-
-    def _result(self, seq: Sequence) -> dict[str, Any]:
-        finish = seq.finish or Finish("error", ("internal_error", "sequence ended unfinished"))
-        text = self.lm.tokenizer.decode(seq.output, skip_special_tokens=True)
-        if finish.text_end is not None:
-            text = text[: finish.text_end]
-        seq.stats.output_tokens = len(seq.output)
-        seq.stats.total_ms = ms(seq.started, time.perf_counter())
-        result: dict[str, Any] = {
-            "id": seq.job.id,
-            "index": seq.job.index,
-            "text": text,
-            "finish_reason": finish.reason,
-        }
-        if seq.controller is not None:
-            result.update(seq.controller.report(text))
-        if finish.error is not None:
-            etype, message = finish.error
-            result["error"] = {"type": etype, "message": f"line {seq.job.index}: {message}"}
-        result["stats"] = seq.stats.as_dict()
-        for split in ("guest_ms", "segment_ms"):  # wasm controllers: where controller_ms went
-            if hasattr(seq.controller, split):
-                result["stats"][split] = round(float(getattr(seq.controller, split)), 3)
-        close = getattr(seq.controller, "close", None)
-        if close is not None:
-            close()
-        if seq.steps is not None:
-            result["steps"] = seq.steps
-        return result

@@ -1,9 +1,10 @@
-"""One sequence's state in the engine: its tokens, its cache row, its controller, its stats."""
+"""One generation in the engine (a line, or one of its n samples): its tokens, its cache
+row's fill, its controller and its stats."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -11,30 +12,7 @@ import torch
 from aici_cli.control.base import Controller, Directive
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job
-
-
-@dataclass
-class SeqStats:
-    """Per-sequence counters; timings are wall-clock ms of the steps the row took part in."""
-
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    forward_passes: int = 0
-    ff_tokens: int = 0
-    draft_tokens: int = 0  # output tokens taken from verified drafts (no pass of their own)
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    forward_ms: float = 0.0
-    mask_ms: float = 0.0
-    controller_ms: float = 0.0
-    sample_ms: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for k, v in out.items():
-            if isinstance(v, float):
-                out[k] = round(v, 3)
-        return out
+from aici_cli.stats import LineStats
 
 
 @dataclass
@@ -45,7 +23,7 @@ class Finish:
 
 
 @dataclass
-class Family:
+class SampleGroup:
     """The `n` samples of one line. One of them prefills the prompt; the others copy its
     keys from that row, and the line's result waits for all of them."""
 
@@ -62,7 +40,7 @@ class Family:
 
 
 @dataclass
-class Sequence:
+class Generation:
     """Invariant: `length` tokens of `prompt + output` are in the cache row; the rest,
     `pending`, are appended but not yet fed to the model (fed by the next forward pass)."""
 
@@ -74,35 +52,47 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
     length: int = 0
-    stats: SeqStats = field(default_factory=SeqStats)
+    stats: LineStats = field(default_factory=LineStats)
     steps: list[dict[str, Any]] | None = None
     finish: Finish | None = None
-    family: Family | None = None  # set when the line asks for n > 1 samples
-    sample: int = 0  # which of the family's samples
-    _text_checked: int = 0  # chars of decoded output already searched for stop strings
+    group: SampleGroup | None = None  # set when the line asks for n > 1 samples
+    sample: int = 0  # which of the group's samples
+    text_checked: int = 0  # chars of decoded output already searched for stop strings
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
         self.stats.prompt_tokens = len(self.prompt)
 
-    def apply(self, directive: Directive) -> None:
-        """Apply a controller's directive: backtrack, then force tokens, within max_tokens."""
+    def apply(self, directive: Directive) -> bool:
+        """Apply a controller's directive: backtrack, then fast-forward tokens, within
+        max_tokens. Returns whether the output changed."""
         if directive.backtrack:
             self.backtrack(directive.backtrack)
-        forced = list(directive.forced)
+        ff_tokens = list(directive.ff_tokens)
         budget = self.job.max_tokens - len(self.output)
-        if len(forced) > budget:
-            forced = forced[:budget]
-        self.output += forced
-        self.pending += forced
-        self.stats.ff_tokens += len(forced)
+        if len(ff_tokens) > budget:
+            ff_tokens = ff_tokens[:budget]
+        self.output += ff_tokens
+        self.pending += ff_tokens
+        self.stats.ff_tokens += len(ff_tokens)
         if directive.stop:
             self.finish = Finish("stop")
         elif not self.pending and self.length > 0:
-            # Everything is in the cache (a backtrack with nothing forced): feed the last
-            # token again so the next pass has logits for this row.
+            # Everything is in the cache (a backtrack with nothing fast-forwarded): feed
+            # the last token again so the next pass has logits for this row.
             self.length -= 1
             self.pending = [(self.prompt + self.output)[self.length]]
+        return bool(directive.ff_tokens or directive.backtrack)
+
+    def append(self, token: int) -> None:
+        """A sampled token: in the output, and fed by the next pass."""
+        self.output.append(token)
+        self.pending.append(token)
+
+    def fed(self) -> None:
+        """This pass fed the pending tokens: they are in the cache now."""
+        self.length += len(self.pending)
+        self.pending = []
 
     def backtrack(self, n: int) -> None:
         if n > len(self.output):
@@ -111,7 +101,7 @@ class Sequence:
                 f"backtrack of {n} tokens reaches past the prompt ({len(self.output)} generated)",
             )
         del self.output[len(self.output) - n :]
-        self._text_checked = 0  # the rewritten tail must be searched for stop strings again
+        self.text_checked = 0  # the rewritten tail must be searched for stop strings again
         from_pending = min(n, len(self.pending))
         del self.pending[len(self.pending) - from_pending :]
         self.length -= n - from_pending

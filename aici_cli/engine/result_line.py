@@ -1,0 +1,67 @@
+"""What a finished generation becomes: its result line, or with its siblings (`n`
+samples) one line for the input line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aici_cli.engine.clock import ms
+from aici_cli.engine.generation import Finish, Generation
+
+
+def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, Any]:
+    """The result line of a finished generation. Closes its controller."""
+    finish = gen.finish or Finish("error", ("internal_error", "sequence ended unfinished"))
+    text = tokenizer.decode(gen.output, skip_special_tokens=True)
+    if finish.text_end is not None:
+        text = text[: finish.text_end]
+    gen.stats.output_tokens = len(gen.output)
+    gen.stats.total_ms = ms(gen.started, now)
+    result: dict[str, Any] = {
+        "id": gen.job.id,
+        "index": gen.job.index,
+        "text": text,
+        "finish_reason": finish.reason,
+    }
+    if gen.controller is not None:
+        result.update(gen.controller.report(text))
+    if finish.error is not None:
+        etype, message = finish.error
+        result["error"] = {"type": etype, "message": f"line {gen.job.index}: {message}"}
+    result["stats"] = gen.stats.as_dict()
+    if gen.controller is not None:
+        for name, value in gen.controller.stats().items():
+            result["stats"][name] = round(float(value), 3)
+        gen.controller.close()
+    if gen.steps is not None:
+        result["steps"] = gen.steps
+    return result
+
+
+def combine_samples(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result line for a line's n samples, in sample order.
+
+    The top level mirrors sample 0 (text, finish_reason, json, ...), so a reader that takes
+    one answer per line still works; `choices` holds every sample with its own text,
+    finish reason and stats; the top-level `stats` add up the samples' work. If a sample
+    failed, the line's finish_reason is "error" with that sample's error.
+    """
+    line = {k: v for k, v in results[0].items() if k != "steps"}
+    line["n"] = len(results)
+    line["choices"] = [
+        {"index": i, **{k: v for k, v in r.items() if k not in ("id", "index")}}
+        for i, r in enumerate(results)
+    ]
+    stats: dict[str, Any] = {}
+    for r in results:
+        for key, value in r.get("stats", {}).items():
+            stats[key] = round(stats.get(key, 0) + value, 3)
+    stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
+                           default=0.0)
+    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
+    line["stats"] = stats
+    failed = next((r for r in results if r["finish_reason"] == "error"), None)
+    if failed is not None:
+        line["finish_reason"] = "error"
+        line["error"] = failed["error"]
+    return line
