@@ -11,12 +11,8 @@ import pytest
 
 from aici_cli.config import EngineConfig
 from aici_cli.control.constraint import Constraint
-from aici_cli.control.grammar import (
-    GrammarCompiler,
-    GrammarController,
-    close_objects,
-    exclusive_one_of,
-)
+from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.control.grammar.schema_rewrite import close_objects, exclusive_one_of
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import GrammarError
 from aici_cli.jobs import Job

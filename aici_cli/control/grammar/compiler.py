@@ -1,0 +1,171 @@
+"""Compiling constraints into template matchers, once per distinct constraint a run."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import referencing
+
+from aici_cli.control.constraint import Constraint
+from aici_cli.control.grammar.limits import (
+    GRAMMAR_LIMITS,
+    is_limit_error,
+    schema_shape_problem,
+    tidy_error,
+)
+from aici_cli.control.grammar.schema_rewrite import (
+    JSON_OPTIONS,
+    RELAXATIONS,
+    choices_grammar,
+    close_objects,
+    exclusive_one_of,
+)
+from aici_cli.errors import GrammarError
+
+
+@dataclass
+class CompiledGrammar:
+    """A compiled constraint: the template matcher every sequence copies."""
+
+    constraint: Constraint
+    template: llguidance.LLMatcher
+    warnings: list[str] = field(default_factory=list)
+    validator: Any = None  # jsonschema validator of the original schema, for `valid`
+
+
+class GrammarCompiler:
+    """Compiles constraints for one model's tokenizer; caches per distinct constraint."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 strict_json: bool = True) -> None:
+        # Wrapping the tokenizer is the expensive part: once per model.
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
+        )
+        self.vocab_size = vocab_size
+        self.strict_json = strict_json
+        self._cache: dict[str, CompiledGrammar | GrammarError] = {}
+        self.compile_ms: list[float] = []  # one entry per distinct constraint compiled
+
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
+        """Compile (or fetch from the run's cache); raises `GrammarError`."""
+        key = _cache_key(constraint)
+        hit = self._cache.get(key) if key is not None else None
+        if hit is None:
+            t0 = time.perf_counter()
+            try:
+                hit = self._compile(constraint)
+            except GrammarError as e:
+                hit = e
+            self.compile_ms.append((time.perf_counter() - t0) * 1000.0)
+            if key is not None:
+                self._cache[key] = hit
+        if isinstance(hit, GrammarError):
+            raise hit
+        return hit
+
+    def _matcher(self, grammar: str) -> tuple[llguidance.LLMatcher | None, str]:
+        """A template matcher for `grammar`, or None and llguidance's raw error.
+
+        Building the matcher validates the grammar: a separate validation pass would
+        compile everything twice.
+        """
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                       limits=GRAMMAR_LIMITS)
+        if matcher.is_error():
+            return None, matcher.get_error()
+        return matcher, ""
+
+    def _compile(self, constraint: Constraint) -> CompiledGrammar:
+        if constraint.kind == "json_schema":
+            return self._compile_json(constraint)
+        if constraint.kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(constraint.value)
+            return self._compile_grammar(constraint, grammar, "regex", "invalid_regex")
+        if constraint.kind == "lark":
+            grammar = llguidance.LLMatcher.grammar_from_lark(constraint.value)
+            return self._compile_grammar(constraint, grammar, "Lark grammar", "invalid_grammar")
+        if constraint.kind == "choice":
+            grammar = llguidance.LLMatcher.grammar_from_lark(choices_grammar(constraint.value))
+            return self._compile_grammar(constraint, grammar, "choices", "invalid_choices")
+        raise GrammarError("invalid_constraint", f"unknown constraint kind {constraint.kind!r}")
+
+    def _compile_grammar(self, constraint: Constraint, grammar: str, label: str,
+                         error_type: str) -> CompiledGrammar:
+        matcher, error = self._matcher(grammar)
+        if matcher is None:
+            keep_position = constraint.kind == "lark"  # positions in the user's own text
+            raise _limit_error(label, error, keep_position) or GrammarError(
+                error_type, f"{label} not supported: {tidy_error(error, keep_position)}"
+            )
+        return CompiledGrammar(constraint, matcher)
+
+    def _compile_json(self, constraint: Constraint) -> CompiledGrammar:
+        original = constraint.value
+        # Before anything recursive (schema checks, rewrites) walks the schema.
+        problem = schema_shape_problem(original)
+        if problem is not None:
+            raise GrammarError("grammar_too_large", problem)
+        try:
+            validator_cls = jsonschema.validators.validator_for(original)
+            validator_cls.check_schema(original)
+            # An empty registry: a `$ref` to a URL must never be fetched (jsonschema's
+            # default would open it), it fails validation instead.
+            validator = validator_cls(original, registry=referencing.Registry())
+        except jsonschema.SchemaError as e:
+            raise GrammarError("invalid_schema", f"invalid JSON schema: {e.message}") from None
+        schema = exclusive_one_of(original)
+        if self.strict_json:
+            schema = close_objects(schema)
+        errors: list[str] = []
+        for note, extra in RELAXATIONS:
+            try:
+                options: Any = {**JSON_OPTIONS, **extra}  # a JsonCompileOptions dict
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    schema, overrides=options
+                )
+            except ValueError as e:
+                errors.append(str(e))
+                continue
+            matcher, error = self._matcher(grammar)
+            if matcher is not None:
+                warnings = [f"schema relaxed: {note}"] if note else []
+                return CompiledGrammar(constraint, matcher, warnings, validator)
+            too_large = _limit_error("JSON schema", error)
+            if too_large is not None:
+                raise too_large  # a relaxed schema is no smaller: retrying only costs time
+            errors.append(tidy_error(error))
+        # The strict reason first; the last relaxation's reason when it differs.
+        message = errors[0] if errors[-1] == errors[0] else (
+            f"{errors[0]} (and with {RELAXATIONS[-1][0]}: {errors[-1]})"
+        )
+        raise GrammarError("unsupported_schema", f"JSON schema not supported: {message}")
+
+
+def _cache_key(constraint: Constraint) -> str | None:
+    """The compile cache's key; None for a value too deeply nested to serialize, which
+    `schema_shape_problem` then refuses without caching."""
+    try:
+        return json.dumps([constraint.kind, constraint.value], sort_keys=True)
+    except RecursionError:
+        return None
+
+
+def _limit_error(label: str, error: str, keep_position: bool = False) -> GrammarError | None:
+    """A `grammar_too_large` error when llguidance's `error` is a resource limit."""
+    if not is_limit_error(error):
+        return None
+    return GrammarError(
+        "grammar_too_large",
+        f"{label} too large or complex to compile within the grammar limits: "
+        f"{tidy_error(error, keep_position)}",
+    )
+
+

@@ -1,0 +1,106 @@
+"""A sequence constrained by a compiled grammar: masks, fast-forward, validation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import torch
+
+from aici_cli.control.base import ControllerBase, Directive
+from aici_cli.control.grammar.compiler import CompiledGrammar
+from aici_cli.control.grammar.limits import is_limit_error, tidy_error
+from aici_cli.errors import ControllerError
+
+
+class GrammarController(ControllerBase):
+    """A sequence constrained by a compiled grammar; see `aici_cli.control.base`."""
+
+    def __init__(self, grammar: CompiledGrammar, fast_forward: bool = True) -> None:
+        self.grammar = grammar
+        self._matcher = grammar.template.deep_copy()
+        self.fast_forward = fast_forward
+
+    def _next(self) -> Directive:
+        m = self._matcher
+        if m.is_error():
+            raise self.matcher_fault()
+        if m.is_stopped():
+            return Directive(stop=True)
+        if not self.fast_forward:
+            return Directive()
+        forced = m.compute_ff_tokens()
+        if m.is_error() or (forced and not m.consume_tokens(forced)):
+            raise self.matcher_fault()
+        return Directive(ff_tokens=tuple(forced), stop=m.is_stopped())
+
+    def matcher_fault(self) -> ControllerError:
+        """The error of a matcher in its error state, typed by cause.
+
+        A per-step limit of `GRAMMAR_LIMITS` (lexer fuel, lexer states, Earley items) is
+        `grammar_too_complex`: the grammar cannot be followed further within bounded
+        time. Anything else (a token the grammar rejects) is `grammar_error`.
+        """
+        error = self._matcher.get_error()
+        if is_limit_error(error):
+            return ControllerError(
+                "grammar_too_complex",
+                f"grammar too complex to continue within the per-step limits: "
+                f"{tidy_error(error)}",
+            )
+        return ControllerError("grammar_error", tidy_error(error))
+
+    def start(self, prompt: Sequence[int]) -> Directive:
+        return self._next()
+
+    def advance(self, tokens: Sequence[int]) -> Directive:
+        if not self._matcher.consume_tokens(list(tokens)):
+            raise self.matcher_fault()
+        return self._next()
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar accepts from the current state, consuming
+        nothing (used to trim draft tokens before they are verified)."""
+        return int(self._matcher.validate_tokens(list(tokens)))
+
+    def on_eos(self) -> Directive | None:
+        """End-of-sequence was sampled: a normal stop, unless the last mask failed.
+
+        A matcher that fails while computing a mask (a per-step limit, say) enters its
+        error state and allows only end-of-sequence, so the sampler picks it: without
+        this check the sequence would end as a normal stop with a truncated output.
+        """
+        if self._matcher.is_error():
+            raise self.matcher_fault()
+        return None
+
+    def matcher(self) -> llguidance.LLMatcher:
+        return self._matcher
+
+    def fill_mask(self, out: torch.Tensor) -> bool:
+        self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
+        if self._matcher.is_error():
+            raise self.matcher_fault()
+        return True
+
+    def report(self, text: str) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if self.grammar.warnings:
+            fields["warnings"] = list(self.grammar.warnings)
+        if self.grammar.constraint.kind != "json_schema":
+            return fields
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):  # also output nested past Python's stack
+            fields.update(json=None, valid=False)
+            return fields
+        try:
+            valid = bool(self.grammar.validator.is_valid(value))
+        except Exception as e:  # e.g. a $ref jsonschema cannot resolve: not validated
+            valid = False
+            fields.setdefault("warnings", []).append(
+                f"output could not be validated: {type(e).__name__}: {str(e)[:200]}")
+        fields.update(json=value, valid=valid)
+        return fields

@@ -1,0 +1,126 @@
+"""How constraints become llguidance grammars: the JSON options, the relaxations tried
+when a schema does not compile as written, and the schema rewrites applied first."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from aici_cli.control.grammar.limits import MAX_EXCLUSIVE_BRANCHES
+
+# Compact, predictable JSON: fixed separators (Python's own `json.dumps` style, which
+# models have seen a lot) and no free whitespace. Free whitespace lets small models loop
+# on newlines until the token limit; fixed separators also make more tokens forced.
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+# Tried in order when a schema does not compile as written. The output is still validated
+# against the original schema, so a relaxation can cost compliance but never correctness.
+RELAXATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("", {}),
+    ("oneOf enforced as anyOf", {"coerce_one_of": True}),
+    ("unsupported keywords not enforced", {"coerce_one_of": True, "lenient": True}),
+)
+
+
+def choices_grammar(choices: Sequence[str]) -> str:
+    """A Lark grammar that matches exactly one of `choices`.
+
+    The alternatives form one terminal (one lexer regex) rather than one rule with an
+    alternative each: a rule's cost grows with the square of its alternatives (20,000 took
+    0.6 s and 50,000 took 7.5 s, before any limit applied), a terminal's stays linear and is
+    bounded by `initial_lexer_fuel`.
+    """
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)
+
+
+def close_objects(schema: Any) -> Any:
+    """Return `schema` with undeclared object keys disallowed where the schema is silent.
+
+    JSON Schema allows any extra key by default; a model given that freedom tends to
+    invent keys until the token limit. Objects that list `properties` and say nothing about
+    extra keys get `additionalProperties: false`. Closing must only narrow what validates,
+    so some schemas stay open: members of `allOf` and of `anyOf` whose parent declares keys
+    itself (closing one would reject the keys declared beside it), members of `oneOf`
+    (a closed branch can fail where its open original matched, letting an output match
+    another branch alone under the closed schema but two under the original), and anything
+    under `not` (narrowing there widens the whole).
+    """
+
+    def walk(node: Any, in_all_of: bool) -> Any:
+        if isinstance(node, list):
+            return [walk(x, in_all_of) for x in node]
+        if not isinstance(node, dict):
+            return node
+        parent_keys = "properties" in node or "required" in node
+        out = {}
+        for key, value in node.items():
+            if key in ("enum", "const", "default", "examples", "not"):
+                out[key] = value  # data, or (`not`) a schema that must stay as written
+            elif key == "properties" and isinstance(value, dict):
+                out[key] = {k: walk(v, False) for k, v in value.items()}
+            else:
+                merged = key in ("allOf", "oneOf") or (key == "anyOf" and parent_keys)
+                out[key] = walk(value, merged)
+        open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+        combined = any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
+        if (
+            isinstance(node.get("properties"), dict)
+            and not any(k in node for k in open_keys)
+            and not in_all_of
+            and not combined
+        ):
+            out["additionalProperties"] = False
+        return out
+
+    return walk(schema, False)
+
+
+def exclusive_one_of(schema: Any) -> Any:
+    """Return `schema` with `oneOf` branches made exclusive where `required` tells them apart.
+
+    llguidance enforces `oneOf` only as `anyOf`, so an output may satisfy two branches and
+    fail `oneOf`. A branch j that requires key k fails whenever k is absent; so branch i
+    forbids one such key of every other branch (`properties: {k: false}`). This only
+    narrows the schema, and it makes the common `oneOf: [{required: [a]}, {required: [b]}]`
+    exact. It adds n-1 keys to each of n branches, so a `oneOf` of more than
+    `MAX_EXCLUSIVE_BRANCHES` stays as written (llguidance then enforces it as `anyOf`,
+    with a warning, unless it can tell the branches apart itself).
+    """
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: (v if k in ("enum", "const", "default", "examples") else walk(v))
+               for k, v in node.items()}
+        branches = out.get("oneOf")
+        if (
+            isinstance(branches, list)
+            and len(branches) <= MAX_EXCLUSIVE_BRANCHES
+            and all(isinstance(b, dict) for b in branches)
+        ):
+            required = [set(b.get("required", [])) for b in branches]
+            if all(isinstance(k, str) for r in required for k in r):
+                new = []
+                for i, branch in enumerate(branches):
+                    forbid = {
+                        sorted(r - required[i])[0]
+                        for j, r in enumerate(required) if j != i and r - required[i]
+                    }
+                    if forbid:
+                        props = dict(branch.get("properties", {}))
+                        props.update({k: False for k in forbid})
+                        branch = {**branch, "properties": props}
+                    new.append(branch)
+                out["oneOf"] = new
+        return out
+
+    return walk(schema)
+
+
