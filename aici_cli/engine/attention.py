@@ -46,8 +46,8 @@ class SingleGroup:
     members: torch.Tensor  # [m] long: span positions of the rows in the group
     member_tokens: torch.Tensor  # [m] long: their packed token indices
     kv_len: int  # slots visible: max over members of length + 1
-    mask: torch.Tensor  # [S, 1, 1, kv_len] bool
-    sliding: torch.Tensor | None  # the same under the sliding window (None: no such layers)
+    attn_mask: torch.Tensor  # [S, 1, 1, kv_len] bool
+    sliding_attn_mask: torch.Tensor | None  # under the sliding window (None: no such layers)
 
 
 @dataclass
@@ -58,8 +58,8 @@ class RowRun:
     start: int  # packed index of its first token
     n: int
     kv_len: int  # length before the pass + n
-    mask: torch.Tensor | None  # [n, kv_len] bool; None: plain causal (starts at slot 0)
-    sliding: torch.Tensor | None  # under the sliding window; None: same as `mask`
+    attn_mask: torch.Tensor | None  # [n, kv_len] bool; None: plain causal (from slot 0)
+    sliding_attn_mask: torch.Tensor | None  # under the sliding window; None: `attn_mask`
 
 
 @dataclass
@@ -133,7 +133,8 @@ def rows_attention(
         q = query[0].index_select(1, g.token).transpose(0, 1).reshape(span, kv_heads, rep, dim)
         k = key[plan.rows, :, : g.kv_len]
         v = value[plan.rows, :, : g.kv_len]
-        mask = g.sliding if windowed and g.sliding is not None else g.mask
+        mask = (g.sliding_attn_mask if windowed and g.sliding_attn_mask is not None
+                else g.attn_mask)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         out[g.member_tokens] = o.reshape(span, heads, dim)[g.members]
 
@@ -141,7 +142,8 @@ def rows_attention(
         q = query[:, :, r.start : r.start + r.n]  # [1, H, n, D]
         k = key[r.row : r.row + 1, :, : r.kv_len]
         v = value[r.row : r.row + 1, :, : r.kv_len]
-        run_mask = r.sliding if windowed and r.sliding is not None else r.mask
+        run_mask = (r.sliding_attn_mask if windowed and r.sliding_attn_mask is not None
+                    else r.attn_mask)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=run_mask, is_causal=run_mask is None, scale=scaling,
             enable_gqa=rep > 1,

@@ -59,7 +59,7 @@ def _run(row: int, start: int, length: int, n: int, window: int | None,
     sliding = None
     if window is not None and kv > window:
         sliding = ((s <= pos) & (s > pos - window)).to(device)
-    return RowRun(row=row, start=start, n=n, kv_len=kv, mask=mask, sliding=sliding)
+    return RowRun(row=row, start=start, n=n, kv_len=kv, attn_mask=mask, sliding_attn_mask=sliding)
 
 
 def build_inputs(
@@ -125,8 +125,8 @@ def build_inputs(
             member_tokens=torch.tensor([single_tok[i] for i in members], dtype=torch.long,
                                        device=device),
             kv_len=single_kv,
-            mask=full[:, None, None].to(device),
-            sliding=sliding,
+            attn_mask=full[:, None, None].to(device),
+            sliding_attn_mask=sliding,
         )
 
     pos_t = torch.tensor(positions, dtype=torch.long)
