@@ -1,6 +1,6 @@
 """Attention over the per-row cache for a packed, unpadded forward pass.
 
-A step feeds every row a different number of tokens: one sampled token, a forced chunk
+A step feeds every row a different number of tokens: one sampled token, a fast-forward chunk
 (fast-forward), or a whole prompt. Padding those to one `[rows, longest]` block made a
 single 12-token chunk cost the whole batch 12 query positions, and made prompts wait for
 a separate prefill pass. Instead the step's tokens are packed into one sequence
@@ -52,7 +52,7 @@ class SingleGroup:
 
 @dataclass
 class RowRun:
-    """A row feeding n > 1 tokens (forced chunk or prompt), attended on its own."""
+    """A row feeding n > 1 tokens (fast-forward chunk or prompt), attended on its own."""
 
     row: int  # buffer row
     start: int  # packed index of its first token

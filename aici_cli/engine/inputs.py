@@ -1,8 +1,8 @@
 """Model inputs for one packed forward pass: tokens, positions, and the attention plan.
 
-Row i of the span feeds `chunk_i` (1 sampled token, several forced ones, a whole prompt,
-or nothing) at positions `length_i .. length_i + n_i - 1`, which are also its cache
-slots. The chunks are concatenated into one sequence `[1, T]` with no padding; see
+Row i of the span feeds `chunk_i` (1 sampled token, several fast-forward ones, a whole
+prompt, or nothing) at positions `length_i .. length_i + n_i - 1`, which are also its
+cache slots. The chunks are concatenated into one sequence `[1, T]` with no padding; see
 `attention.py` for how attention keeps the rows apart.
 """
 

@@ -389,7 +389,7 @@ class Engine:
             "step": len(gen.steps),
             "kind": "prefill" if gen.stats.forward_passes == 1 else "decode",
             "sampled": sampled,
-            "forced": ff_tokens,
+            "forced": ff_tokens,  # the result format's name for fast-forward tokens
             "forward_ms": round(times.forward_ms, 3),
             "mask_ms": round(times.mask_ms, 3),
             "controller_ms": round(controller_ms, 3),

@@ -31,10 +31,10 @@ class GrammarController(ControllerBase):
             return Directive(stop=True)
         if not self.fast_forward:
             return Directive()
-        forced = m.compute_ff_tokens()
-        if m.is_error() or (forced and not m.consume_tokens(forced)):
+        ff_tokens = m.compute_ff_tokens()  # forced by the grammar: no need to sample them
+        if m.is_error() or (ff_tokens and not m.consume_tokens(ff_tokens)):
             raise self.matcher_fault()
-        return Directive(ff_tokens=tuple(forced), stop=m.is_stopped())
+        return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
 
     def matcher_fault(self) -> ControllerError:
         """The error of a matcher in its error state, typed by cause.
