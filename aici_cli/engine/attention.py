@@ -1,7 +1,7 @@
 """Attention over the per-row cache for a packed, unpadded forward pass.
 
-A step feeds every row a different number of tokens: one sampled token, a fast-forward chunk
-(fast-forward), or a whole prompt. Padding those to one `[rows, longest]` block made a
+A step feeds every row a different number of tokens: one sampled token, a chunk of
+fast-forward tokens, or a whole prompt. Padding those to one `[rows, longest]` block made a
 single 12-token chunk cost the whole batch 12 query positions, and made prompts wait for
 a separate prefill pass. Instead the step's tokens are packed into one sequence
 `[1, T]`: projections, MLPs and norms see only real tokens, and attention, the only part
