@@ -15,7 +15,6 @@ the run summary; `step_source` says which one a summary holds.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import sys
@@ -23,11 +22,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 from rich.table import Table
 
-from aici_cli.jobs import load_schema
+from aici_cli.formats import schema_validator
 from aici_cli.openai_batch import as_result
 from aici_cli.stats import percentile
 
@@ -54,15 +52,9 @@ class ReportError(Exception):
 # ------------------------------------------------------------------------- reading
 
 
-@functools.cache
-def _validator(name: str) -> Draft202012Validator:
-    """One validator per schema: building it walks the schema, checking a line does not."""
-    return Draft202012Validator(load_schema(name))
-
-
 def _schema_problem(name: str, value: Any) -> str | None:
     """The most relevant schema violation as `where: what`, or None when valid."""
-    err = best_match(_validator(name).iter_errors(value))
+    err = best_match(schema_validator(name).iter_errors(value))
     if err is None:
         return None
     where = "/".join(str(p) for p in err.absolute_path) or "(top level)"

@@ -24,9 +24,10 @@ from typing import IO, Any, BinaryIO
 from aici_cli.config import RunConfig
 from aici_cli.engine.loop import ControllerFactory, Engine
 from aici_cli.errors import UsageError
-from aici_cli.jobs import Job, LineError, ResultWriter, open_input, read_jobs
+from aici_cli.jobs import Job, LineError, open_input, read_jobs
 from aici_cli.models import load_model
 from aici_cli.openai_batch import BatchFormat, looks_like_request
+from aici_cli.results import ResultWriter
 from aici_cli.resume import InputLines, Interrupted, OutputFile, ResumePlan
 from aici_cli.stats import RunTally, percentile
 from aici_cli.ui import RunDisplay

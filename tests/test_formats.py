@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from aici_cli import jobs
-from aici_cli.jobs import ZERO_STATS, LineError, error_result, load_schema
+from aici_cli import formats
+from aici_cli.formats import load_schema
+from aici_cli.jobs import LineError
+from aici_cli.results import ZERO_STATS, error_result
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,7 +51,7 @@ def test_load_schema_falls_back_to_package_data(
     package = tmp_path / "aici_cli"
     (package / "schemas").mkdir(parents=True)
     (package / "schemas" / "stats.schema.json").write_text('{"title": "packaged"}', "utf-8")
-    monkeypatch.setattr(jobs, "_SCHEMA_DIR", tmp_path / "no-such-dir")
+    monkeypatch.setattr(formats, "_SCHEMA_DIR", tmp_path / "no-such-dir")
     monkeypatch.setattr(
         importlib.resources, "files", lambda anchor: package if anchor == "aici_cli" else None
     )

@@ -16,7 +16,8 @@ import pytest
 from aici_cli.config import JobDefaults
 from aici_cli.control.constraint import Constraint
 from aici_cli.errors import UsageError
-from aici_cli.jobs import Job, LineError, ResultWriter, error_result, open_input, read_jobs
+from aici_cli.jobs import Job, LineError, open_input, read_jobs
+from aici_cli.results import ResultWriter, error_result
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,9 @@ from click.testing import CliRunner, Result
 from aici_cli.cli import main
 from aici_cli.config import JobDefaults
 from aici_cli.errors import UsageError
-from aici_cli.jobs import ResultWriter, load_schema, read_jobs
+from aici_cli.formats import load_schema
+from aici_cli.jobs import read_jobs
+from aici_cli.results import ResultWriter
 from aici_cli.resume import (
     DIGEST_FIELD,
     InputLines,

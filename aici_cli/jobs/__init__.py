@@ -1,0 +1,18 @@
+"""Input lines in: JSONL lines become `Job`s to run or `LineError`s to report.
+
+    types     Job, LineError
+    parse     read_jobs, open_input: one line through every check into a Job
+    checks    the checks before schema validation: size, UTF-8, JSON, depth, Unicode,
+              constraint size
+    messages  the one-line problem text of a LineError
+
+Whether a `json_schema` is usable is `aici_cli.control.schema_check`; the tool's own
+schemas are `aici_cli.formats`; result lines out are `aici_cli.results`. Torch-free:
+the CLI imports it at startup.
+"""
+
+from aici_cli.formats import load_schema
+from aici_cli.jobs.parse import Translate, open_input, read_jobs
+from aici_cli.jobs.types import Job, LineError
+
+__all__ = ["Job", "LineError", "Translate", "load_schema", "open_input", "read_jobs"]

@@ -1,0 +1,211 @@
+"""Input lines in: each physical line becomes a `Job`, a `LineError`, or nothing (blank).
+
+A bad input line never raises out of `read_jobs`: it becomes a `LineError` that the
+caller writes as an error result, so every input line ends as exactly one result line.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO
+
+from aici_cli.config import JobDefaults
+from aici_cli.control.constraint import Constraint
+from aici_cli.control.schema_check import json_schema_problem
+from aici_cli.errors import UsageError
+from aici_cli.formats import schema_validator
+from aici_cli.jobs.checks import (
+    constraint_size_problem,
+    decode_line,
+    depth_problem,
+    ending_length,
+    load_json,
+    readable_id,
+    size_error,
+    unicode_problem,
+)
+from aici_cli.jobs.messages import describe, error_rank, line_error
+from aici_cli.jobs.types import Job, LineError
+from aici_cli.json_text import json_type
+
+# Maps a parsed line of another format (e.g. an OpenAI batch request) onto this one's
+# fields, given the line number; raises ValueError with a message naming the problem.
+Translate = Callable[[dict[str, Any], int], dict[str, Any]]
+
+
+def read_jobs(lines: Iterable[str | bytes], defaults: JobDefaults,
+              translate: Translate | None = None) -> Iterator[Job | LineError]:
+    """Yield one Job or LineError per non-blank line, reading lazily.
+
+    Lazy so that a stream like stdin can be processed while it is still being written;
+    `index` counts every physical line (blank ones too) so results point back at the
+    exact line in the user's file even when ids are missing or repeated. `translate`
+    maps each parsed object from another line format first (see `openai_batch`).
+    """
+    for index, raw in enumerate(lines, start=1):
+        item = _parse_safely(raw, index, defaults, translate)
+        if item is not None:
+            yield item
+
+
+def open_input(path: str) -> BinaryIO:
+    """Open the JSONL input in binary so bad UTF-8 becomes a per-line error, not a crash
+    of the whole run; "-" means stdin."""
+    if path == "-":
+        return sys.stdin.buffer
+    try:
+        return open(path, "rb")  # the caller owns and closes it
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise UsageError(f"cannot read input file '{path}': {reason}") from None
+
+
+def _parse_safely(raw: str | bytes, index: int, defaults: JobDefaults,
+                  translate: Translate | None) -> Job | LineError | None:
+    """`_parse_line`, with any failure it did not foresee confined to its own line: one
+    odd line must not end a run of thousands."""
+    try:
+        return _parse_line(raw, index, defaults, translate)
+    except Exception as exc:  # a bug in the checks, reported like the engine reports its own
+        problem = f"line could not be read: {type(exc).__name__}: {exc}"
+        return line_error(index, None, "internal_error", problem)
+
+
+def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults,
+                translate: Translate | None = None) -> Job | LineError | None:
+    """Turn one physical line into a Job, a LineError, or None for a blank line.
+
+    Checks run cheapest first, and each one bounds what the next may cost: size before
+    decoding, depth before any recursive walk, constraint size before schema checking.
+    """
+    text = _line_text(raw, index, defaults)
+    if text is None or isinstance(text, LineError):
+        return text
+    obj = _line_object(text, index, defaults, translate)
+    if isinstance(obj, LineError):
+        return obj
+    return _job(obj, index, defaults)
+
+
+def _line_text(raw: str | bytes, index: int, defaults: JobDefaults) -> str | LineError | None:
+    """The line as text without its line ending, or None for a blank line."""
+    too_large = size_error(raw, index, defaults.max_line_bytes)
+    if too_large is not None:
+        return too_large
+    text = decode_line(raw, index)
+    if isinstance(text, LineError):
+        return text
+    if index == 1:
+        text = text.removeprefix("\ufeff")  # editors on Windows like to add a BOM
+    if not text.strip():
+        return None
+    # json counts columns from the last newline: with the line's own ending still there,
+    # an error at the end of the line would be reported at column 1 of a line 2.
+    return text[: len(text) - ending_length(text)]
+
+
+def _line_object(text: str, index: int, defaults: JobDefaults,
+                 translate: Translate | None) -> dict[str, Any] | LineError:
+    """The line's JSON object, within the depth limit and valid Unicode, with this
+    tool's fields (after `translate`)."""
+    obj = load_json(text, index, defaults.max_depth)
+    if isinstance(obj, LineError):
+        return obj
+    too_deep = depth_problem(obj, text, defaults.max_depth)
+    if too_deep is not None:
+        return line_error(index, None, "too_deep", too_deep)
+    bad_unicode = unicode_problem(obj, text)
+    if bad_unicode is not None:
+        id_ = readable_id(obj) if isinstance(obj, dict) else None
+        return line_error(index, id_, "invalid_unicode", bad_unicode)
+    if not isinstance(obj, dict):
+        problem = f"expected a JSON object, got {json_type(obj)}"
+        return line_error(index, None, "invalid_line", problem)
+    if translate is not None:
+        try:
+            obj = translate(obj, index)
+        except ValueError as e:
+            custom_id = obj.get("custom_id")
+            id_ = custom_id if isinstance(custom_id, str) else None
+            return line_error(index, id_, "invalid_request", str(e))
+    return obj
+
+
+def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineError:
+    """The Job for a line's object, or the LineError for the first thing wrong in it."""
+    id_ = readable_id(obj)
+    # Before validation: validating a million `choices` alone takes seconds.
+    oversized = constraint_size_problem(obj, defaults.max_constraint_bytes)
+    if oversized is not None:
+        return line_error(index, id_, *oversized)
+    invalid = _validation_error(obj, index, id_)
+    if invalid is not None:
+        return invalid
+    constraint = _constraint(obj, index, id_, defaults)
+    if isinstance(constraint, LineError):
+        return constraint
+
+    extra: dict[str, Any] = {}
+    if "controller_arg" in obj:
+        extra["controller_arg"] = obj["controller_arg"]
+    messages = obj.get("messages")
+
+    # JSON Schema counts 5.0 as an integer, so convert instead of trusting the type.
+    return Job(
+        index=index,
+        id=id_ if id_ is not None else str(index),
+        prompt=obj.get("prompt"),
+        messages=[dict(m) for m in messages] if messages is not None else None,
+        max_tokens=int(obj.get("max_tokens", defaults.max_tokens)),
+        temperature=float(obj.get("temperature", defaults.temperature)),
+        top_p=float(obj.get("top_p", defaults.top_p)),
+        seed=int(obj.get("seed", defaults.seed)),
+        stop=tuple(obj["stop"]) if "stop" in obj else tuple(defaults.stop),
+        constraint=constraint,
+        extra=extra,
+        n=int(obj.get("n", defaults.n)),
+    )
+
+
+def _validation_error(obj: dict[str, Any], index: int, id_: str | None) -> LineError | None:
+    """Check the line against schemas/input-line.schema.json, reporting the root cause."""
+    try:
+        errors = sorted(schema_validator("input-line").iter_errors(obj), key=error_rank)
+    except RecursionError:
+        return line_error(index, id_, "too_deep", "line is nested too deeply to validate")
+    if not errors:
+        return None
+    first = errors[0]
+    is_prompt = list(first.path) == ["prompt"] and first.validator in ("minLength", "pattern")
+    type_ = "empty_prompt" if is_prompt else "invalid_line"
+    return line_error(index, id_, type_, describe(first))
+
+
+def _constraint(
+    obj: dict[str, Any], index: int, id_: str | None, defaults: JobDefaults
+) -> Constraint | LineError | None:
+    """The line's own constraint, checked as far as can be without a tokenizer, or the
+    default one."""
+    if "json_schema" in obj:
+        unusable = json_schema_problem(obj["json_schema"], defaults.max_depth)
+        if unusable is not None:
+            type_, problem = unusable
+            return line_error(index, id_, type_, f"field 'json_schema' {problem}")
+        return Constraint("json_schema", obj["json_schema"])
+    if "regex" in obj:
+        try:
+            with warnings.catch_warnings():
+                # re warns about constructs like `[[` whose meaning may change: stderr is
+                # no place for a note about one line.
+                warnings.simplefilter("ignore", FutureWarning)
+                re.compile(obj["regex"])
+        except (re.error, RecursionError, OverflowError) as exc:
+            problem = f"field 'regex' is not a valid regular expression: {exc}"
+            return line_error(index, id_, "invalid_regex", problem)
+        return Constraint("regex", obj["regex"])
+    if "choices" in obj:
+        return Constraint("choice", list(obj["choices"]))
+    return defaults.constraint
