@@ -56,8 +56,13 @@ class RunOutcome:
 def wasm_factory(config: RunConfig, engine: Engine,
                  call_times: list[float]) -> ControllerFactory:
     """A factory giving every job its own runner of the `--controller` component."""
-    from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
-    from aici_cli.control.wasm_controller import TokenizerServices, WasmController
+    from aici_cli.control.wasm import (
+        ComponentError,
+        ControllerComponent,
+        Limits,
+        TokenizerServices,
+        WasmController,
+    )
     from aici_cli.errors import ControllerError
 
     assert config.controller is not None

@@ -21,7 +21,12 @@ from click.testing import CliRunner
 
 from aici_cli.cli import main
 from aici_cli.control.actions import Sample, StepInput, TokenSet
-from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits, Runner
+from aici_cli.control.wasm import (
+    ComponentError,
+    ControllerComponent,
+    GuestInstance,
+    Limits,
+)
 from aici_cli.errors import ControllerError
 
 HERE = Path(__file__).resolve().parent
@@ -69,7 +74,7 @@ def component(cache: Path, **limits: Any) -> ControllerComponent:
     return ControllerComponent.load(WAT, Limits(**limits), cache_dir=cache)
 
 
-def fails(runner: Runner, calls: int = 1) -> ControllerError:
+def fails(runner: GuestInstance, calls: int = 1) -> ControllerError:
     """The error that ends `runner` within `calls` mid-process calls."""
     for _ in range(calls):
         try:
@@ -435,7 +440,7 @@ class _LLTok:
 def test_a_backtracking_pattern_cannot_stall_the_host() -> None:
     import time
 
-    from aici_cli.control.wasm_controller import TokenizerServices
+    from aici_cli.control.wasm import TokenizerServices
 
     texts = ["a" * 40 + "!", "b", "ab"]  # `re` would take hours on the first one
     services = TokenizerServices(None, len(texts), 0, _LLTok(texts), scan_seconds=0.3)
@@ -454,7 +459,7 @@ def test_a_backtracking_pattern_cannot_stall_the_host() -> None:
 
 
 def test_the_runs_pattern_cache_is_capped() -> None:
-    from aici_cli.control.wasm_controller import TokenizerServices
+    from aici_cli.control.wasm import TokenizerServices
 
     texts = [chr(97 + i) for i in range(26)]  # a set costs its one 32-bit word plus its pattern
     services = TokenizerServices(None, len(texts), 0, _LLTok(texts), cache_bytes=15)

@@ -1,4 +1,4 @@
-"""The wasm host (`aici_cli/control/wasm.py`) against hand-written WAT components.
+"""The wasm host (`aici_cli/control/wasm/`) against hand-written WAT components.
 
 `tests/wat/controller.wat` implements the controller world with the canonical ABI written
 out by hand; the first byte of the constructor's `arg` picks its behaviour (see the table
@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from wasmtime.component import Component, Record, Variant
 
-from aici_cli.control import wasm
 from aici_cli.control.actions import (
     Generate,
     Grammar,
@@ -28,7 +27,14 @@ from aici_cli.control.actions import (
     Stop,
     TokenSet,
 )
-from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits, Runner
+from aici_cli.control.wasm import (
+    ComponentError,
+    ControllerComponent,
+    GuestInstance,
+    Limits,
+    values,
+)
+from aici_cli.control.wasm import component as wasm_component
 from aici_cli.errors import ControllerError
 
 WAT = Path(__file__).parent / "wat"
@@ -83,7 +89,9 @@ def component(cache: Path) -> ControllerComponent:
     return ControllerComponent.load(CONTROLLER, cache_dir=cache)
 
 
-def start(comp: ControllerComponent, mode: str, services: FakeServices | None = None) -> Runner:
+def start(
+    comp: ControllerComponent, mode: str, services: FakeServices | None = None
+) -> GuestInstance:
     return comp.instantiate(mode, [1, 2, 3], services or FakeServices())
 
 
@@ -442,7 +450,7 @@ def test_memoized_types_give_wasmtime_py_results(
     def unavailable(ty: object) -> object:
         raise AttributeError("a wasmtime-py without these internals")
 
-    monkeypatch.setattr(wasm, "_freeze", unavailable)
+    monkeypatch.setattr(wasm_component, "freeze", unavailable)
     slow_comp = ControllerComponent.load(CONTROLLER, cache_dir=cache)
     slow = run(slow_comp)
     assert slow_comp._mid_type is None and slow_comp._mid_type_failed
@@ -462,10 +470,10 @@ def record(**fields: object) -> Record:
 
 def test_conversion_accepts_tagged_and_bare_shapes() -> None:
     services = FakeServices()
-    convert = wasm._to_action
-    assert wasm._split_result(Variant("err", "no")) == (False, "no")
-    assert wasm._split_result("no") == (False, "no")
-    assert wasm._split_result(Variant("ok", None)) == (True, None)
+    convert = values.to_action
+    assert values.split_result(Variant("err", "no")) == (False, "no")
+    assert values.split_result("no") == (False, "no")
+    assert values.split_result(Variant("ok", None)) == (True, None)
     assert convert(None, 100, services) == Stop()
     assert convert(Variant("stop"), 100, services) == Stop()
     assert convert(record(backtrack=2, ff_tokens=[3]), 100, services) == Splice(2, (3,))

@@ -1,4 +1,4 @@
-"""A wasm controller seen from the engine: the per-step contract on top of a `Runner`.
+"""A wasm controller seen from the engine: the per-step contract on top of a `GuestInstance`.
 
 The guest answers each `mid-process` call with an action. `sample` sets the token set for
 the next token; `generate` hands a whole segment to the host, which enforces it with the
@@ -11,15 +11,13 @@ into one `Directive` for the engine.
 from __future__ import annotations
 
 import json
-import re
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import llguidance
 import numpy as np
-import regex
 import torch
 
 from aici_cli.control.actions import (
@@ -33,10 +31,14 @@ from aici_cli.control.actions import (
     Stop,
     TokenSet,
 )
-from aici_cli.control.base import Directive
+from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
-from aici_cli.control.wasm import ControllerComponent, Runner, clip
+from aici_cli.control.stop_strings import find_stop
+from aici_cli.control.wasm.component import ControllerComponent
+from aici_cli.control.wasm.faults import clip
+from aici_cli.control.wasm.instance import GuestInstance
+from aici_cli.control.wasm.services import TokenizerServices
 from aici_cli.errors import ControllerError, GrammarError
 
 # Most tokens one chain of splices may force before the guest lets the model sample. Far
@@ -47,116 +49,12 @@ MAX_CHAIN_TOKENS = 1 << 18
 
 def compose(a: Directive, b: Directive) -> Directive:
     """The directive equal to applying `a`, then `b`."""
-    taken = min(b.backtrack, len(a.forced))
+    taken = min(b.backtrack, len(a.ff_tokens))
     return Directive(
-        forced=a.forced[: len(a.forced) - taken] + b.forced,
+        ff_tokens=a.ff_tokens[: len(a.ff_tokens) - taken] + b.ff_tokens,
         backtrack=a.backtrack + b.backtrack - taken,
         stop=a.stop or b.stop,
     )
-
-
-class TokenizerServices:
-    """The tokenizer and vocabulary services a guest imports, shared by all sequences of
-    one model. `tokens_matching` scans the vocabulary once per pattern (about 120 ms at
-    49k tokens) and keeps the packed bitmask on the host; guests get a handle.
-
-    Patterns come from guests, so the scan is bounded: matching uses the `regex` module
-    (re-compatible syntax, VERSION0) with a timeout, because `re` can backtrack for
-    minutes on a pattern like `(a|a)+` while holding the GIL, which would stall every
-    sequence; the timeout costs ~1.5 us per token. A pattern that fails (syntax or time)
-    fails again at once. The cache of sets is capped at `cache_bytes` for the run (then
-    new patterns get an error), and each sequence may add only `Limits.max_patterns`.
-    """
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token: int, lltok: Any,
-                 scan_seconds: float = 5.0, cache_bytes: int = 128 << 20) -> None:
-        self.tokenizer = tokenizer  # transformers tokenizer: tokenize / decode
-        self.scan_seconds = scan_seconds  # per pattern, over the whole vocabulary
-        self.cache_bytes = cache_bytes  # bitmasks and pattern text kept for the run
-        self._vocab_size = vocab_size
-        self._eos = eos_token
-        self._lltok = lltok  # llguidance.LLTokenizer: per-token bytes, special tokens
-        self._texts: list[str] | None = None
-        self._sets: list[torch.Tensor] = []  # handle -> int32 [words]
-        self._by_pattern: dict[str, int] = {}
-        self._failed: dict[str, str] = {}  # pattern -> its error message
-        self._cached_bytes = 0
-        self._lock = threading.Lock()
-
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    def eos_token(self) -> int:
-        return self._eos
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=False))
-
-    def token_bytes(self, token: int) -> bytes:
-        if not 0 <= token < self._vocab_size:
-            return b""
-        return bytes(self._lltok.decode_bytes([token]))
-
-    def tokens_matching(self, pattern: str) -> int:
-        with self._lock:
-            if pattern in self._by_pattern:
-                return self._by_pattern[pattern]
-            if pattern in self._failed:
-                raise ValueError(self._failed[pattern])
-            words = (self._vocab_size + 31) // 32
-            cost = words * 4 + len(pattern.encode("utf-8", "replace"))
-            if self._cached_bytes + cost > self.cache_bytes:
-                raise ValueError(
-                    f"the run's tokens-matching cache is full ({len(self._sets)} patterns, "
-                    f"{self.cache_bytes:,} bytes); reuse patterns across sequences"
-                )
-            try:
-                hits = self._scan(pattern, words)
-            except ValueError as e:
-                self._failed[pattern] = str(e)
-                raise
-            packed = np.packbits(hits, bitorder="little").view(np.int32)
-            self._cached_bytes += cost
-            self._sets.append(torch.from_numpy(packed.copy()))
-            handle = len(self._sets) - 1
-            self._by_pattern[pattern] = handle
-            return handle
-
-    def _scan(self, pattern: str, words: int) -> np.ndarray:
-        """Which tokens fully match `pattern`; ValueError on bad syntax or past the budget."""
-        shown = clip(repr(pattern), 200)
-        try:
-            re.compile(pattern)  # the contract's syntax is `re`'s: its errors are the ones
-            rx = regex.compile(pattern, regex.VERSION0)
-        except (re.error, regex.error) as e:
-            raise ValueError(f"bad pattern {shown}: {e}") from None
-        if self._texts is None:
-            self._texts = [self.token_bytes(i).decode("utf-8", "replace")
-                           for i in range(self._vocab_size)]
-        hits = np.zeros(words * 32, dtype=bool)
-        special = self._lltok.is_special_token
-        fullmatch, now = rx.fullmatch, time.monotonic
-        deadline = now() + self.scan_seconds
-        try:
-            hits[: self._vocab_size] = [
-                fullmatch(t, timeout=deadline - now()) is not None and not special(i)
-                for i, t in enumerate(self._texts)
-            ]
-        except TimeoutError:
-            raise ValueError(
-                f"pattern {shown} took more than {self.scan_seconds:g} s to match against "
-                "the vocabulary (it backtracks too much)"
-            ) from None
-        return hits
-
-    def has_host_set(self, handle: int) -> bool:
-        return 0 <= handle < len(self._sets)
-
-    def host_set(self, handle: int) -> torch.Tensor:
-        return self._sets[handle]
 
 
 @dataclass
@@ -180,7 +78,7 @@ def grammar_constraint(g: Grammar) -> Constraint:
     return Constraint("choice", list(g.value))
 
 
-class WasmController:
+class WasmController(ControllerBase):
     """One sequence's wasm controller; implements `aici_cli.control.base.Controller`."""
 
     def __init__(self, component: ControllerComponent, arg: str, services: TokenizerServices,
@@ -191,7 +89,7 @@ class WasmController:
         self.services = services
         self.compiler = compiler
         self.fast_forward = fast_forward
-        self.runner: Runner | None = None
+        self.guest: GuestInstance | None = None
         # Shared by the run's controllers: ms of every mid-process call, for p50/p99.
         self.call_times = call_times if call_times is not None else []
         self.token_set: TokenSet = TokenSet("all")
@@ -203,7 +101,7 @@ class WasmController:
     # --- the engine's contract ---------------------------------------------------------
 
     def start(self, prompt: Sequence[int]) -> Directive:
-        self.runner = self.component.instantiate(self.arg, list(prompt), self.services)
+        self.guest = self.component.instantiate(self.arg, list(prompt), self.services)
         return self._follow(self._call(StepInput()), Directive())
 
     def advance(self, tokens: Sequence[int]) -> Directive:
@@ -219,15 +117,15 @@ class WasmController:
         d = Directive()
         if seg.grammar is not None:
             d = seg.grammar.advance(tokens)
-            seg.tokens += d.forced
+            seg.tokens += d.ff_tokens
         ended = d.stop or len(seg.tokens) >= seg.spec.max_tokens or self._hit_stop(seg)
         self.segment_ms += (time.perf_counter() - t0) * 1000.0
-        self.generated += len(d.forced)
+        self.generated += len(d.ff_tokens)
         if not ended:
             return d
-        return self._end_segment(Directive(forced=d.forced))
+        return self._end_segment(Directive(ff_tokens=d.ff_tokens))
 
-    def valid_prefix(self, tokens: list[int]) -> int:
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
         """Draft tokens the host can vouch for: inside a grammar segment, those its
         grammar accepts (the segment's end is its grammar's end); anywhere the guest
         decides next, none."""
@@ -270,36 +168,42 @@ class WasmController:
         out.copy_(torch.from_numpy(np.packbits(bits, bitorder="little").view(np.int32)))
         return True
 
-    @property
-    def matcher(self) -> Any:
+    def matcher(self) -> llguidance.LLMatcher | None:
         """The segment's llguidance matcher, so the engine can fill it with the others."""
         seg = self.segment
-        return seg.grammar.matcher if seg is not None and seg.grammar is not None else None
+        return seg.grammar.matcher() if seg is not None and seg.grammar is not None else None
+
+    def matcher_fault(self) -> ControllerError:
+        seg = self.segment
+        if seg is None or seg.grammar is None:
+            return super().matcher_fault()
+        return seg.grammar.matcher_fault()
 
     def report(self, text: str) -> dict[str, Any]:
         fields: dict[str, Any] = {}
-        if self.runner is not None:
-            if self.runner.logs:
-                fields["logs"] = "\n".join(self.runner.logs)
-            if self.runner.outputs:
-                fields["outputs"] = dict(self.runner.outputs)
+        if self.guest is not None:
+            if self.guest.logs:
+                fields["logs"] = "\n".join(self.guest.logs)
+            if self.guest.outputs:
+                fields["outputs"] = dict(self.guest.outputs)
         return fields
 
-    @property
-    def guest_ms(self) -> float:
-        return self.runner.guest_ms if self.runner is not None else 0.0
+    def stats(self) -> dict[str, float]:
+        """Where `controller_ms` went: inside the guest, and running its segments."""
+        guest_ms = self.guest.guest_ms if self.guest is not None else 0.0
+        return {"guest_ms": guest_ms, "segment_ms": self.segment_ms}
 
     def close(self) -> None:
-        if self.runner is not None:
-            self.runner.close()
+        if self.guest is not None:
+            self.guest.close()
 
     # --- internals ---------------------------------------------------------------------
 
     def _call(self, inp: StepInput) -> Action:
-        assert self.runner is not None
+        assert self.guest is not None
         t0 = time.perf_counter()
         try:
-            return self.runner.mid_process(inp)
+            return self.guest.mid_process(inp)
         finally:
             self.call_times.append((time.perf_counter() - t0) * 1000.0)
 
@@ -312,7 +216,7 @@ class WasmController:
                 self.token_set = action.tokens
                 return acc
             if isinstance(action, Splice):
-                if len(acc.forced) + len(action.ff_tokens) > MAX_CHAIN_TOKENS:
+                if len(acc.ff_tokens) + len(action.ff_tokens) > MAX_CHAIN_TOKENS:
                     raise ControllerError(
                         "bad_action",
                         f"splices forced more than {MAX_CHAIN_TOKENS:,} tokens without "
@@ -325,18 +229,18 @@ class WasmController:
                         f"{self.generated} were generated (the prompt cannot be rewritten)",
                     )
                 self.generated += len(action.ff_tokens) - action.backtrack
-                step = Directive(forced=action.ff_tokens, backtrack=action.backtrack)
+                step = Directive(ff_tokens=action.ff_tokens, backtrack=action.backtrack)
                 acc = compose(acc, step)
                 action = self._call(StepInput(backtrack=action.backtrack,
                                               tokens=action.ff_tokens))
                 continue
             if isinstance(action, Generate):
                 d = self._begin_segment(action.segment)
-                self.generated += len(d.forced)
-                acc = compose(acc, Directive(forced=d.forced))
+                self.generated += len(d.ff_tokens)
+                acc = compose(acc, Directive(ff_tokens=d.ff_tokens))
                 if self.segment is not None:
                     return acc
-                action = self._segment_done_action(d.forced)
+                action = self._segment_done_action(d.ff_tokens)
                 continue
             raise ControllerError("bad_action", f"unknown action {action!r}")
         raise ControllerError("bad_action", "controller spliced 10000 times without sampling")
@@ -354,7 +258,7 @@ class WasmController:
             grammar = GrammarController(compiled, self.fast_forward)
         self.segment = SegmentState(spec, grammar)
         d = grammar.start([]) if grammar is not None else Directive()
-        self.segment.tokens += d.forced
+        self.segment.tokens += d.ff_tokens
         self.segment_ms += (time.perf_counter() - t0) * 1000.0
         if d.stop or len(self.segment.tokens) >= spec.max_tokens:
             self.segment = None  # finished on forced tokens alone
@@ -376,7 +280,6 @@ class WasmController:
         if not seg.spec.stop:
             return False
         text = self.services.decode(seg.tokens)
-        longest = max(len(s) for s in seg.spec.stop)
-        start = max(0, seg.checked - longest + 1)
+        hit = find_stop(text, seg.spec.stop, seg.checked)
         seg.checked = len(text)
-        return any(text.find(s, start) >= 0 for s in seg.spec.stop)
+        return hit is not None

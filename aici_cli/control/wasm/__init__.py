@@ -1,0 +1,41 @@
+"""The wasm host: runs controllers that are WebAssembly components, sandboxed by wasmtime.
+
+A controller implements `aici:controller/controller@0.1.0` (`wit/controller.wit`): one
+`runner` resource per sequence, asked by `mid-process` what to do next. A component is
+loaded and checked once (`ControllerComponent.load`); each sequence gets its own
+`GuestInstance`, and a `WasmController` drives that instance for the engine.
+
+The modules, in the order a component meets them:
+- `component_file`: reading the file (binary or text); `ComponentError`.
+- `engine`: the process-wide wasmtime engine and its epoch ticker thread.
+- `compile_cache`: compiling, through a cache of serialized components on disk.
+- `signatures`: the contract's imports and exports, checked at load.
+- `component`: `ControllerComponent` (load, trial instantiation, instantiate).
+- `host_functions`: the `tokenizer` and `host` imports, bound once per component.
+- `services`: what those imports are served from (`HostServices`, `TokenizerServices`).
+- `instance`: `GuestInstance`, one sequence's store, calls, deadlines and quotas.
+- `limits`: `Limits`, the per-guest resource limits and why each one is there.
+- `faults`: wasmtime errors classified into `ControllerError`s.
+- `values`: wasmtime-py values converted to and from the host's action types.
+- `frozen_types`: reflected types read once, which makes conversions ~5x faster.
+- `controller`: `WasmController`, the engine's per-step contract on top of a guest.
+"""
+
+from aici_cli.control.wasm.component import ControllerComponent
+from aici_cli.control.wasm.component_file import ComponentError
+from aici_cli.control.wasm.controller import WasmController
+from aici_cli.control.wasm.instance import GuestInstance
+from aici_cli.control.wasm.limits import Limits
+from aici_cli.control.wasm.services import HostServices, TokenizerServices
+from aici_cli.control.wasm.signatures import CONTROLLER_INTERFACE
+
+__all__ = [
+    "CONTROLLER_INTERFACE",
+    "ComponentError",
+    "ControllerComponent",
+    "GuestInstance",
+    "HostServices",
+    "Limits",
+    "TokenizerServices",
+    "WasmController",
+]

@@ -1,0 +1,108 @@
+"""The functions a guest imports (`tokenizer` and `host`), bound once per component.
+
+One `Linker` per component serves every guest instance of it: a host function finds the
+instance whose call is in progress on its thread in `current` (a guest call and the host
+functions it calls run on the same thread, so this is exact) and serves the call from
+that instance's services and quotas.
+
+Host functions never let a Python exception reach wasmtime-py: it parks those in a
+process-global slot and re-raises them from whichever call looks next, which is a race
+between threads. They record the failure on the instance and trap the guest instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import wasmtime
+from wasmtime.component import Linker, Variant
+
+from aici_cli.control.wasm.faults import Fault
+from aici_cli.control.wasm.signatures import HOST_INTERFACE, TOKENIZER_INTERFACE
+from aici_cli.errors import ControllerError
+
+if TYPE_CHECKING:
+    from aici_cli.control.wasm.instance import GuestInstance
+
+_U32_MAX = 0xFFFF_FFFF
+
+# The guest instance whose call is in progress on this thread (`.guest`), or None.
+current = threading.local()
+
+
+def make_linker(engine: wasmtime.Engine, tokens_matching_tagged: bool) -> Linker:
+    """A linker defining every function this host provides; `tokens_matching_tagged`:
+    whether the component's `tokens-matching` result is lowered as a `Variant`."""
+    linker = Linker(engine)
+
+    def tokens_matching(g: GuestInstance, pattern: str) -> Any:
+        try:
+            g._count_pattern(pattern)
+            handle = g.services.tokens_matching(pattern)
+        except ValueError as e:
+            msg = str(e) or f"invalid pattern {pattern!r}"
+            return Variant("err", msg) if tokens_matching_tagged else msg
+        handle = to_u32(handle, "tokens_matching")
+        return Variant("ok", handle) if tokens_matching_tagged else handle
+
+    tokenizer: dict[str, Callable[..., Any]] = {
+        "vocab-size": lambda g: g._vocab,
+        "eos-token": lambda g: to_u32(g.services.eos_token(), "eos_token"),
+        "tokenize": lambda g, text: [to_u32(t, "tokenize") for t in g.services.tokenize(text)],
+        "decode": lambda g, tokens: _str(g.services.decode(list(tokens)), "decode"),
+        "token-bytes": lambda g, token: bytes(g.services.token_bytes(token)),
+        "tokens-matching": tokens_matching,
+    }
+    host: dict[str, Callable[..., Any]] = {
+        "log": lambda g, message: g._log(message),
+        "set-output": lambda g, key, value: g._set_output(key, value),
+    }
+    with linker.root() as root:
+        for iface, funcs in ((TOKENIZER_INTERFACE, tokenizer), (HOST_INTERFACE, host)):
+            with root.add_instance(iface) as inst:
+                for name, fn in funcs.items():
+                    inst.add_func(name, _host_function(f"{iface.split('@')[0]}.{name}", fn))
+    return linker
+
+
+def _host_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps a host import: finds the calling instance, contains exceptions, keeps time.
+
+    A WasmtimeError traps the guest, and the instance's `_pending` error says why.
+    """
+
+    def call(store: Any, *args: Any) -> Any:
+        guest: GuestInstance | None = getattr(current, "guest", None)
+        if guest is None:
+            raise wasmtime.WasmtimeError(f"host function {name} called outside a runner call")
+        t0 = time.perf_counter()
+        try:
+            return fn(guest, *args)
+        except Fault as e:
+            guest._pending = e.error
+        except Exception as e:
+            guest._pending = ControllerError(
+                "host_error", f"host function {name} failed: {type(e).__name__}: {e}"
+            )
+        finally:
+            guest._host_returned(time.perf_counter() - t0)
+        raise wasmtime.WasmtimeError(guest._pending.message)
+
+    return call
+
+
+def to_u32(value: Any, what: str) -> int:
+    """`value` (from a host service) as a u32; ValueError when it is out of range."""
+    v = int(value)
+    if not 0 <= v <= _U32_MAX:
+        raise ValueError(f"{what} returned {v}, which is not a u32")
+    return v
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} returned {type(value).__name__}, not str")
+    return value
