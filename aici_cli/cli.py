@@ -283,7 +283,7 @@ def models_command(as_json: bool) -> None:
       aici-batch run prompts.jsonl --model gemma-3-270m
       aici-batch run prompts.jsonl --model HuggingFaceTB/SmolLM2-360M-Instruct
     """
-    from aici_cli.models import available_models
+    from aici_cli.models.listing import available_models
 
     listing = available_models()
     if as_json:

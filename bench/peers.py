@@ -142,7 +142,7 @@ def worker(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         model = tokenizer = None
         if module_name != "aici_peer":
-            from aici_cli.models import load_model
+            from aici_cli.models.load import load_model
 
             lm = load_model(None)
             model, tokenizer = lm.model, lm.tokenizer

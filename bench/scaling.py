@@ -35,7 +35,7 @@ def main() -> int:
     from aici_cli.config import EngineConfig
     from aici_cli.engine.loop import Engine
     from aici_cli.jobs import Job
-    from aici_cli.models import load_model
+    from aici_cli.models.load import load_model
 
     lm = load_model(args.model)
     rng = random.Random(0)

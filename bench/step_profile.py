@@ -47,7 +47,7 @@ def main() -> int:
     from aici_cli.control.constraint import Constraint
     from aici_cli.engine.loop import Engine
     from aici_cli.jobs import Job
-    from aici_cli.models import load_model
+    from aici_cli.models.load import load_model
     from aici_cli.stats import step_summary
 
     files = sorted(DATA.glob("*.json"))

@@ -28,7 +28,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stub_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
     """A private conversion cache (`tmp_path/cache`), and the ~20 s GGUF conversion
     replaced by writing a stub config; returns the GGUF files converted."""
-    from aici_cli import models
+    from aici_cli.models import gguf_convert
 
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
     calls: list[Path] = []
@@ -37,5 +37,5 @@ def stub_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Pat
         calls.append(gguf)
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
     return calls

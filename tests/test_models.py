@@ -10,17 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from aici_cli import models
 from aici_cli.errors import ModelError, NoChatTemplateError
-from aici_cli.models import (
-    DEFAULT_MODEL,
-    cache_dir,
-    load_model,
-    pick_device,
-    pick_dtype,
-    render_prompt,
-    resolve_model,
-)
+from aici_cli.models import conversion_cache, device, gguf_convert, sources
+from aici_cli.models.chat import render_prompt
+from aici_cli.models.conversion_cache import cache_dir
+from aici_cli.models.device import pick_device, pick_dtype
+from aici_cli.models.load import load_model
+from aici_cli.models.resolve import resolve_model
+from aici_cli.models.sources import DEFAULT_MODEL
 
 ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
             "(org/name), or a short name ('aici-batch models' lists them)")
@@ -163,7 +160,7 @@ def test_explicit_dtype_is_honoured_on_cpu(spec: str, expected: torch.dtype) -> 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native_bf16: bool) -> None:
-    monkeypatch.setattr(models, "_cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(device, "_cpu_has_native_bf16", lambda: native_bf16)
     expected = torch.bfloat16 if native_bf16 else torch.float32
     assert pick_dtype("auto", torch.device("cpu")) == expected
 
@@ -230,7 +227,7 @@ def test_failed_conversion_leaves_no_partial_cache(monkeypatch, tmp_path: Path) 
         (out_dir / "model.safetensors").write_bytes(b"partial")
         raise ValueError("GGUF model with architecture foo is not supported yet.")
 
-    monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(EMPTY_GGUF)
 
@@ -245,11 +242,11 @@ def test_concurrent_conversion_keeps_the_winners_copy(monkeypatch, tmp_path: Pat
     def convert(gguf: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text('{"mine": true}')
         # Another run renames its finished copy into place while this one works.
-        winner = models._cache_target(gguf, "x")
+        winner = conversion_cache.cache_target(gguf, "x")
         winner.mkdir()
         (winner / "config.json").write_text('{"winner": true}')
 
-    monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
     gguf = tmp_path / "x.gguf"
     gguf.write_bytes(EMPTY_GGUF)
 
@@ -264,7 +261,7 @@ def test_concurrent_conversion_keeps_the_winners_copy(monkeypatch, tmp_path: Pat
 @pytest.mark.real_model
 def test_default_model_converts_once_and_loads() -> None:
     try:
-        gguf = models.default_gguf_path()
+        gguf = sources.default_gguf_path()
     except ModelError as exc:
         pytest.skip(str(exc))
 

@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from aici_cli.models.one_line import one_line
+
 # Weight files transformers looks for in a model directory, in its order of preference.
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -139,7 +141,7 @@ def tokenizer_files_problem(model_dir: Path) -> str | None:
         try:
             Tokenizer.from_file(str(fast))
         except Exception as exc:  # tokenizers raises a bare Exception for bad content
-            return f"{fast.name} is not a valid tokenizer ({_one_line(exc)})"
+            return f"{fast.name} is not a valid tokenizer ({one_line(exc)})"
     return None
 
 
@@ -161,8 +163,3 @@ def read_json(file: Path) -> tuple[Any, str | None]:
     except RecursionError:
         return None, f"{file.name} is not usable JSON (nested too deeply)"
 
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0].strip() if text else ""
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

@@ -1,0 +1,116 @@
+"""Reading a GGUF file: checking it is whole, and converting it to a safetensors model.
+
+Imports torch; `conversion_cache` imports this module only when a conversion is due.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aici_cli.errors import ModelError
+from aici_cli.models.one_line import one_line
+
+logger = logging.getLogger(__name__)
+
+# Fewest bytes a GGUF file spends per weight: its smallest quantisations (IQ1_S) take
+# about 1.56 bits. A config promising more weights than that fits in the file is wrong.
+_MIN_GGUF_BYTES_PER_WEIGHT = 0.19
+
+
+def gguf_problem(gguf: Path) -> str | None:
+    """What makes `gguf` unreadable as a GGUF file, or None.
+
+    Reads the header and the tensor directory (about 2 s for the default model, against
+    ~20 s for a conversion), so a truncated file is refused before any conversion work.
+    """
+    from gguf import GGUFReader
+
+    try:
+        size = gguf.stat().st_size
+        with gguf.open("rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        return f"cannot read the file: {exc.strerror or exc}"
+    if magic != b"GGUF":
+        return "not a GGUF file (it does not start with the GGUF magic bytes)"
+    try:
+        reader = GGUFReader(str(gguf))
+    except Exception as exc:  # the reader fails in numpy on short or garbled headers
+        return (
+            f"the file is truncated or corrupt ({size:,} bytes; its header cannot be read: "
+            f"{one_line(exc)})"
+        )
+    needed = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if needed > size:
+        return f"the file is truncated: its tensors need {needed:,} bytes, the file holds {size:,}"
+    return None
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise `gguf` into a float32 safetensors model plus tokenizer in `out_dir`.
+
+    `from_pretrained(gguf_file=...)` would need `accelerate`, which is not a dependency,
+    so the model is built from the GGUF's config and filled with transformers' own
+    dequantised tensors. float32 keeps the dequantised values exact; the load dtype is
+    chosen later.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, file = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    _check_gguf_config(gguf, config)
+    # Only now: a file refused above gets its one-line error without this notice.
+    logger.warning("converting %s to safetensors in %s (once, ~20 s)", gguf.name, out_dir.parent)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
+    result = model.load_state_dict(parsed["tensors"], strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        missing = [k for k in result.missing_keys if k != "lm_head.weight"]
+    else:
+        missing = list(result.missing_keys)
+    if missing:
+        raise ModelError(f"cannot convert {gguf}: GGUF lacks tensors {missing[:3]}")
+    model.save_pretrained(out_dir)
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
+    if not tokenizer.chat_template:
+        template = _gguf_string_field(gguf, "tokenizer.chat_template")
+        if template:
+            tokenizer.chat_template = template
+    tokenizer.save_pretrained(out_dir)
+
+
+def _check_gguf_config(gguf: Path, config: Any) -> None:
+    """Refuse a config that promises more weights than the file can hold.
+
+    A GGUF whose metadata lack the model's dimensions gets transformers' defaults for its
+    architecture (7B parameters for llama): building that model would take ~28 GB before
+    any tensor is read. Counting on the meta device allocates nothing.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config)
+    weights = sum(p.numel() for p in shell.parameters())
+    size = gguf.stat().st_size
+    if weights * _MIN_GGUF_BYTES_PER_WEIGHT > size:
+        raise ModelError(
+            f"cannot convert {gguf}: its metadata describe a model of {weights:,} weights, "
+            f"more than its {size:,} bytes can hold (metadata missing or inconsistent)"
+        )
+
+
+def _gguf_string_field(gguf: Path, key: str) -> str | None:
+    """A string metadata field of a GGUF file, or None when absent."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).get_field(key)
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")

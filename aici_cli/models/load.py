@@ -1,0 +1,135 @@
+"""Loading a resolved model and its tokenizer onto a device, ready for the engine.
+
+Every transformers call passes `local_files_only=True`. Damaged files fail with one line
+that names the file and what is wrong with it: a failed load is followed by a look at the
+files (`files`) to say which one is at fault, since transformers' own errors seldom do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aici_cli.errors import ModelError
+from aici_cli.models.chat import MODEL_NAME_ATTR
+from aici_cli.models.conversion_cache import cache_hint
+from aici_cli.models.device import pick_device, pick_dtype
+from aici_cli.models.files import model_files_problem, tokenizer_files_problem
+from aici_cli.models.one_line import one_line
+from aici_cli.models.quiet import quiet_transformers
+from aici_cli.models.resolve import resolve_with_name
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine.
+
+    `vocab_size` is the width of the logits (`model.config.vocab_size`), which can exceed
+    `len(tokenizer)`: masks and samplers must be sized by it, not by the tokenizer.
+    """
+
+    model: Any  # transformers PreTrainedModel, in eval mode, on `device`, in `dtype`
+    tokenizer: Any  # transformers fast tokenizer; pad_token is always set
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+
+
+def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Resolve `spec`, then load model and tokenizer onto the chosen device and dtype.
+
+    ~1 s for the cached default model on CPU (plus the one-time conversion on first use).
+    Any failure to read the files becomes a one-line ModelError naming the file at fault
+    where it can be told.
+    """
+    # Validate the cheap choices first: a bad --device must not wait for a GGUF conversion.
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    path, name = resolve_with_name(spec)
+    with quiet_transformers():
+        model = _load_weights(path, torch_dtype)
+        tokenizer = _load_tokenizer(path)
+    model.eval()
+    try:
+        model.to(torch_device)
+    except Exception as exc:  # e.g. CUDA out of memory
+        raise ModelError(f"cannot move model to {torch_device}: {one_line(exc)}") from exc
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # For messages that name the model as the user named it, not by its cache directory.
+    setattr(tokenizer, MODEL_NAME_ATTR, name)
+
+    eos_ids = _as_id_set(getattr(model.generation_config, "eos_token_id", None))
+    eos_ids |= _as_id_set(tokenizer.eos_token_id)
+    if not eos_ids:
+        raise ModelError(f"model at {path} defines no end-of-sequence token")
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        device=torch_device,
+        dtype=torch_dtype,
+        vocab_size=int(model.config.get_text_config().vocab_size),
+        eos_token_ids=frozenset(eos_ids),
+    )
+
+
+def _load_weights(path: Path, dtype: torch.dtype) -> Any:
+    """The model at `path` in `dtype`, on the CPU; every tensor must come from the files.
+
+    transformers fills tensors missing from the checkpoint with random values and only
+    warns; a model answering from random weights is worse than no answer, so that is an
+    error here.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
+            output_loading_info=True,
+        )
+        model, info = loaded  # (model, loading info) with output_loading_info
+    except Exception as exc:  # corrupt/missing files surface as many exception types
+        problem = model_files_problem(path) or _load_problem(exc)
+        raise ModelError(f"cannot load model from {path}: {problem}{cache_hint(path)}") from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ModelError(
+            f"cannot load model from {path}: the weights lack {len(missing)} of the model's "
+            f"tensors ({shown}); the files are incomplete or belong to another model"
+        )
+    return model
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, padding_side="left", local_files_only=True)
+    except Exception as exc:  # bad JSON, unknown tokenizer class, missing vocabulary...
+        problem = tokenizer_files_problem(path) or one_line(exc)
+        raise ModelError(
+            f"cannot load tokenizer from {path}: {problem}{cache_hint(path)}"
+        ) from exc
+
+
+def _load_problem(exc: BaseException) -> str:
+    """transformers' error, reworded where its own text would mislead or say little."""
+    if "ignore_mismatched_sizes" in str(exc) or "size mismatch" in str(exc):
+        return "the weights' tensor shapes do not match config.json"
+    return one_line(exc)
+
+
+def _as_id_set(value: Any) -> set[int]:
+    """Token id(s) from a config field that may be None, an int or a list of ints."""
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value if v is not None}
