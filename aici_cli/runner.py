@@ -11,10 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,11 +21,12 @@ from typing import IO, Any, BinaryIO
 from aici_cli.config import RunConfig
 from aici_cli.engine.loop import ControllerFactory, Engine
 from aici_cli.errors import UsageError
+from aici_cli.interrupts import Interrupts, signal_name
 from aici_cli.jobs import Job, LineError, open_input, read_jobs
 from aici_cli.models import load_model
 from aici_cli.openai_batch import BatchFormat, looks_like_request
 from aici_cli.results import ResultWriter
-from aici_cli.resume import InputLines, Interrupted, OutputFile, ResumePlan
+from aici_cli.resume import InputLines, OutputFile, ResumePlan
 from aici_cli.stats import RunTally, percentile
 from aici_cli.ui import RunDisplay
 
@@ -97,63 +95,6 @@ def _count_lines(path: str) -> int | None:
         return None
     with open(path, "rb") as f:
         return sum(1 for line in f if line.strip())
-
-
-class Interrupts:
-    """SIGINT/SIGTERM for the length of a run (main thread only).
-
-    The first signal stops the admission of new lines: the rows in flight finish, every
-    result is written, the summary is printed, and the run ends with 128 + the signal
-    number. Before the engine starts (model loading) there is nothing to finish, so it
-    raises `Interrupted` at once, as Ctrl-C normally does. A second signal exits at once:
-    every finished result is already in the OS (one write per line), and `--resume`
-    runs whatever did not finish.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.lines: InputLines | None = None  # set once the engine starts reading them
-        self.signum: int | None = None
-        self.engine_started = False  # from then on a signal only marks the outcome
-        self.announced = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                previous = signal.getsignal(sig)
-                if previous is signal.SIG_IGN:
-                    continue  # ignored by whoever started us (a shell's background job)
-                self._previous[sig] = previous
-                signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            with contextlib.suppress(OSError, ValueError):  # a closed stderr must not stop us
-                if sys.stderr.isatty():
-                    os.write(2, b"\x1b[?25h")  # the progress bar hid the cursor
-                os.write(2, f"aici-batch: {_signal_name(signum)} again, stopping now\n"
-                         .encode())
-            os._exit(128 + signum)
-        self.signum = signum
-        if self.lines is not None:
-            self.lines.stop = True
-        if not self.engine_started or (self.lines is not None and self.lines.reading):
-            raise Interrupted(signum)
-
-    def should_admit(self) -> bool:
-        return self.signum is None
-
-
-def _signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
 
 
 def _check_resume(config: RunConfig) -> None:
@@ -246,6 +187,34 @@ def _note(display: RunDisplay, message: str) -> None:
     display.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
+class ResultSink:
+    """Where each result goes the moment its line finishes: tagged with its input line's
+    digest, turned into the output format, written (one write per line), counted, shown,
+    and handed to the caller's `on_result`."""
+
+    def __init__(self, lines: InputLines, writer: ResultWriter, display: RunDisplay,
+                 batch_format: BatchFormat | None,
+                 on_result: Callable[[dict[str, Any]], None] | None,
+                 after: Callable[[], None]) -> None:
+        self.lines = lines
+        self.writer = writer
+        self.display = display
+        self.batch_format = batch_format
+        self.on_result = on_result
+        self.after = after  # once the input is all read, the engine no longer asks to admit
+        self.tally = RunTally()
+
+    def __call__(self, result: dict[str, Any]) -> None:
+        result = self.lines.tag(result)
+        fmt = self.batch_format
+        self.writer.write(fmt.output(result) if fmt is not None else result)
+        self.tally.add(result)
+        self.display.advance(result)
+        if self.on_result is not None:
+            self.on_result(result)
+        self.after()
+
+
 def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display: RunDisplay,
            interrupts: Interrupts | None,
            on_result: Callable[[dict[str, Any]], None] | None,
@@ -253,49 +222,52 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
     """Run the engine over `lines`, writing each result as it finishes (as an OpenAI
     batch output line with `batch_format`)."""
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
-    tally = RunTally()
     engine = Engine(lm, config.engine)
     call_times: list[float] = []  # ms of every wasm guest call in the run
     if config.controller is not None:
         engine.controller_factory = wasm_factory(config, engine, call_times)
-    t0 = time.perf_counter()
 
     def announce() -> None:
-        """Acknowledge a first signal from the loop, not from the handler, which may run
-        in the middle of drawing the progress bar."""
-        if interrupts is None or interrupts.signum is None or interrupts.announced:
-            return
-        interrupts.announced = True
-        if not config.quiet:
-            in_flight = sum(row is not None for row in engine.rows)
+        signum = interrupts.take_news() if interrupts is not None else None
+        if signum is not None and not config.quiet:
+            in_flight = engine.rows.live()
             finishing = f", finishing the {_lines(in_flight)} in flight" if in_flight else ""
-            _note(display, f"{_signal_name(interrupts.signum)}: starting no new lines"
-                           f"{finishing} (again to stop at once)")
-
-    def emit(result: dict[str, Any]) -> None:
-        result = lines.tag(result)
-        writer.write(batch_format.output(result) if batch_format is not None else result)
-        tally.add(result)
-        display.advance(result)
-        if on_result is not None:
-            on_result(result)
-        announce()  # once the input is all read, the loop no longer asks should_admit
+            _note(display, f"{signal_name(signum)}: starting no new lines{finishing} "
+                           "(again to stop at once)")
 
     def should_admit() -> bool:
         announce()
         return interrupts is None or interrupts.should_admit()
 
+    sink = ResultSink(lines, writer, display, batch_format, on_result, announce)
     if interrupts is not None:
         interrupts.lines = lines
         interrupts.engine_started = True
+    t0 = time.perf_counter()
     try:
         with display:
             translate = batch_format.translate if batch_format is not None else None
             jobs = read_jobs(lines, config.defaults, translate)
-            engine.run(_not_done(jobs, lines), emit, should_admit)
+            engine.run(_not_done(jobs, lines), sink, should_admit)
     finally:
         writer.sync()
-    wall = time.perf_counter() - t0
+    summary = _summary(config, lm, engine, sink.tally, call_times, time.perf_counter() - t0)
+    if config.stats_out:
+        Path(config.stats_out).write_text(json.dumps(summary, indent=2) + "\n")
+    display.summary(summary)
+    # An interrupt that came after the last line was read cost nothing: the run is whole.
+    signum = interrupts.signum if interrupts is not None and not lines.exhausted else None
+    outcome = RunOutcome(summary, interrupted=signum,
+                         earlier_errors=plan.scan.errors if plan is not None else 0,
+                         skipped=len(plan.done) if plan is not None else 0)
+    if signum is not None and not config.quiet:
+        _note(display, _interrupted_note(config, outcome, plan))
+    return outcome
+
+
+def _summary(config: RunConfig, lm: Any, engine: Engine, tally: RunTally,
+             call_times: list[float], wall: float) -> dict[str, Any]:
+    """The run summary (`--stats-out`, `schemas/stats.schema.json`)."""
     meta = {
         "model": lm.name,
         "device": str(lm.device),
@@ -316,22 +288,12 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
             "p50": round(percentile(call_times, 50), 3),
             "p99": round(percentile(call_times, 99), 3),
         }
-    if config.stats_out:
-        Path(config.stats_out).write_text(json.dumps(summary, indent=2) + "\n")
-    display.summary(summary)
-    # An interrupt that came after the last line was read cost nothing: the run is whole.
-    signum = interrupts.signum if interrupts is not None and not lines.exhausted else None
-    outcome = RunOutcome(summary, interrupted=signum,
-                         earlier_errors=plan.scan.errors if plan is not None else 0,
-                         skipped=len(plan.done) if plan is not None else 0)
-    if signum is not None and not config.quiet:
-        _note(display, _interrupted_note(config, outcome, plan))
-    return outcome
+    return summary
 
 
 def _interrupted_note(config: RunConfig, outcome: RunOutcome, plan: ResumePlan | None) -> str:
     assert outcome.interrupted is not None
-    name = _signal_name(outcome.interrupted)
+    name = signal_name(outcome.interrupted)
     have = outcome.skipped + outcome.summary["lines"]
     if config.output == "-":
         return f"{name}: stopped after {_lines(have)}; the others have no result"
