@@ -29,12 +29,11 @@ from safetensors.torch import load_file, save_file
 
 from aici_cli.cli import main
 from aici_cli.control.constraint import Constraint
-from aici_cli.control.grammar import (
+from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.control.grammar.limits import (
     MAX_OBJECT_PROPERTIES,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
-    GrammarCompiler,
-    GrammarController,
 )
 from aici_cli.errors import ControllerError, GrammarError
 from aici_cli.models import conversion_cache, gguf_convert, sources
@@ -519,7 +518,7 @@ def fill_masks(controller: GrammarController, vocab_size: int) -> None:
     words = (vocab_size + 31) // 32
     bitmask = torch.zeros((1, words), dtype=torch.int32)
     llguidance.LLExecutor().unsafe_compute_mask_ptr(
-        [(controller.matcher, 0)], bitmask.data_ptr(), words * 4, 1
+        [(controller.matcher(), 0)], bitmask.data_ptr(), words * 4, 1
     )
 
 

@@ -17,7 +17,7 @@ from aici_cli.config import EngineConfig
 from aici_cli.control.constraint import Constraint
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
-from aici_cli.engine.inputs import MaskShape, build_inputs, forward
+from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
 from aici_cli.engine.loop import Engine
 from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel, load_model
@@ -86,7 +86,7 @@ def test_cached_logits_match_single_sequence_in_fp32() -> None:
     tok = lm32.tokenizer
     prompts = [tok(t)["input_ids"] for t in ("Hello, my name is", "The JSON object {")]
     cache = RowCache(lm32.model.config.num_hidden_layers, 2, 64)
-    shape = MaskShape.for_config(lm32.model.config)
+    shape = AttentionLayout.for_config(lm32.model.config)
     install(lm32.model)
     seqs = [list(p) for p in prompts]
     lengths = [0, 0]
