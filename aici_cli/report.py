@@ -19,6 +19,7 @@ import json
 import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,7 @@ from rich.table import Table
 
 from aici_cli.formats import schema_validator
 from aici_cli.openai_batch import as_result
-from aici_cli.stats import percentile
-
-#: Per-step timings that result lines carry (per-step records and per-sequence stats).
-TIMING_FIELDS = ("forward_ms", "mask_ms", "controller_ms", "sample_ms")
+from aici_cli.stats import TIMING_FIELDS, RunTally, percentile
 
 #: Figures only the run summary knows exactly; taken from a stats file when given.
 RUN_LEVEL_FIELDS = (
@@ -99,52 +97,30 @@ def _distribution(values: Sequence[float], mean: float | None = None) -> dict[st
     }
 
 
-class _Tally:
+@dataclass
+class _Tally(RunTally):
     """Everything the summary and the plot need, gathered in one pass over the results
-    (stdin can be read only once)."""
+    (stdin can be read only once): the run's counts, plus finish reasons and timings."""
 
-    def __init__(self) -> None:
-        self.lines = 0
-        self.errors = 0
-        self.prompt_tokens = 0
-        self.output_tokens = 0
-        self.ff_tokens = 0
-        self.row_forward_passes = 0
-        self.schema_lines = 0
-        self.valid = 0
-        self.error_types: dict[str, int] = {}
-        self.finish_reasons: dict[str, int] = {}
-        # Per-step records (--step-stats): one value per sequence-step.
-        self.record_values: dict[str, list[float]] = {f: [] for f in TIMING_FIELDS}
-        self.record_totals: list[float] = []
-        # Per-sequence fallback: one per-pass average per sequence that ran a pass.
-        self.seq_values: dict[str, list[float]] = {f: [] for f in TIMING_FIELDS}
-        self.seq_sums: dict[str, float] = {f: 0.0 for f in TIMING_FIELDS}
-        self.seq_totals: list[float] = []
-        self.ran = 0  # results with at least one forward pass
-        self.ran_without_steps = 0
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    # Per-step records (--step-stats): one value per sequence-step.
+    record_values: dict[str, list[float]] = field(
+        default_factory=lambda: {f: [] for f in TIMING_FIELDS})
+    record_totals: list[float] = field(default_factory=list)
+    # Per-sequence fallback: one per-pass average per sequence that ran a pass.
+    seq_values: dict[str, list[float]] = field(
+        default_factory=lambda: {f: [] for f in TIMING_FIELDS})
+    seq_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMING_FIELDS, 0.0))
+    seq_totals: list[float] = field(default_factory=list)
+    ran: int = 0  # results with at least one forward pass
+    ran_without_steps: int = 0
 
     def add(self, result: dict[str, Any]) -> None:
-        # Same counting rules as stats.RunTally, so a report matches the run's summary.
-        self.lines += 1
+        super().add(result)  # the counts, by the run's own rules
         st = result["stats"]
-        self.prompt_tokens += st["prompt_tokens"]
-        self.output_tokens += st["output_tokens"]
-        self.ff_tokens += st["ff_tokens"]
         passes = st["forward_passes"]
-        self.row_forward_passes += passes
         reason = result["finish_reason"]
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
-        if reason == "error":
-            self.errors += 1
-            etype = result["error"]["type"]
-            self.error_types[etype] = self.error_types.get(etype, 0) + 1
-        else:
-            for sample in result.get("choices", [result]):  # each of n samples counts
-                if "valid" in sample:
-                    self.schema_lines += 1
-                    self.valid += bool(sample["valid"])
-
         if passes > 0:
             self.ran += 1
             for f in TIMING_FIELDS:
@@ -186,7 +162,6 @@ class _Tally:
         return {}
 
     def summary(self) -> dict[str, Any]:
-        out_tok = self.output_tokens
         notes = [NO_RUN_SUMMARY_NOTE]
         if self.step_source == "per-sequence" and self.ran_without_steps < self.ran:
             notes.append(
@@ -194,20 +169,10 @@ class _Tally:
                 "step timings come from per-sequence averages"
             )
         return {
-            "lines": self.lines,
-            "errors": self.errors,
-            "prompt_tokens": self.prompt_tokens,
-            "output_tokens": out_tok,
-            "ff_tokens": self.ff_tokens,
+            **self.counts(),
             "forward_passes": None,
-            "row_forward_passes": self.row_forward_passes,
-            "forward_passes_per_token": (
-                round(self.row_forward_passes / out_tok, 4) if out_tok else None
-            ),
             "wall_s": None,
             "tokens_per_s": None,
-            "schema_lines": self.schema_lines,
-            "valid": self.valid,
             "compliance": (
                 round(self.valid / self.schema_lines, 4) if self.schema_lines else None
             ),

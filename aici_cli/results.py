@@ -16,19 +16,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from aici_cli.jobs.types import LineError
-
-ZERO_STATS: dict[str, int | float] = {
-    "prompt_tokens": 0,
-    "output_tokens": 0,
-    "forward_passes": 0,
-    "ff_tokens": 0,
-    "ttft_ms": 0.0,
-    "total_ms": 0.0,
-    "forward_ms": 0.0,
-    "mask_ms": 0.0,
-    "controller_ms": 0.0,
-    "sample_ms": 0.0,
-}
+from aici_cli.stats import ZERO_STATS
 
 
 def error_result(err: LineError) -> dict[str, Any]:

@@ -274,7 +274,7 @@ def _summary(config: RunConfig, lm: Any, engine: Engine, tally: RunTally,
         "dtype": str(lm.dtype).removeprefix("torch."),
         "batch_size": config.engine.batch_size,
     }
-    summary = tally.summary(engine.step_times, wall, meta)
+    summary = tally.run_summary(engine.step_times, wall, meta)
     compiled = engine.compile_ms
     if compiled:
         summary["grammar_compile_ms"] = {

@@ -92,7 +92,8 @@ def step_summary(steps: Iterable[StepTimes]) -> dict[str, dict[str, float]]:
 
 @dataclass
 class RunTally:
-    """Counts results as they are written; `summary` turns them into the stats file."""
+    """Counts results as they are written; `run_summary` turns them into the stats file.
+    `aici-batch report` counts a results file with the same rules (a subclass)."""
 
     lines: int = 0
     errors: int = 0
@@ -122,11 +123,8 @@ class RunTally:
                     self.schema_lines += 1
                     self.valid += bool(sample["valid"])
 
-    def summary(self, steps: Sequence[StepTimes], wall_s: float,
-                meta: dict[str, Any]) -> dict[str, Any]:
-        # forward_passes counts batched passes; forward_passes_per_token is per sequence
-        # (row passes / output tokens), below 1.0 exactly by what fast-forward saved.
-        passes = len(steps)
+    def counts(self) -> dict[str, Any]:
+        """The figures results alone give, as named in the run summary."""
         rows = self.row_forward_passes
         return {
             "lines": self.lines,
@@ -134,15 +132,24 @@ class RunTally:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "ff_tokens": self.ff_tokens,
-            "forward_passes": passes,
             "row_forward_passes": rows,
+            # Per sequence (row passes / output tokens): below 1.0 exactly by what
+            # fast-forward and drafts saved.
             "forward_passes_per_token": (
                 round(rows / self.output_tokens, 4) if self.output_tokens else None
             ),
-            "wall_s": round(wall_s, 3),
-            "tokens_per_s": round(self.output_tokens / wall_s, 2) if wall_s > 0 else 0.0,
             "schema_lines": self.schema_lines,
             "valid": self.valid,
+        }
+
+    def run_summary(self, steps: Sequence[StepTimes], wall_s: float,
+                meta: dict[str, Any]) -> dict[str, Any]:
+        """The run summary (`--stats-out`); `forward_passes` counts batched passes."""
+        return {
+            **self.counts(),
+            "forward_passes": len(steps),
+            "wall_s": round(wall_s, 3),
+            "tokens_per_s": round(self.output_tokens / wall_s, 2) if wall_s > 0 else 0.0,
             "steps": step_summary(steps),
             **meta,
         }

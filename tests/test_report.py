@@ -182,7 +182,7 @@ def run_summary(lines: int = 6, output_tokens: int = 12) -> dict[str, Any]:
              StepTimes("decode", 2, 2, forward_ms=8.0, mask_ms=1.0, controller_ms=2.0,
                        sample_ms=1.0, step_ms=14.0)]
     meta = {"model": "tiny-llama", "device": "cpu", "dtype": "float32", "batch_size": 4}
-    summary = tally.summary(steps, wall_s=2.0, meta=meta)
+    summary = tally.run_summary(steps, wall_s=2.0, meta=meta)
     STATS_VALIDATOR.validate(summary)
     return summary
 

@@ -17,6 +17,7 @@ A step, top to bottom (`Engine._step`):
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -233,7 +234,7 @@ class Engine:
             if self.config.step_stats:
                 gen.steps = []
             if controller is not None:
-                self._consult(gen, lambda c=controller: c.start(prompt_ids))
+                self._consult(gen, functools.partial(controller.start, prompt_ids))
             self._check_limits(gen)
             gens.append(gen)
         waiting = []
