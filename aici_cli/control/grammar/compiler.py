@@ -27,6 +27,7 @@ from aici_cli.control.grammar.schema_rewrite import (
     close_objects,
     exclusive_one_of,
 )
+from aici_cli.control.schema_check import check_json_schema
 from aici_cli.errors import GrammarError
 
 
@@ -113,14 +114,15 @@ class GrammarCompiler:
         problem = schema_shape_problem(original)
         if problem is not None:
             raise GrammarError("grammar_too_large", problem)
-        try:
-            validator_cls = jsonschema.validators.validator_for(original)
-            validator_cls.check_schema(original)
-            # An empty registry: a `$ref` to a URL must never be fetched (jsonschema's
-            # default would open it), it fails validation instead.
-            validator = validator_cls(original, registry=referencing.Registry())
-        except jsonschema.SchemaError as e:
-            raise GrammarError("invalid_schema", f"invalid JSON schema: {e.message}") from None
+        # The same check as input lines get (a schema given any other way: `--json-schema`,
+        # a wasm segment, has not had it); a boolean schema needs none.
+        problem = check_json_schema(original) if isinstance(original, dict) else None
+        if problem is not None:
+            raise GrammarError("invalid_schema", f"invalid JSON schema: {problem}")
+        # An empty registry: a `$ref` to a URL must never be fetched (jsonschema's default
+        # would open it), it fails validation instead.
+        validator = jsonschema.validators.validator_for(original)(
+            original, registry=referencing.Registry())
         schema = exclusive_one_of(original)
         if self.strict_json:
             schema = close_objects(schema)
