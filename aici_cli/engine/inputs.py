@@ -59,7 +59,35 @@ def _run(row: int, start: int, length: int, n: int, window: int | None,
     sliding = None
     if window is not None and kv > window:
         sliding = ((s <= pos) & (s > pos - window)).to(device)
-    return RowRun(row=row, start=start, n=n, kv_len=kv, attn_mask=mask, sliding_attn_mask=sliding)
+    return RowRun(row=row, start=start, n=n, kv_len=kv, attn_mask=mask,
+                  sliding_attn_mask=sliding)
+
+
+def _single_group(lengths: Sequence[int], single_tok: list[int], members: list[int],
+                  kv_len: int, window: int | None, device: torch.device) -> SingleGroup:
+    """The rows feeding one token, attended in one batched call: every span row gets a
+    query (`single_tok[i]`: its packed index, 0 for a non-member)."""
+    b = len(lengths)
+    length_t = torch.tensor(lengths, dtype=torch.long)[:, None]  # [b, 1]
+    is_member = torch.zeros(b, 1, dtype=torch.bool)
+    is_member[members] = True
+    s = torch.arange(kv_len)[None, :]  # [1, kv]
+    # A member's query (position = length) sees slots 0..length; a dummy sees slot 0,
+    # so no softmax row is empty.
+    full = torch.where(is_member, s <= length_t, s == 0)
+    sliding = None
+    if window is not None and kv_len > window:
+        sliding = torch.where(is_member, (s <= length_t) & (s > length_t - window), s == 0)
+        sliding = sliding[:, None, None].to(device)
+    return SingleGroup(
+        token=torch.tensor(single_tok, dtype=torch.long, device=device),
+        members=torch.tensor(members, dtype=torch.long, device=device),
+        member_tokens=torch.tensor([single_tok[i] for i in members], dtype=torch.long,
+                                   device=device),
+        kv_len=kv_len,
+        attn_mask=full[:, None, None].to(device),
+        sliding_attn_mask=sliding,
+    )
 
 
 def build_inputs(
@@ -72,7 +100,10 @@ def build_inputs(
 ) -> ForwardInputs:
     """Inputs for rows `first_row ..` whose cache holds `lengths[i]` tokens and which feed
     `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty.
-    `keep[i]` (default 1): how many of row i's last positions to return logits for."""
+    `keep[i]` (default 1): how many of row i's last positions to return logits for.
+
+    One walk over the rows fills every per-token and per-row list at once (this runs
+    every step); hence its length."""
     b = len(chunks)
     window = attention_layout.sliding_window
     ids: list[int] = []
@@ -106,29 +137,8 @@ def build_inputs(
             runs.append(_run(first_row + i, start, length, n, window, device))
     assert ids, "a forward pass needs at least one token"
 
-    single = None
-    if members:
-        length_t = torch.tensor(lengths, dtype=torch.long)[:, None]  # [b, 1]
-        is_member = torch.zeros(b, 1, dtype=torch.bool)
-        is_member[members] = True
-        s = torch.arange(single_kv)[None, :]  # [1, kv]
-        # A member's query (position = length) sees slots 0..length; a dummy sees slot 0,
-        # so no softmax row is empty.
-        full = torch.where(is_member, s <= length_t, s == 0)
-        sliding = None
-        if window is not None and single_kv > window:
-            sliding = torch.where(is_member, (s <= length_t) & (s > length_t - window), s == 0)
-            sliding = sliding[:, None, None].to(device)
-        single = SingleGroup(
-            token=torch.tensor(single_tok, dtype=torch.long, device=device),
-            members=torch.tensor(members, dtype=torch.long, device=device),
-            member_tokens=torch.tensor([single_tok[i] for i in members], dtype=torch.long,
-                                       device=device),
-            kv_len=single_kv,
-            attn_mask=full[:, None, None].to(device),
-            sliding_attn_mask=sliding,
-        )
-
+    single = (_single_group(lengths, single_tok, members, single_kv, window, device)
+              if members else None)
     pos_t = torch.tensor(positions, dtype=torch.long)
     plan = PackedPlan(
         rows=slice(first_row, first_row + b),
