@@ -13,13 +13,13 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from wasmtime.component import Component, Record, Variant
 
 from aici_cli.control.actions import (
     Generate,
-    Grammar,
     Sample,
     Segment,
     Splice,
@@ -27,6 +27,7 @@ from aici_cli.control.actions import (
     Stop,
     TokenSet,
 )
+from aici_cli.control.constraint import Constraint
 from aici_cli.control.wasm import (
     ComponentError,
     ControllerComponent,
@@ -98,6 +99,16 @@ def start(
 STEP = StepInput(backtrack=0, tokens=(4,))
 
 
+class NoCompiler:
+    """A grammar compiler for controllers whose segments must never reach it."""
+
+    def compile(self, constraint: Constraint) -> None:
+        raise AssertionError(f"compiled {constraint!r}")
+
+
+NO_COMPILER: Any = NoCompiler()
+
+
 # --- actions ----------------------------------------------------------------------------
 
 
@@ -110,7 +121,9 @@ STEP = StepInput(backtrack=0, tokens=(4,))
         ("p", Splice(backtrack=1, ff_tokens=(10, 11))),
         (
             "n",
-            Generate(Segment(grammar=Grammar("regex", "[0-9]+"), max_tokens=8, stop=("\n",))),
+            Generate(
+                Segment(grammar=Constraint("regex", "[0-9]+"), max_tokens=8, stop=("\n",))
+            ),
         ),
     ],
 )
@@ -187,6 +200,29 @@ def test_malformed_actions_are_bad_action(
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
     assert (info.value.type, info.value.message) == ("bad_action", message)
+
+
+def test_segment_json_schema_that_is_not_json(tmp_path: Path) -> None:
+    """Reported where the engine asks the controller, like every bad action; the guest
+    stays usable."""
+    from aici_cli.control.wasm import WasmController
+
+    text = CONTROLLER.read_text()
+    regex = "(i32.store8 (i32.const 1036) (i32.const 1))   ;; regex"
+    assert regex in text
+    path = tmp_path / "json.wat"
+    path.write_text(text.replace(regex, "(i32.store8 (i32.const 1036) (i32.const 0))"))
+    comp = ControllerComponent.load(path, cache_dir=tmp_path)
+    call_times: list[float] = []
+    controller = WasmController(comp, "n", FakeServices(), NO_COMPILER, call_times=call_times)
+    with pytest.raises(ControllerError) as info:
+        controller.start([1, 2])
+    assert (info.value.type, info.value.message) == (
+        "bad_action", "segment JSON schema is not JSON: Expecting ',' delimiter: line 1 column 3 "
+        "(char 2)"
+    )
+    assert controller.guest is not None and not controller.guest.dead
+    assert len(call_times) == 1 and controller.generated == 0
 
 
 # --- faults -----------------------------------------------------------------------------
@@ -478,7 +514,9 @@ def test_conversion_accepts_tagged_and_bare_shapes() -> None:
     assert convert(Variant("stop"), 100, services) == Stop()
     assert convert(record(backtrack=2, ff_tokens=[3]), 100, services) == Splice(2, (3,))
     segment = record(grammar=Variant("some", ["x", "y"]), max_tokens=4, stop=[])
-    assert convert(segment, 100, services) == Generate(Segment(Grammar("choice", ("x", "y")), 4))
+    assert convert(segment, 100, services) == Generate(
+        Segment(Constraint("choice", ["x", "y"]), 4)
+    )
     assert convert(Variant("sample", None), 100, services) == Sample(TokenSet("all"))
     # a bitmask whose only set bits lie past the vocabulary (100 = 3 words + 4 bits)
     with pytest.raises(ControllerError, match="the bitmask allows no token"):

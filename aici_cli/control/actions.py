@@ -1,7 +1,9 @@
 """Python mirrors of the WIT contract's types (`wit/controller.wit`).
 
 The wasm host converts wasmtime values to these at the boundary, so the rest of the host
-never sees wasmtime's `Record`/`Variant` shapes.
+never sees wasmtime's `Record`/`Variant` shapes. A segment's WIT `grammar` becomes the
+`Constraint` the built-in controllers enforce, so both kinds of controller share one
+grammar type.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-GrammarKind = Literal["json-schema", "regex", "lark", "choice"]
+from aici_cli.control.constraint import Constraint
+
 TokenSetKind = Literal["all", "allow", "deny", "bitmask", "host-set", "not-host-set"]
 
 
@@ -21,14 +24,8 @@ class TokenSet:
 
 
 @dataclass(frozen=True)
-class Grammar:
-    kind: GrammarKind
-    value: str | tuple[str, ...]  # choice: the options; otherwise the grammar text
-
-
-@dataclass(frozen=True)
 class Segment:
-    grammar: Grammar | None
+    grammar: Constraint | None
     max_tokens: int
     stop: tuple[str, ...] = ()
 

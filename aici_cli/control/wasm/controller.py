@@ -10,7 +10,6 @@ into one `Directive` for the engine.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ import torch
 from aici_cli.control.actions import (
     Action,
     Generate,
-    Grammar,
     Sample,
     Segment,
     Splice,
@@ -32,7 +30,6 @@ from aici_cli.control.actions import (
     TokenSet,
 )
 from aici_cli.control.base import ControllerBase, Directive
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.stop_strings import find_stop
 from aici_cli.control.wasm.component import ControllerComponent
@@ -63,19 +60,6 @@ class SegmentState:
     grammar: GrammarController | None
     tokens: list[int] = field(default_factory=list)
     checked: int = 0  # characters of the segment text already searched for stop strings
-
-
-def grammar_constraint(g: Grammar) -> Constraint:
-    if g.kind == "json-schema":
-        try:
-            return Constraint("json_schema", json.loads(str(g.value)))
-        except ValueError as e:
-            raise ControllerError("bad_action", f"segment JSON schema is not JSON: {e}") from None
-    if g.kind == "regex":
-        return Constraint("regex", str(g.value))
-    if g.kind == "lark":
-        return Constraint("lark", str(g.value))
-    return Constraint("choice", list(g.value))
 
 
 class WasmController(ControllerBase):
@@ -250,7 +234,7 @@ class WasmController(ControllerBase):
         grammar = None
         if spec.grammar is not None:
             try:
-                compiled = self.compiler.compile(grammar_constraint(spec.grammar))
+                compiled = self.compiler.compile(spec.grammar)
             except GrammarError as e:
                 raise ControllerError(
                     "bad_action", f"segment grammar: {clip(e.message, 1000)}"

@@ -12,6 +12,7 @@ still converts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -20,8 +21,6 @@ from wasmtime.component import Record, Variant
 from aici_cli.control.actions import (
     Action,
     Generate,
-    Grammar,
-    GrammarKind,
     Sample,
     Segment,
     Splice,
@@ -30,6 +29,7 @@ from aici_cli.control.actions import (
     TokenSet,
     TokenSetKind,
 )
+from aici_cli.control.constraint import Constraint
 from aici_cli.control.wasm.faults import clip
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.errors import ControllerError
@@ -113,7 +113,7 @@ def _to_segment(payload: Any) -> Segment:
     if isinstance(grammar, Variant) and grammar.tag in ("none", "some"):
         grammar = grammar.payload  # option in its tagged shape
     return Segment(
-        grammar=None if grammar is None else _to_grammar(grammar),
+        grammar=None if grammar is None else _to_constraint(grammar),
         max_tokens=max_tokens,
         stop=tuple(str(s) for s in payload.stop),
     )
@@ -164,12 +164,20 @@ def _bitmask_words(payload: Any, vocab: int) -> tuple[int, ...]:
     return words
 
 
-def _to_grammar(value: Any) -> Grammar:
+def _to_constraint(value: Any) -> Constraint:
+    """A segment's WIT `grammar` as the constraint the built-in controllers enforce."""
     tag, payload = _case(value, _infer_grammar, "a grammar")
     if tag == "choice":
-        return Grammar("choice", tuple(str(s) for s in payload))
-    if tag in ("json-schema", "regex", "lark"):
-        return Grammar(cast(GrammarKind, tag), str(payload))
+        return Constraint("choice", [str(s) for s in payload])
+    if tag == "json-schema":
+        try:
+            return Constraint("json_schema", json.loads(str(payload)))
+        except ValueError as e:
+            raise ControllerError("bad_action", f"segment JSON schema is not JSON: {e}") from None
+    if tag == "regex":
+        return Constraint("regex", str(payload))
+    if tag == "lark":
+        return Constraint("lark", str(payload))
     raise ControllerError("bad_action", f"unknown grammar {tag!r}")
 
 
