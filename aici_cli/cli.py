@@ -148,33 +148,15 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         _exit_interrupted(signal.SIGINT)
 
     config = RunConfig(
-        input=input,
-        output=output,
-        model=model,
-        device=device,
-        dtype=dtype,
-        engine=EngineConfig(
-            batch_size=batch_size,
-            fast_forward=not no_ff,
-            draft_tokens=draft_tokens,
-            step_stats=step_stats,
-            strict_json=not json_permissive,
-        ),
-        defaults=JobDefaults(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=tuple(stop),
-            constraint=_constraint(json_schema, regex, choices),
-            n=n,
-        ),
-        input_format=input_format,
-        stats_out=stats_out,
-        quiet=quiet,
-        controller=controller,
-        controller_arg=controller_arg,
-        controller_call_ms=controller_timeout_ms,
+        input=input, output=output, model=model, device=device, dtype=dtype,
+        engine=EngineConfig(batch_size=batch_size, fast_forward=not no_ff,
+                            draft_tokens=draft_tokens, step_stats=step_stats,
+                            strict_json=not json_permissive),
+        defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             seed=seed, stop=tuple(stop),
+                             constraint=_constraint(json_schema, regex, choices), n=n),
+        input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
+        controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
         resume=resume,
     )
     if controller is not None and config.defaults.constraint is not None:
@@ -253,8 +235,9 @@ def report(results: str, stats_file: str | None, plot_file: str | None, as_json:
     """
     from rich.console import Console
 
-    from aici_cli.report import ReportError, report_table
+    from aici_cli.errors import ReportError
     from aici_cli.report import report as build_report
+    from aici_cli.report import report_table
 
     try:
         summary = build_report(results, stats_file, plot_to=Path(plot_file) if plot_file else None)

@@ -13,6 +13,11 @@ class UsageError(Exception):
     as one line and exits with a usage status instead of showing a traceback."""
 
 
+class ReportError(Exception):
+    """Bad input to `aici-batch report` (malformed line, unreadable file, missing
+    matplotlib); the message is meant for the user as is."""
+
+
 class ModelError(Exception):
     """A one-line, user-facing reason the model cannot be used (the CLI exits with 2).
 

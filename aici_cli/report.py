@@ -26,8 +26,10 @@ from typing import Any
 from jsonschema.exceptions import best_match
 from rich.table import Table
 
+from aici_cli.errors import ReportError
 from aici_cli.formats import schema_validator
 from aici_cli.openai_batch import as_result
+from aici_cli.report_plot import plot, pyplot_figure
 from aici_cli.stats import TIMING_FIELDS, RunTally, percentile
 
 #: Figures only the run summary knows exactly; taken from a stats file when given.
@@ -40,11 +42,6 @@ NO_RUN_SUMMARY_NOTE = (
     "(run with --stats-out FILE, report with it): per-sequence total_ms overlap in a "
     "batch, so results alone cannot give them"
 )
-
-
-class ReportError(Exception):
-    """Bad input to the report (malformed line, unreadable file, missing matplotlib);
-    the message is meant for the user as is."""
 
 
 # ------------------------------------------------------------------------- reading
@@ -260,7 +257,7 @@ def report(results_path: str | Path, stats_path: str | Path | None = None,
     so a missing one fails fast.
     """
     if plot_to is not None:
-        _pyplot_figure()
+        pyplot_figure()  # fails fast without matplotlib
     stats = _read_stats(Path(stats_path)) if stats_path is not None else None
     if str(results_path) == "-":
         tally = _tally(sys.stdin)
@@ -300,7 +297,7 @@ _SOURCE_CAPTIONS = {
 def report_table(summary: dict[str, Any]) -> Table:
     """A report summary as a rich table. Its own table rather than `ui.summary_table`:
     a report from results alone has no wall time, tokens/s or batched pass count, and
-    says so instead of failing on them."""
+    says so instead of failing on them. (Long because it lists every row of the table.)"""
     table = Table(title="aici-batch report", show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -362,90 +359,3 @@ def report_table(summary: dict[str, Any]) -> Table:
 
 
 # ------------------------------------------------------------------------- plot
-
-
-def _pyplot_figure() -> Any:
-    """matplotlib's Figure class; an optional dependency (extra `plot`), so imported here.
-
-    The object API (Figure + savefig) needs no pyplot and no GUI backend, so it works on
-    a headless machine and leaves the global backend alone."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise ReportError("--plot needs matplotlib: pip install matplotlib") from None
-    return Figure
-
-
-_SPLIT_COLORS = {
-    "forward": "#4c72b0", "mask": "#dd8452", "controller": "#55a868",
-    "sample": "#c44e52", "other": "#8c8c8c",
-}
-
-
-def plot(summary: dict[str, Any], out: str | Path, step_totals: Sequence[float] = (),
-         totals_source: str | None = None) -> Path:
-    """Draw the step-time split and the step-time distribution to a PNG; returns the path.
-
-    Left: a stacked bar of the mean forward/mask/controller/sample ms per step from
-    `summary["steps"]`, plus "other" (step_ms minus those) when the run summary gives
-    step_ms. Right: a histogram of `step_totals` (forward+mask+controller+sample per
-    sequence-step, or per-sequence averages; `report(..., plot_to=)` passes them, as a
-    summary holds only percentiles). Panels without data say so rather than mislead.
-    """
-    figure_cls = _pyplot_figure()
-    out = Path(out)
-    if totals_source is None:
-        totals_source = summary.get("step_source")
-    fig = figure_cls(figsize=(11, 4.8), layout="constrained")
-    ax_split, ax_hist = fig.subplots(1, 2, width_ratios=[1, 2])
-
-    steps = summary.get("steps") or {}
-    source = summary.get("step_source")
-    means = {name: float(steps[f"{name}_ms"]["mean"]) for name in
-             ("forward", "mask", "controller", "sample") if f"{name}_ms" in steps}
-    if "step_ms" in steps and means:
-        means["other"] = max(0.0, float(steps["step_ms"]["mean"]) - sum(means.values()))
-    if means:
-        bottom = 0.0
-        total = sum(means.values())
-        for name, value in means.items():
-            ax_split.bar(0, value, bottom=bottom, width=0.6, label=f"{name} {value:.2f} ms",
-                         color=_SPLIT_COLORS[name])
-            if total > 0 and value / total > 0.06:
-                ax_split.text(0, bottom + value / 2, f"{value:.2f}", ha="center",
-                              va="center", color="white", fontsize=9)
-            bottom += value
-        ax_split.set_xlim(-0.8, 1.9)
-        ax_split.set_xticks([])
-        ax_split.set_ylabel("mean ms per step")
-        ax_split.legend(loc="upper right", fontsize=8, frameon=False, reverse=True)
-        per = "batched pass" if source == "stats" else "sequence-step"
-        ax_split.set_title(f"Step time split (mean per {per})\ntotal {total:.2f} ms",
-                           fontsize=10)
-    else:
-        ax_split.text(0.5, 0.5, "no step timings", ha="center", va="center")
-        ax_split.set_axis_off()
-
-    values = [float(v) for v in step_totals]
-    if values:
-        bins = max(10, min(60, int(math.sqrt(len(values)) * 2)))
-        ax_hist.hist(values, bins=bins, color="#4c72b0", alpha=0.85)
-        for q, style in ((50, "--"), (99, ":")):
-            v = percentile(values, q)
-            ax_hist.axvline(v, color="black", linestyle=style, linewidth=1,
-                            label=f"p{q} {v:.2f} ms")
-        ax_hist.legend(fontsize=8, frameon=False)
-        ax_hist.set_xlabel("ms (forward + mask + controller + sample)")
-        what = {"steps": "sequence-steps", "per-sequence": "sequences, mean per pass"}.get(
-            totals_source or "", "values")
-        if source == "stats":
-            what += ", from the results"
-        ax_hist.set_ylabel("count")
-        ax_hist.set_title(f"Step time distribution ({len(values)} {what})", fontsize=10)
-    else:
-        ax_hist.text(0.5, 0.5, "no per-step data", ha="center", va="center")
-        ax_hist.set_axis_off()
-
-    fig.suptitle(f"aici-batch report: {summary.get('lines', 0)} lines", fontsize=11)
-    fig.savefig(out, format="png", dpi=110)
-    return out

@@ -22,11 +22,11 @@ from aici_cli.report import (
     NO_RUN_SUMMARY_NOTE,
     ReportError,
     merge_run_summary,
-    plot,
     report,
     report_table,
     summarize_results,
 )
+from aici_cli.report_plot import plot
 from aici_cli.stats import RunTally, StepTimes
 
 RESULT_VALIDATOR = Draft202012Validator(load_schema("result-line"))
