@@ -25,6 +25,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy aici_cli controllers/aici_controller --ignore-missing-imports
 	$(BIN)/pytest -q
 
 test-fast: setup
