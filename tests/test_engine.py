@@ -13,6 +13,7 @@ import torch
 from aici_cli.config import EngineConfig
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.constraint import Constraint
+from aici_cli.engine.clock import StepClock
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job, LineError
@@ -349,3 +350,55 @@ def test_prompt_lookup_drafts_keep_greedy_outputs_and_save_passes(lm: LoadedMode
     assert drafted[4]["stats"]["draft_tokens"] == 0  # sampled rows are never drafted
     passes = [sum(r["stats"]["forward_passes"] for r in rs.values()) for rs in (plain, drafted)]
     assert passes[1] < passes[0]
+
+
+class FakeClock:
+    """Seconds that advance only when a test says so."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += ms / 1000.0
+
+
+def test_step_clock_splits_a_step_into_its_phases() -> None:
+    clock = FakeClock()
+    step = StepClock(clock)
+    for mark, spent_ms in (("forward", 1), ("forwarded", 20), ("masks_ready", 2),
+                           ("masked", 0.5), ("sampled", 0.25)):
+        clock.advance(spent_ms)
+        step.mark(mark)
+    times = step.times("decode", rows=3, tokens=5)
+    clock.advance(4)
+    step.finish(times, controller_ms=3.0)
+    assert (times.forward_ms, times.mask_wait_ms, times.mask_ms, times.sample_ms) == (
+        pytest.approx(20), pytest.approx(2), pytest.approx(2.5), pytest.approx(0.25))
+    assert times.controller_ms == 3.0
+    assert times.step_ms == pytest.approx(27.75)
+    assert times.overhead_ms == pytest.approx(7.75)  # everything but the forward pass
+
+
+def test_result_timings_come_from_the_engine_clock(lm: LoadedModel,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    ticking = Engine(lm, EngineConfig(batch_size=2), now=lambda: clock.t)
+    original = ticking.model_pass.run
+
+    def slow_pass(*args: Any) -> Any:
+        clock.advance(10)  # every forward pass takes exactly 10 ms
+        return original(*args)
+
+    monkeypatch.setattr(ticking.model_pass, "run", slow_pass)
+    results: list[dict[str, Any]] = []
+    ticking.run([job(1, max_tokens=3), job(2, max_tokens=5)], results.append)
+    by_index = {r["index"]: r for r in results}
+    for index, passes in ((1, 3), (2, 5)):
+        st = by_index[index]["stats"]
+        assert st["forward_passes"] == passes
+        assert st["forward_ms"] == pytest.approx(10.0 * passes)
+        assert st["total_ms"] == pytest.approx(10.0 * passes)
+    assert all(s.forward_ms == pytest.approx(10.0) for s in ticking.step_times)
