@@ -113,8 +113,11 @@ def main() -> int:
     report["instantiate_ms"] = {"p50": pct(inst, 50), "p99": pct(inst, 99)}
 
     py_calls = time_calls(component, "", args.calls)
-    wat = ControllerComponent.load(REPO / "tests" / "wat" / "controller.wat")
-    wat_calls = time_calls(wat, "A", args.calls)
+    sys.path.insert(0, str(REPO / "tests"))
+    from wat import Guest, component, save  # the tests' WAT guests
+
+    wat = ControllerComponent.load(save(args.out, component(Guest("(call $sample-all)"))))
+    wat_calls = time_calls(wat, "", args.calls)
     report["trivial_call_ms"] = {
         "python_guest": {"p50": pct(py_calls, 50), "p99": pct(py_calls, 99)},
         "wat_guest": {"p50": pct(wat_calls, 50), "p99": pct(wat_calls, 99)},

@@ -2,10 +2,11 @@
 the batch finishes with the results it has without them; memory stays bounded; no
 controller reaches host files, environment or network.
 
-The hostile behaviours are modes of the hand-written WAT component
-(tests/wat/controller.wat, picked by the first byte of the controller arg), plus one real
-Python guest built with componentize-py (tests/guests/sandbox_probe.py) that tries to
-read files, the environment and the network.
+The hostile guests are small hand-written WAT behaviours (wrapped into components by
+tests/wat.py; the batch tests run them all as one component, picked by the first
+character of the controller arg), plus one real Python guest built with componentize-py
+(tests/guests/sandbox_probe.py) that tries to read files, the environment and the
+network. Components that import host access are refused at load (test_wasm_loading.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from fake_services import FakeServices
+from wat import OOM_HOOK, Guest, component, save, u32s
 
 from aici_cli.cli import main
 from aici_cli.control.actions import Sample, StepInput, TokenSet
 from aici_cli.control.wasm import (
-    ComponentError,
     ControllerComponent,
     GuestInstance,
     Limits,
@@ -30,39 +32,104 @@ from aici_cli.control.wasm import (
 from aici_cli.errors import ControllerError
 
 HERE = Path(__file__).resolve().parent
-WAT = HERE / "wat" / "controller.wat"
 PROBE = HERE / "guests" / "sandbox_probe.py"
 STEP = StepInput(tokens=(4,))
 MIB = 1 << 20
 
+# A 1 MiB buffer of 'x', allocated and filled on first use.
+BIG = """
+(global $big-at (mut i32) (i32.const 0))
+(func $big (result i32)
+  (if (i32.eqz (global.get $big-at))
+    (then
+      (global.set $big-at
+        (call $realloc (i32.const 0) (i32.const 0) (i32.const 1) (i32.const 1048576)))
+      (memory.fill (global.get $big-at) (i32.const 120) (i32.const 1048576))))
+  (global.get $big-at))
+"""
+# A fresh list of `n` u32 zeros (token 0) from the bump heap, which is never reused.
+ZEROS = """
+(func $zeros (param $n i32) (result i32)
+  (call $realloc (i32.const 0) (i32.const 0) (i32.const 4) (i32.shl (local.get $n) (i32.const 2))))
+"""
 
-class Vocab100:
-    """Tokenizer services for a 100-token vocabulary; records the patterns it scanned."""
+SAMPLE_ALL = Guest("(call $sample-all)")
+# Recurses without end: only wasmtime's stack limit stops it.
+RECURSION = Guest(
+    "(drop (call $recurse (i32.const 0))) unreachable",
+    funcs=("""
+        (func $recurse (param $n i32) (result i32)
+          (i32.add (call $recurse (i32.add (local.get $n) (i32.const 1))) (i32.const 1)))
+    """,),
+)
+ALLOW_BEYOND = Guest("(call $sample-allow {ids})", data={"ids": u32s(5, 1_000_000)})
+SPLICE_BEYOND = Guest("(call $splice (i32.const 0) {ids})", data={"ids": u32s(10, 1_000_000)})
+# A bitmask of the right length with every bit set, past the vocabulary too.
+FULL_BITMASK = Guest("""
+    (local.set $n (i32.shr_u (i32.add (call $vocab-size) (i32.const 31)) (i32.const 5)))
+    (local.set $p (call $realloc (i32.const 0) (i32.const 0) (i32.const 4)
+                                 (i32.shl (local.get $n) (i32.const 2))))
+    (memory.fill (local.get $p) (i32.const 255) (i32.shl (local.get $n) (i32.const 2)))
+    (call $sample-bitmask (local.get $p) (local.get $n))
+""")
+MEGABYTE_LOGS = Guest(  # 1 MiB of log per call
+    "(call $log (call $big) (i32.const 1048576)) (call $sample-all)", funcs=(BIG,)
+)
+EMPTY_LOG_LINES = Guest("""
+    (loop $lines
+      (call $log (i32.const 0) (i32.const 0))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $lines (i32.lt_u (local.get $i) (i32.const 2000))))
+    (call $sample-all)
+""")
+MANY_OUTPUTS = Guest(  # 20 new keys per call, named by numbers: 20 * calls + i
+    """
+    (loop $keys
+      (call $set-output
+        (call $utoa (i32.add (i32.mul (global.get $calls) (i32.const 20)) (local.get $i)))
+        {forty_two})
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $keys (i32.lt_u (local.get $i) (i32.const 20))))
+    (call $sample-all)
+    """,
+    data={"forty_two": "42"},
+)
+LARGE_OUTPUTS = Guest(  # a 256 KiB value under a new key per call
+    """
+    (call $set-output (call $utoa (global.get $calls)) (call $big) (i32.const 262144))
+    (call $sample-all)
+    """,
+    funcs=(BIG,),
+)
+HUGE_ERR = Guest("(call $err (call $big) (i32.const 1048576))", funcs=(BIG,))
+# tokens-matching with a fresh pattern ("0", "1", ...) forever; its first err is ours.
+FRESH_PATTERNS = Guest("""
+    (loop $patterns
+      (call $tokens-matching (call $utoa (local.get $i)) (global.get $out))
+      (if (i32.load8_u (global.get $out))
+        (then (return (call $err (i32.load offset=4 (global.get $out))
+                                 (i32.load offset=8 (global.get $out))))))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br $patterns))
+    unreachable
+""")
+# Grows a table 64Ki elements at a time without bound (host memory, not linear memory).
+TABLE_GROWTH = Guest(
+    """
+    (loop $more
+      (br_if $more (i32.ne (table.grow $table (ref.null func) (i32.const 65536))
+                           (i32.const -1))))
+    (call $handle_alloc_error)
+    unreachable
+    """,
+    funcs=("(table $table 1 funcref)", OOM_HOOK),
+)
 
-    def __init__(self) -> None:
-        self.patterns: list[str] = []
 
-    def vocab_size(self) -> int:
-        return 100
-
-    def eos_token(self) -> int:
-        return 2
-
-    def tokenize(self, text: str) -> list[int]:
-        return [ord(c) % 100 for c in text]
-
-    def decode(self, tokens: list[int]) -> str:
-        return "".join(f"<{t}>" for t in tokens)
-
-    def token_bytes(self, token: int) -> bytes:
-        return f"<{token}>".encode()
-
-    def tokens_matching(self, pattern: str) -> int:
-        self.patterns.append(pattern)
-        return len(self.patterns)
-
-    def has_host_set(self, handle: int) -> bool:
-        return 0 < handle <= len(self.patterns)
+def splice_zeros(n: int) -> Guest:
+    """Splices `n` zeros on every call (4 bytes of guest memory each)."""
+    return Guest(f"(call $splice (i32.const 0) (call $zeros (i32.const {n})) (i32.const {n}))",
+                 funcs=(ZEROS,))
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +137,10 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("wasm-cache")
 
 
-def component(cache: Path, **limits: Any) -> ControllerComponent:
-    return ControllerComponent.load(WAT, Limits(**limits), cache_dir=cache)
+def start(cache: Path, guest: Guest, **limits: Any) -> GuestInstance:
+    comp = ControllerComponent.load(save(cache, component(guest)), Limits(**limits),
+                                    cache_dir=cache)
+    return comp.instantiate("", [1], FakeServices())
 
 
 def fails(runner: GuestInstance, calls: int = 1) -> ControllerError:
@@ -88,7 +157,7 @@ def fails(runner: GuestInstance, calls: int = 1) -> ControllerError:
 
 
 def test_deep_recursion_is_a_stack_overflow_trap(cache: Path) -> None:
-    runner = component(cache).instantiate("r", [1], Vocab100())
+    runner = start(cache, RECURSION)
     e = fails(runner)
     assert e.type == "controller_trap"
     assert e.message.startswith("mid-process trapped: stack overflow (recursion too deep?): ")
@@ -97,21 +166,22 @@ def test_deep_recursion_is_a_stack_overflow_trap(cache: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "message"),
+    ("guest", "message"),
     [
-        ("B", "sample allow: token id 1000000 is outside the vocabulary (size 100)"),
-        ("f", "splice ff-tokens: token id 1000000 is outside the vocabulary (size 100)"),
+        (ALLOW_BEYOND, "sample allow: token id 1000000 is outside the vocabulary (size 100)"),
+        (SPLICE_BEYOND, "splice ff-tokens: token id 1000000 is outside the vocabulary (size 100)"),
         # every bit of four words set: ids 100..127 lie past a 100-token vocabulary
-        ("K", "sample: bitmask allows token id 100, outside the vocabulary (size 100)"),
+        (FULL_BITMASK, "sample: bitmask allows token id 100, outside the vocabulary (size 100)"),
     ],
+    ids=["allow", "splice", "bitmask"],
 )
-def test_token_ids_beyond_the_vocabulary(cache: Path, mode: str, message: str) -> None:
-    e = fails(component(cache).instantiate(mode, [1], Vocab100()))
+def test_token_ids_beyond_the_vocabulary(cache: Path, guest: Guest, message: str) -> None:
+    e = fails(start(cache, guest))
     assert (e.type, e.message) == ("bad_action", message)
 
 
 def test_megabyte_logs_keep_their_head_and_a_note(cache: Path) -> None:
-    runner = component(cache).instantiate("M", [1], Vocab100())  # 1 MiB per call
+    runner = start(cache, MEGABYTE_LOGS)
     for _ in range(5):
         assert runner.mid_process(STEP) == Sample(TokenSet("all"))
     # The first line is cut to fit (64 KiB, its newline included); nothing more is kept.
@@ -120,7 +190,7 @@ def test_megabyte_logs_keep_their_head_and_a_note(cache: Path) -> None:
 
 def test_floods_of_empty_log_lines_are_bounded(cache: Path) -> None:
     # Each line counts its newline: 2000 empty lines per call cannot pile up for free.
-    runner = component(cache, call_ms=10_000, log_bytes=1000).instantiate("E", [1], Vocab100())
+    runner = start(cache, EMPTY_LOG_LINES, call_ms=10_000, log_bytes=1000)
     for _ in range(3):
         runner.mid_process(STEP)
     assert len(runner.logs) == 1001
@@ -128,7 +198,7 @@ def test_floods_of_empty_log_lines_are_bounded(cache: Path) -> None:
 
 
 def test_thousands_of_outputs(cache: Path) -> None:
-    runner = component(cache).instantiate("U", [1], Vocab100())  # 20 new keys per call
+    runner = start(cache, MANY_OUTPUTS)
     e = fails(runner, calls=20)
     assert (e.type, e.message) == (
         "too_many_outputs", "set-output '276': more than 256 outputs per sequence"
@@ -137,7 +207,7 @@ def test_thousands_of_outputs(cache: Path) -> None:
 
 
 def test_large_output_values(cache: Path) -> None:
-    runner = component(cache).instantiate("V", [1], Vocab100())  # 256 KiB per call
+    runner = start(cache, LARGE_OUTPUTS)
     e = fails(runner, calls=10)
     assert e.type == "outputs_too_large"
     assert e.message == (
@@ -148,14 +218,15 @@ def test_large_output_values(cache: Path) -> None:
 
 
 def test_huge_err_text_is_cut(cache: Path) -> None:
-    e = fails(component(cache).instantiate("X", [1], Vocab100()))  # err of 1 MiB
+    e = fails(start(cache, HUGE_ERR))  # err of 1 MiB
     assert e.type == "controller_error"
     assert e.message == "x" * 4096 + f"... [{MIB - 4096:,} more characters cut]"
 
 
 def test_fresh_patterns_forever(cache: Path) -> None:
-    services = Vocab100()
-    e = fails(component(cache).instantiate("P", [1], services))
+    services = FakeServices()
+    comp = ControllerComponent.load(save(cache, component(FRESH_PATTERNS)), cache_dir=cache)
+    e = fails(comp.instantiate("", [1], services))
     # The guest returns the host's err as its own.
     assert (e.type, e.message) == (
         "controller_error",
@@ -166,82 +237,28 @@ def test_fresh_patterns_forever(cache: Path) -> None:
 
 
 def test_pattern_length_is_capped(cache: Path) -> None:
-    runner = component(cache, pattern_chars=10).instantiate("s", [1], Vocab100())
+    runner = start(cache, Guest("(call $stop)"), pattern_chars=10)
     with pytest.raises(ValueError, match="pattern of 11 characters; at most 10 are allowed"):
         runner._count_pattern("a" * 11)
 
 
 def test_unbounded_table_growth(cache: Path) -> None:
-    e = fails(component(cache).instantiate("G", [1], Vocab100()))
+    e = fails(start(cache, TABLE_GROWTH))
     assert e.type == "controller_memory"
     assert e.message.endswith("(tables are capped too, at 1,048,576 elements)")
 
 
 def test_huge_answers(cache: Path) -> None:
     # 4 Mi tokens: wasmtime refuses to copy that much before the host sees any of it.
-    e = fails(component(cache).instantiate("T", [1], Vocab100()))
+    e = fails(start(cache, splice_zeros(4 << 20)))
     assert e.type == "controller_trap"
     assert "too much data is being copied between the host and the guest" in e.message
     # 256 Ki tokens: copied, but converting them overran the deadline, so the guest ends
     # at its first such answer rather than slowing every step of the batch.
-    e = fails(component(cache, call_ms=20).instantiate("Y", [1], Vocab100()))
+    e = fails(start(cache, splice_zeros(256 << 10), call_ms=20))
     assert e.type == "controller_timeout"
     assert e.message.startswith("mid-process exceeded its 20 ms deadline: it took ")
     assert "converting values between host and guest" in e.message
-
-
-# --- what a component may import -------------------------------------------------------
-
-_EXPORT = """
-  (instance $controller)
-  (export "aici:controller/controller@0.1.0" (instance $controller))
-"""
-
-
-def _component_importing(*imports: str) -> str:
-    return "(component\n" + "\n".join(imports) + _EXPORT + ")\n"
-
-
-def _instance(name: str, func: str = "get", result: str = "(list string)") -> str:
-    return f'(import "{name}" (instance (export "{func}" (func (result {result})))))'
-
-
-@pytest.mark.parametrize(
-    ("imports", "message"),
-    [
-        ([_instance("wasi:filesystem/preopens@0.2.0", "get-directories")],
-         "imports wasi:filesystem/preopens@0.2.0, but controllers get no filesystem"),
-        ([_instance("wasi:sockets/instance-network@0.2.0", "instance-network", "u32")],
-         "imports wasi:sockets/instance-network@0.2.0, but controllers get no filesystem"),
-        ([_instance("wasi:cli/environment@0.2.0", "get-environment")],
-         "imports wasi:cli/environment@0.2.0, but"),
-        ([_instance("wasi:http/outgoing-handler@0.2.0", "handle", "u32"),
-          _instance("wasi:random/random@0.2.0", "get-random-u64", "u64"),
-          _instance("wasi:clocks/wall-clock@0.2.0", "now", "u64")],
-         "imports wasi:clocks/wall-clock@0.2.0 (and 2 more WASI interfaces), but"),
-        # beside the contract's own imports it is refused all the same
-        ([_instance("aici:controller/host@0.1.0", "log", "u32"),
-          _instance("wasi:filesystem/types@0.2.0", "filesystem-error-code", "u32")],
-         "imports wasi:filesystem/types@0.2.0, but"),
-        ([_instance("evil:os/files@1.0.0", "read")],
-         "imports evil:os/files@1.0.0, which this host does not provide; this host provides "
-         "only aici:controller/host@0.1.0, "),
-        (['(import "getenv" (func (result string)))'],
-         "imports getenv, which this host does not provide"),
-        # an extra function smuggled into a contract interface
-        ([_instance("aici:controller/host@0.1.0", "read-file", "string")],
-         "imports aici:controller/host@0.1.0#read-file, which this host does not provide"),
-    ],
-)
-def test_host_access_imports_are_refused_at_load(
-    tmp_path: Path, imports: list[str], message: str
-) -> None:
-    path = tmp_path / "hostile.wat"
-    path.write_text(_component_importing(*imports))
-    with pytest.raises(ComponentError) as info:
-        ControllerComponent.load(path, cache_dir=tmp_path)
-    assert message in str(info.value)
-    assert str(info.value).startswith(f"{path} imports ")
 
 
 # --- in a batch, through `aici-batch run` ----------------------------------------------
@@ -263,6 +280,40 @@ def run_batch(model_dir: Path, controller: Path, lines: list[dict[str, Any]],
         sizes[r["id"]] = len(text.encode())
     assert len(by_id) == len(lines), res.output
     return res.exit_code, by_id, sizes
+
+
+# The batch's one component: the first character of a line's controller_arg picks its guest.
+BATCH_GUESTS = {
+    "r": RECURSION,
+    "B": ALLOW_BEYOND,
+    "f": SPLICE_BEYOND,
+    "K": FULL_BITMASK,
+    "M": MEGABYTE_LOGS,
+    "U": MANY_OUTPUTS,
+    "V": LARGE_OUTPUTS,
+    "X": HUGE_ERR,
+    "P": FRESH_PATTERNS,
+    "G": TABLE_GROWTH,
+    "T": splice_zeros(4 << 20),  # 16 MiB of guest memory: more than wasmtime copies
+    "S": splice_zeros(4096),  # the splices pile up past the chain's cap
+    "A": SAMPLE_ALL,
+    "a": Guest("(call $sample-allow {allow})", data={"allow": u32s(5, 7)}),
+    "l": Guest(
+        """
+        (call $log {hello})
+        (call $set-output {answer} {forty_two})
+        (call $set-output {raw} {not_json})
+        (call $stop)
+        """,
+        data={"hello": "hello", "answer": "answer", "forty_two": "42", "raw": "raw",
+              "not_json": "not json"},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def batch_controller(cache: Path) -> Path:
+    return save(cache, component(BATCH_GUESTS))
 
 
 # controller_arg -> (error type, a piece of its message); None: the line must finish.
@@ -289,14 +340,15 @@ def _line(id_: str, arg: str, prompt: str) -> dict[str, Any]:
             "temperature": 1.0}
 
 
-def test_hostile_lines_end_alone_and_the_rest_is_unchanged(tiny_model_dir: Path) -> None:
+def test_hostile_lines_end_alone_and_the_rest_is_unchanged(tiny_model_dir: Path,
+                                                           batch_controller: Path) -> None:
     normal = [_line(i, arg, f"a normal line {i}") for i, arg in NORMAL.items()]
     hostile = [_line(arg, arg, f"hostile {arg}") for arg in HOSTILE]
     mixed = [x for pair in zip(hostile, normal + [None] * len(hostile)) for x in pair if x]
     # None of these modes needs the deadline to be caught: a generous one keeps a slow,
     # busy machine from turning a heavy but legal call (1 MiB of logs) into a timeout.
-    slack = ("--controller-timeout-ms", "2000")
-    code, results, sizes = run_batch(tiny_model_dir, WAT, mixed, "--max-tokens", "16", *slack)
+    args = ("--max-tokens", "16", "--controller-timeout-ms", "2000")
+    code, results, sizes = run_batch(tiny_model_dir, batch_controller, mixed, *args)
     assert code == 1
     for arg, expected in HOSTILE.items():
         r = results[arg]
@@ -319,7 +371,7 @@ def test_hostile_lines_end_alone_and_the_rest_is_unchanged(tiny_model_dir: Path)
     assert sizes["X"] < 10_000  # a 1 MiB err, cut to 4096 characters
     assert max(sizes[i] for i in NORMAL) < 5_000
 
-    code, alone, _ = run_batch(tiny_model_dir, WAT, normal, "--max-tokens", "16", *slack)
+    code, alone, _ = run_batch(tiny_model_dir, batch_controller, normal, *args)
     assert code == 0
     for i in NORMAL:
         for key in ("text", "finish_reason", "logs", "outputs"):
@@ -363,14 +415,15 @@ def _peak_rss_mib(model_dir: Path, tmp: Path, runs: list[list[dict[str, Any]]],
     return [int(line) / 1024 for line in proc.stdout.split()]
 
 
-def test_memory_stays_bounded_over_many_steps(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_memory_stays_bounded_over_many_steps(tiny_model_dir: Path, tmp_path: Path,
+                                              batch_controller: Path) -> None:
     # Eight rows that each log 1 MiB on every one of 60 steps (480 MiB if kept) beside
     # rows that pile up outputs and errors, after a run of as many quiet rows.
     quiet = [{"prompt": f"p{i}", "controller_arg": "A"} for i in range(8)]
     hostile = [{"prompt": f"p{i}", "controller_arg": "M"} for i in range(8)]
     hostile += [{"prompt": f"q{i}", "controller_arg": arg} for i, arg in enumerate("UVXUVX")]
     before, after = _peak_rss_mib(tiny_model_dir, tmp_path, [quiet, hostile],
-                                  "--max-tokens", "60", "--controller", str(WAT))
+                                  "--max-tokens", "60", "--controller", str(batch_controller))
     assert after - before < 100, f"peak RSS grew by {after - before:.0f} MiB"
 
 
@@ -419,52 +472,3 @@ def test_a_python_guest_gets_nothing_of_the_host(tiny_model_dir: Path, probe: Pa
     assert results["env-then-file"]["outputs"] == {
         "environ": "{}", "getenv": "[None, None, None, None]"
     }
-
-
-# --- the host's vocabulary scans ---------------------------------------------------------
-
-
-class _LLTok:
-    """The two llguidance tokenizer calls a scan uses, over a list of token texts."""
-
-    def __init__(self, texts: list[str]) -> None:
-        self.texts = texts
-
-    def decode_bytes(self, tokens: list[int]) -> bytes:
-        return "".join(self.texts[t] for t in tokens).encode()
-
-    def is_special_token(self, token: int) -> bool:
-        return False
-
-
-def test_a_backtracking_pattern_cannot_stall_the_host() -> None:
-    import time
-
-    from aici_cli.control.wasm import TokenizerServices
-
-    texts = ["a" * 40 + "!", "b", "ab"]  # `re` would take hours on the first one
-    services = TokenizerServices(None, len(texts), 0, _LLTok(texts), scan_seconds=0.3)
-    t0 = time.perf_counter()
-    with pytest.raises(ValueError, match=r"took more than 0.3 s to match against the vocab"):
-        services.tokens_matching("(a|a)+")
-    assert time.perf_counter() - t0 < 5
-    t0 = time.perf_counter()
-    with pytest.raises(ValueError, match="took more than"):  # remembered, not rescanned
-        services.tokens_matching("(a|a)+")
-    assert time.perf_counter() - t0 < 0.1
-    with pytest.raises(ValueError, match=r"bad pattern '\(': missing \), unterminated"):
-        services.tokens_matching("(")
-    handle = services.tokens_matching("[ab]+")
-    assert services.host_set(handle).tolist() == [0b110]
-
-
-def test_the_runs_pattern_cache_is_capped() -> None:
-    from aici_cli.control.wasm import TokenizerServices
-
-    texts = [chr(97 + i) for i in range(26)]  # a set costs its one 32-bit word plus its pattern
-    services = TokenizerServices(None, len(texts), 0, _LLTok(texts), cache_bytes=15)
-    assert services.tokens_matching("a") == 0
-    assert services.tokens_matching("bb") == 1
-    assert services.tokens_matching("a") == 0  # cached ones still answer
-    with pytest.raises(ValueError, match=r"tokens-matching cache is full \(2 patterns"):
-        services.tokens_matching("ccc")

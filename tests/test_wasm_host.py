@@ -1,22 +1,23 @@
-"""The wasm host (`aici_cli/control/wasm/`) against hand-written WAT components.
+"""The wasm host (`aici_cli/control/wasm/`) against small hand-written WAT guests.
 
-`tests/wat/controller.wat` implements the controller world with the canonical ABI written
-out by hand; the first byte of the constructor's `arg` picks its behaviour (see the table
-at the top of that file). No componentize-py build: the whole module runs in about a
-second.
+Each test states its guest's core-module code next to its assertions; `tests/wat.py`
+wraps it into a controller component (canonical ABI written out, no componentize-py
+build), so the whole module runs in a few seconds.
 """
 
 from __future__ import annotations
 
 import gc
-import re
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
-from wasmtime.component import Component, Record, Variant
+from fake_services import FakeServices
+from wasmtime.component import Record, Variant
+from wat import OOM_HOOK, Guest, component, save, strings, u32s
 
 from aici_cli.control.actions import (
     Generate,
@@ -29,74 +30,202 @@ from aici_cli.control.actions import (
 )
 from aici_cli.control.constraint import Constraint
 from aici_cli.control.wasm import (
-    ComponentError,
     ControllerComponent,
     GuestInstance,
     Limits,
+    WasmController,
     values,
 )
 from aici_cli.control.wasm import component as wasm_component
 from aici_cli.errors import ControllerError
 
-WAT = Path(__file__).parent / "wat"
-CONTROLLER = WAT / "controller.wat"
-
-
-class FakeServices:
-    """A 100-token vocabulary: token i decodes to f"<{i}>"; token 99 makes decode raise."""
-
-    def __init__(self, matching_delay_s: float = 0.0) -> None:
-        self.handles: dict[int, str] = {}
-        self.matching_delay_s = matching_delay_s
-
-    def vocab_size(self) -> int:
-        return 100
-
-    def eos_token(self) -> int:
-        return 2
-
-    def tokenize(self, text: str) -> list[int]:
-        return [ord(c) % 100 for c in text]
-
-    def decode(self, tokens: list[int]) -> str:
-        if 99 in tokens:
-            raise RuntimeError("decode exploded")
-        return "".join(f"<{t}>" for t in tokens)
-
-    def token_bytes(self, token: int) -> bytes:
-        return f"<{token}>".encode()
-
-    def tokens_matching(self, pattern: str) -> int:
-        time.sleep(self.matching_delay_s)
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"bad pattern: {e}") from None
-        handle = len(self.handles) + 1
-        self.handles[handle] = pattern
-        return handle
-
-    def has_host_set(self, handle: int) -> bool:
-        return handle in self.handles
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("wasm-cache")
-
-
-@pytest.fixture(scope="module")
-def component(cache: Path) -> ControllerComponent:
-    return ControllerComponent.load(CONTROLLER, cache_dir=cache)
-
-
-def start(
-    comp: ControllerComponent, mode: str, services: FakeServices | None = None
-) -> GuestInstance:
-    return comp.instantiate(mode, [1, 2, 3], services or FakeServices())
-
-
 STEP = StepInput(backtrack=0, tokens=(4,))
+Load = Callable[..., ControllerComponent]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The guests' text files and the compile cache."""
+    return tmp_path_factory.mktemp("wasm")
+
+
+@pytest.fixture(scope="module")
+def load(folder: Path) -> Load:
+    def load(guests: Guest | Mapping[str, Guest], limits: Limits | None = None
+             ) -> ControllerComponent:
+        path = save(folder, component(guests))
+        return ControllerComponent.load(path, limits or Limits(), cache_dir=folder)
+
+    return load
+
+
+def start(comp: ControllerComponent, arg: str = "",
+          services: FakeServices | None = None) -> GuestInstance:
+    return comp.instantiate(arg, [1, 2, 3], services or FakeServices())
+
+
+STOP = Guest("(call $stop)")
+SAMPLE_ALL = Guest("(call $sample-all)")
+ALLOW_5_7 = Guest("(call $sample-allow {allow})", data={"allow": u32s(5, 7)})
+SPLICE = Guest("(call $splice (i32.const 1) {ff})", data={"ff": u32s(10, 11)})
+# Answers with its input: splice {backtrack = input.backtrack, ff-tokens = input.tokens}.
+ECHO = Guest("(call $splice (local.get $backtrack) (local.get $tokens) (local.get $tokens-len))")
+REGEX_SEGMENT = Guest(
+    "(call $generate (i32.const 1) {regex} (i32.const 8) {stop})",  # 1: regex
+    data={"regex": "[0-9]+", "stop": strings("\n")},
+)
+# tokens-matching("(") fails: the guest logs the error; then it samples [a-z]'s handle.
+MATCHING = Guest(
+    """
+    (call $tokens-matching {bad} (global.get $out))
+    (if (i32.load8_u (global.get $out))  ;; err: log its message
+      (then (call $log (i32.load offset=4 (global.get $out))
+                       (i32.load offset=8 (global.get $out)))))
+    (call $tokens-matching {letters} (global.get $out))
+    (if (i32.load8_u (global.get $out)) (then unreachable))
+    (call $sample-host-set (i32.load offset=4 (global.get $out)))
+    """,
+    data={"bad": "(", "letters": "[a-z]"},
+)
+DECODE_99 = Guest(  # the fake services raise on token 99
+    "(call $decode {tokens} (global.get $out)) (call $stop)", data={"tokens": u32s(99)}
+)
+TRAP_ON_5TH = Guest(
+    "(if (i32.ge_u (global.get $calls) (i32.const 5)) (then unreachable)) (call $sample-all)"
+)
+LOOP = Guest("(loop $forever (br $forever)) unreachable")
+
+
+# --- actions ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("guest", "action"),
+    [
+        (STOP, Stop()),
+        (ALLOW_5_7, Sample(TokenSet("allow", (5, 7)))),
+        (SAMPLE_ALL, Sample(TokenSet("all"))),
+        (SPLICE, Splice(backtrack=1, ff_tokens=(10, 11))),
+        (
+            REGEX_SEGMENT,
+            Generate(
+                Segment(grammar=Constraint("regex", "[0-9]+"), max_tokens=8, stop=("\n",))
+            ),
+        ),
+    ],
+    ids=["stop", "allow", "all", "splice", "generate"],
+)
+def test_actions_convert_to_dataclasses(load: Load, guest: Guest, action: object) -> None:
+    runner = start(load(guest))
+    assert runner.mid_process(STEP) == action
+    assert runner.mid_process(STEP) == action  # and again: the resource stays usable
+
+
+def test_step_input_reaches_the_guest(load: Load) -> None:
+    runner = start(load(ECHO))
+    step = StepInput(backtrack=3, tokens=(9, 8, 7), segment_text="some text")
+    assert runner.mid_process(step) == Splice(backtrack=3, ff_tokens=(9, 8, 7))
+    assert runner.mid_process(StepInput()) == Splice(backtrack=0, ff_tokens=())
+    assert runner.calls == 2
+    assert runner.guest_ms > 0 and runner.setup_ms > 0
+
+
+def test_logs_and_outputs_are_collected(load: Load) -> None:
+    guest = Guest(
+        """
+        (call $log {hello})
+        (call $set-output {answer} {forty_two})
+        (call $set-output {raw} {not_json})
+        (call $stop)
+        """,
+        data={"hello": "hello", "answer": "answer", "forty_two": "42", "raw": "raw",
+              "not_json": "not json"},
+    )
+    runner = start(load(guest))
+    assert runner.mid_process(STEP) == Stop()
+    assert runner.logs == ["hello"]
+    assert runner.outputs == {"answer": 42, "raw": "not json"}  # JSON parsed when it parses
+
+
+def test_tokenizer_imports_are_served(load: Load) -> None:
+    guest = Guest(
+        """
+        (call $log (call $utoa (call $vocab-size)))
+        (call $log (call $utoa (call $eos-token)))
+        (call $tokenize {hi} (global.get $out))
+        (call $log (call $utoa (i32.load offset=4 (global.get $out))))  ;; length
+        (call $log (call $utoa (i32.load (i32.load (global.get $out)))))  ;; first id
+        (call $token-bytes (i32.const 3) (global.get $out))
+        (call $log (i32.load (global.get $out)) (i32.load offset=4 (global.get $out)))
+        (call $stop)
+        """,
+        data={"hi": "hi"},
+    )
+    runner = start(load(guest))
+    assert runner.mid_process(STEP) == Stop()
+    # vocab size, eos, len(tokenize("hi")), first id ('h' = 104 % 100), token-bytes(3)
+    assert runner.logs == ["100", "2", "2", "4", "<3>"]
+
+
+def test_tokens_matching_error_reaches_the_guest_as_err(load: Load) -> None:
+    services = FakeServices()
+    runner = start(load(MATCHING), services=services)
+    action = runner.mid_process(STEP)
+    assert action == Sample(TokenSet("host-set", handle=1))
+    assert services.handles == {1: "[a-z]"}
+    assert len(runner.logs) == 1 and runner.logs[0].startswith("bad pattern: missing )")
+
+
+def test_host_time_is_not_charged_to_the_deadline(load: Load) -> None:
+    comp = load(MATCHING, Limits(call_ms=20))
+    runner = start(comp, services=FakeServices(matching_delay_s=0.03))  # 2 x 30 ms on the host
+    assert runner.mid_process(STEP) == Sample(TokenSet("host-set", handle=1))
+    assert runner.host_ms >= 60
+
+
+def test_guest_err_is_a_controller_error_and_not_fatal(load: Load) -> None:
+    runner = start(load(Guest("(call $err {nope})", data={"nope": "nope"})))
+    for _ in range(2):
+        with pytest.raises(ControllerError) as info:
+            runner.mid_process(STEP)
+        assert (info.value.type, info.value.message) == ("controller_error", "nope")
+    assert not runner.dead
+
+
+@pytest.mark.parametrize(
+    ("guest", "message"),
+    [
+        (  # a token id beyond a 100-token vocabulary
+            Guest("(call $sample-allow {ids})", data={"ids": u32s(5, 100)}),
+            "sample allow: token id 100 is outside the vocabulary (size 100)",
+        ),
+        (
+            Guest("(call $sample-allow (i32.const 0) (i32.const 0))"),
+            "sample: the allow-list is empty",
+        ),
+        (  # one word where a 100-token vocabulary needs four
+            Guest("(call $sample-bitmask {mask})", data={"mask": u32s(0xFFFFFFFF)}),
+            "sample: bitmask has 1 words; a vocabulary of 100 needs 4",
+        ),
+        (
+            Guest("(call $sample-host-set (i32.const 77))"),
+            "sample: unknown host-set handle 77",
+        ),
+        (
+            Guest(
+                "(call $generate (i32.const 1) {regex} (i32.const 0) {stop})",
+                data={"regex": "[0-9]+", "stop": strings("\n")},
+            ),
+            "generate: segment max-tokens is 0",
+        ),
+    ],
+    ids=["beyond-vocab", "empty-allow", "short-bitmask", "unknown-handle", "max-tokens-0"],
+)
+def test_malformed_actions_are_bad_action(load: Load, guest: Guest, message: str) -> None:
+    runner = start(load(guest))
+    with pytest.raises(ControllerError) as info:
+        runner.mid_process(STEP)
+    assert (info.value.type, info.value.message) == ("bad_action", message)
 
 
 class NoCompiler:
@@ -109,112 +238,16 @@ class NoCompiler:
 NO_COMPILER: Any = NoCompiler()
 
 
-# --- actions ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("mode", "action"),
-    [
-        ("s", Stop()),
-        ("a", Sample(TokenSet("allow", (5, 7)))),
-        ("A", Sample(TokenSet("all"))),
-        ("p", Splice(backtrack=1, ff_tokens=(10, 11))),
-        (
-            "n",
-            Generate(
-                Segment(grammar=Constraint("regex", "[0-9]+"), max_tokens=8, stop=("\n",))
-            ),
-        ),
-    ],
-)
-def test_actions_convert_to_dataclasses(
-    component: ControllerComponent, mode: str, action: object
-) -> None:
-    runner = start(component, mode)
-    assert runner.mid_process(STEP) == action
-    assert runner.mid_process(STEP) == action  # and again: the resource stays usable
-
-
-def test_step_input_reaches_the_guest(component: ControllerComponent) -> None:
-    runner = start(component, "h")  # echoes the input as a splice
-    step = StepInput(backtrack=3, tokens=(9, 8, 7), segment_text="some text")
-    assert runner.mid_process(step) == Splice(backtrack=3, ff_tokens=(9, 8, 7))
-    assert runner.mid_process(StepInput()) == Splice(backtrack=0, ff_tokens=())
-    assert runner.calls == 2
-    assert runner.guest_ms > 0 and runner.setup_ms > 0
-
-
-def test_logs_and_outputs_are_collected(component: ControllerComponent) -> None:
-    runner = start(component, "l")
-    assert runner.mid_process(STEP) == Stop()
-    assert runner.logs == ["hello"]
-    assert runner.outputs == {"answer": 42, "raw": "not json"}  # JSON parsed when it parses
-
-
-def test_tokenizer_imports_are_served(component: ControllerComponent) -> None:
-    runner = start(component, "v")
-    assert runner.mid_process(STEP) == Stop()
-    # vocab size, eos, len(tokenize("hi")), first id ('h' = 104 % 100), token-bytes(3)
-    assert runner.logs == ["100", "2", "2", "4", "<3>"]
-
-
-def test_tokens_matching_error_reaches_the_guest_as_err(component: ControllerComponent) -> None:
-    services = FakeServices()
-    runner = start(component, "m", services)
-    action = runner.mid_process(STEP)
-    assert action == Sample(TokenSet("host-set", handle=1))
-    assert services.handles == {1: "[a-z]"}
-    assert len(runner.logs) == 1 and runner.logs[0].startswith("bad pattern: missing )")
-
-
-def test_host_time_is_not_charged_to_the_deadline(cache: Path) -> None:
-    comp = ControllerComponent.load(CONTROLLER, Limits(call_ms=20), cache_dir=cache)
-    runner = start(comp, "m", FakeServices(matching_delay_s=0.03))  # 2 x 30 ms on the host
-    assert runner.mid_process(STEP) == Sample(TokenSet("host-set", handle=1))
-    assert runner.host_ms >= 60
-
-
-def test_guest_err_is_a_controller_error_and_not_fatal(component: ControllerComponent) -> None:
-    runner = start(component, "x")
-    for _ in range(2):
-        with pytest.raises(ControllerError) as info:
-            runner.mid_process(STEP)
-        assert (info.value.type, info.value.message) == ("controller_error", "nope")
-    assert not runner.dead
-
-
-@pytest.mark.parametrize(
-    ("mode", "message"),
-    [
-        ("b", "sample allow: token id 100 is outside the vocabulary (size 100)"),
-        ("e", "sample: the allow-list is empty"),
-        ("k", "sample: bitmask has 1 words; a vocabulary of 100 needs 4"),
-        ("H", "sample: unknown host-set handle 77"),
-        ("z", "generate: segment max-tokens is 0"),
-    ],
-)
-def test_malformed_actions_are_bad_action(
-    component: ControllerComponent, mode: str, message: str
-) -> None:
-    runner = start(component, mode)
-    with pytest.raises(ControllerError) as info:
-        runner.mid_process(STEP)
-    assert (info.value.type, info.value.message) == ("bad_action", message)
-
-
-def test_segment_json_schema_that_is_not_json(tmp_path: Path) -> None:
+def test_segment_json_schema_that_is_not_json(load: Load) -> None:
     """Reported where the engine asks the controller, like every bad action; the guest
     stays usable."""
-    from aici_cli.control.wasm import WasmController
-
-    text = CONTROLLER.read_text()
-    regex = "(i32.store8 (i32.const 1036) (i32.const 1))   ;; regex"
-    assert regex in text
-    path = tmp_path / "json.wat"
-    path.write_text(text.replace(regex, "(i32.store8 (i32.const 1036) (i32.const 0))"))
-    comp = ControllerComponent.load(path, cache_dir=tmp_path)
+    guest = Guest(
+        "(call $generate (i32.const 0) {schema} (i32.const 8) {stop})",  # 0: json-schema
+        data={"schema": "[0-9]+", "stop": strings("\n")},
+    )
     call_times: list[float] = []
-    controller = WasmController(comp, "n", FakeServices(), NO_COMPILER, call_times=call_times)
+    controller = WasmController(load(guest), "", FakeServices(), NO_COMPILER,
+                                call_times=call_times)
     with pytest.raises(ControllerError) as info:
         controller.start([1, 2])
     assert (info.value.type, info.value.message) == (
@@ -228,18 +261,19 @@ def test_segment_json_schema_that_is_not_json(tmp_path: Path) -> None:
 # --- faults -----------------------------------------------------------------------------
 
 
-def test_trap_in_constructor(component: ControllerComponent) -> None:
+def test_trap_in_constructor(load: Load) -> None:
     with pytest.raises(ControllerError) as info:
-        start(component, "c")
+        start(load(Guest("(call $stop)", constructor="unreachable")))
     assert info.value.type == "controller_trap"
     assert info.value.message.startswith(
         "constructor trapped: wasm trap: wasm `unreachable` instruction executed"
     )
 
 
-def test_trap_kills_only_its_runner(component: ControllerComponent) -> None:
-    doomed = start(component, "t")  # traps on its 5th call
-    healthy = start(component, "t")
+def test_trap_kills_only_its_runner(load: Load) -> None:
+    comp = load({"t": TRAP_ON_5TH, "s": STOP})
+    doomed = start(comp, "t")
+    healthy = start(comp, "t")
     for _ in range(4):
         assert doomed.mid_process(STEP) == Sample(TokenSet("all"))
     with pytest.raises(ControllerError) as info:
@@ -257,16 +291,15 @@ def test_trap_kills_only_its_runner(component: ControllerComponent) -> None:
 
     for _ in range(4):  # the other runner of the same component is unaffected
         assert healthy.mid_process(STEP) == Sample(TokenSet("all"))
-    assert start(component, "s").mid_process(STEP) == Stop()
+    assert start(comp, "s").mid_process(STEP) == Stop()
 
 
-def test_deadline(cache: Path) -> None:
-    comp = ControllerComponent.load(CONTROLLER, Limits(call_ms=20), cache_dir=cache)
-    runner = start(comp, "w")  # loops forever
+def test_deadline(load: Load) -> None:
+    runner = start(load(LOOP, Limits(call_ms=20)))
     t0 = time.perf_counter()
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
-    elapsed = time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0  # the deadline is wasmtime's, on the wall clock
     assert (info.value.type, info.value.message) == (
         "controller_timeout",
         "mid-process exceeded its 20 ms deadline",
@@ -274,9 +307,8 @@ def test_deadline(cache: Path) -> None:
     assert 0.015 < elapsed < 0.5
 
 
-def test_fuel(cache: Path) -> None:
-    limits = Limits(call_ms=60_000, fuel_per_call=1_000_000)
-    runner = start(ControllerComponent.load(CONTROLLER, limits, cache_dir=cache), "w")
+def test_fuel(load: Load) -> None:
+    runner = start(load(LOOP, Limits(call_ms=60_000, fuel_per_call=1_000_000)))
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
     assert (info.value.type, info.value.message) == (
@@ -285,22 +317,26 @@ def test_fuel(cache: Path) -> None:
     )
 
 
-def test_memory_cap(cache: Path) -> None:
-    comp = ControllerComponent.load(CONTROLLER, Limits(memory_bytes=2 << 20), cache_dir=cache)
-    runner = start(comp, "g")  # grows until memory.grow fails, then aborts
+def test_memory_cap(load: Load) -> None:
+    # Grows memory one page at a time until memory.grow fails, then aborts the way Rust's
+    # allocator does.
+    guest = Guest(
+        """
+        (loop $more (br_if $more (i32.ne (memory.grow (i32.const 1)) (i32.const -1))))
+        (call $handle_alloc_error)
+        unreachable
+        """,
+        funcs=(OOM_HOOK,),
+    )
+    runner = start(load(guest, Limits(memory_bytes=2 << 20)))
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
     assert info.value.type == "controller_memory"
     assert info.value.message.startswith("mid-process ran out of memory (cap 2 MiB)")
 
 
-def test_memory_cap_below_the_initial_memory_fails_at_load(cache: Path) -> None:
-    with pytest.raises(ComponentError, match="needs more memory at start than the 1 KiB cap"):
-        ControllerComponent.load(CONTROLLER, Limits(memory_bytes=1024), cache_dir=cache)
-
-
-def test_host_exception_traps_the_guest_not_the_host(component: ControllerComponent) -> None:
-    runner = start(component, "d")  # decode([99]): the fake raises RuntimeError
+def test_host_exception_traps_the_guest_not_the_host(load: Load) -> None:
+    runner = start(load(DECODE_99))
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
     assert info.value.type == "host_error"
@@ -315,17 +351,40 @@ def test_host_exception_traps_the_guest_not_the_host(component: ControllerCompon
 CHATTY = Limits(call_ms=10_000, log_bytes=1000)
 
 
-def test_log_cap_truncates_with_a_note(cache: Path) -> None:
-    comp = ControllerComponent.load(CONTROLLER, CHATTY, cache_dir=cache)
-    runner = start(comp, "L")  # 2000 lines of 100 bytes
+def test_log_cap_truncates_with_a_note(load: Load) -> None:
+    guest = Guest(  # 2000 lines of 100 bytes
+        """
+        (loop $lines
+          (call $log {line})
+          (local.set $i (i32.add (local.get $i) (i32.const 1)))
+          (br_if $lines (i32.lt_u (local.get $i) (i32.const 2000))))
+        (call $stop)
+        """,
+        data={"line": "0123456789" * 10},
+    )
+    runner = start(load(guest, CHATTY))
     assert runner.mid_process(STEP) == Stop()
     assert len(runner.logs) == 11
     assert runner.logs[-1] == "[logs truncated: more than 1000 bytes]"
 
 
-def test_output_cap(cache: Path) -> None:
-    comp = ControllerComponent.load(CONTROLLER, CHATTY, cache_dir=cache)
-    runner = start(comp, "O")  # 300 distinct keys; the default cap is 256
+def test_output_cap(load: Load) -> None:
+    guest = Guest(  # 300 distinct keys "kaa", "kab", ...; the default cap is 256
+        """
+        (loop $keys
+          (i32.store8 (global.get $out) (i32.const 107))  ;; k
+          (i32.store8 offset=1 (global.get $out)
+            (i32.add (i32.const 97) (i32.div_u (local.get $i) (i32.const 26))))
+          (i32.store8 offset=2 (global.get $out)
+            (i32.add (i32.const 97) (i32.rem_u (local.get $i) (i32.const 26))))
+          (call $set-output (global.get $out) (i32.const 3) {forty_two})
+          (local.set $i (i32.add (local.get $i) (i32.const 1)))
+          (br_if $keys (i32.lt_u (local.get $i) (i32.const 300))))
+        (call $stop)
+        """,
+        data={"forty_two": "42"},
+    )
+    runner = start(load(guest, CHATTY))
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
     assert info.value.type == "too_many_outputs"
@@ -334,8 +393,8 @@ def test_output_cap(cache: Path) -> None:
     assert runner.dead
 
 
-def test_closed_runner(component: ControllerComponent) -> None:
-    runner = start(component, "s")
+def test_closed_runner(load: Load) -> None:
+    runner = start(load(STOP))
     runner.close()
     runner.close()
     with pytest.raises(ControllerError) as info:
@@ -343,15 +402,16 @@ def test_closed_runner(component: ControllerComponent) -> None:
     assert (info.value.type, info.value.message) == ("controller_dead", "the runner is closed")
 
 
-def test_runners_on_many_threads(component: ControllerComponent) -> None:
+def test_runners_on_many_threads(load: Load) -> None:
     """Different runners run concurrently; host failures stay with their own runner."""
+    comp = load({"h": ECHO, "d": DECODE_99})
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
         try:
             for _ in range(5):
-                good = start(component, "h")
-                bad = start(component, "d")
+                good = start(comp, "h")
+                bad = start(comp, "d")
                 step = StepInput(backtrack=i, tokens=(i,))
                 assert good.mid_process(step) == Splice(backtrack=i, ff_tokens=(i,))
                 with pytest.raises(ControllerError, match="decode exploded"):
@@ -367,115 +427,29 @@ def test_runners_on_many_threads(component: ControllerComponent) -> None:
     assert errors == []
 
 
-def test_one_engine_and_one_idle_daemon_ticker(component: ControllerComponent, cache: Path) -> None:
-    other = ControllerComponent.load(CONTROLLER, Limits(call_ms=5), cache_dir=cache)
-    assert other._shared is component._shared
-    start(other, "s").mid_process(STEP)
+def test_one_engine_and_one_idle_daemon_ticker(load: Load) -> None:
+    comp = load(STOP)
+    other = load(STOP, Limits(call_ms=5))
+    assert other._shared is comp._shared
+    start(other).mid_process(STEP)
     tickers = [t for t in threading.enumerate() if t.name == "aici-wasm-epoch"]
     assert len(tickers) == 1 and tickers[0].daemon  # never keeps the process alive
-    assert not component._shared.ticker._wake.is_set()  # no call running: it sleeps
-
-
-# --- loading ----------------------------------------------------------------------------
-
-
-def test_compile_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    first = ControllerComponent.load(CONTROLLER, cache_dir=tmp_path)
-    assert not first.cache_hit
-    files = list((tmp_path / "components").glob("*.cwasm"))
-    assert files == [first.cache_file]
-    mtime = files[0].stat().st_mtime_ns
-
-    loaded: list[str] = []
-    real = Component.deserialize_file
-
-    def spy(engine: object, path: str) -> Component:
-        loaded.append(path)
-        return real(engine, path)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Component, "deserialize_file", staticmethod(spy))
-    second = ControllerComponent.load(CONTROLLER, cache_dir=tmp_path)
-    assert second.cache_hit and loaded == [str(files[0])]
-    assert files[0].stat().st_mtime_ns == mtime
-    assert start(second, "s").mid_process(STEP) == Stop()
-
-
-def test_damaged_cache_file_is_replaced(tmp_path: Path) -> None:
-    first = ControllerComponent.load(CONTROLLER, cache_dir=tmp_path)
-    assert first.cache_file is not None
-    first.cache_file.write_bytes(b"not a compiled component")
-    again = ControllerComponent.load(CONTROLLER, cache_dir=tmp_path)
-    assert not again.cache_hit
-    assert start(again, "a").mid_process(STEP) == Sample(TokenSet("allow", (5, 7)))
-    assert ControllerComponent.load(CONTROLLER, cache_dir=tmp_path).cache_hit
-
-
-def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ComponentError, match=r"^controller component not found: .*nope\.wasm$"):
-        ControllerComponent.load(tmp_path / "nope.wasm", cache_dir=tmp_path)
-    with pytest.raises(ComponentError, match="is a directory"):
-        ControllerComponent.load(tmp_path, cache_dir=tmp_path)
-
-
-def test_garbage_is_not_a_component(tmp_path: Path) -> None:
-    path = tmp_path / "junk.wasm"
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
-    with pytest.raises(ComponentError, match="junk.wasm is not a WebAssembly component"):
-        ControllerComponent.load(path, cache_dir=tmp_path)
-
-
-@pytest.mark.parametrize("binary", [False, True])
-def test_core_module_is_not_a_component(tmp_path: Path, binary: bool) -> None:
-    path = WAT / "core_module.wat"
-    if binary:
-        path = tmp_path / "core.wasm"
-        path.write_bytes(b"\0asm\x01\0\0\0")
-    with pytest.raises(ComponentError) as info:
-        ControllerComponent.load(path, cache_dir=tmp_path)
-    assert "is not a WebAssembly component: it is a core WebAssembly module" in str(info.value)
-
-
-def test_other_contract_version_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ComponentError) as info:
-        ControllerComponent.load(WAT / "wrong_version.wat", cache_dir=tmp_path)
-    message = str(info.value)
-    assert "does not export aici:controller/controller@0.1.0" in message
-    assert "it exports aici:controller/controller@0.2.0" in message
-    assert "\n" not in message
-
-
-def test_component_without_exports(tmp_path: Path) -> None:
-    with pytest.raises(ComponentError, match=r"\(it exports nothing\)"):
-        ControllerComponent.load(WAT / "no_exports.wat", cache_dir=tmp_path)
-
-
-def test_wasi_import_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ComponentError) as info:
-        ControllerComponent.load(WAT / "wasi_import.wat", cache_dir=tmp_path)
-    message = str(info.value)
-    assert "imports wasi:cli/environment@0.2.0" in message
-    assert "no filesystem, environment, clock or network" in message
-    assert "aici-batch build" in message
-
-
-def test_invalid_text(tmp_path: Path) -> None:
-    path = tmp_path / "broken.wat"
-    path.write_text("(component (oops))")
-    with pytest.raises(ComponentError, match="invalid WebAssembly text"):
-        ControllerComponent.load(path, cache_dir=tmp_path)
+    assert not comp._shared.ticker._wake.is_set()  # no call running: it sleeps
 
 
 def test_memoized_types_give_wasmtime_py_results(
-    cache: Path, monkeypatch: pytest.MonkeyPatch
+    folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The frozen-type fast path converts exactly like wasmtime-py's own slow path."""
+    guests = {"s": STOP, "a": ALLOW_5_7, "A": SAMPLE_ALL, "p": SPLICE, "n": REGEX_SEGMENT,
+              "h": ECHO, "m": MATCHING}
+    path = save(folder, component(guests))
     steps = [STEP, StepInput(backtrack=1, tokens=(5, 6), segment_text="done")]
-    modes = "saApnhm"
 
     def run(comp: ControllerComponent) -> list[object]:
-        return [start(comp, mode).mid_process(step) for mode in modes for step in steps]
+        return [start(comp, mode).mid_process(step) for mode in guests for step in steps]
 
-    fast_comp = ControllerComponent.load(CONTROLLER, cache_dir=cache)
+    fast_comp = ControllerComponent.load(path, cache_dir=folder)
     first = start(fast_comp, "s")  # types are read through this runner's store...
     assert type(fast_comp._mid_type).__name__ == "FrozenFuncType"
     first.close()
@@ -487,7 +461,7 @@ def test_memoized_types_give_wasmtime_py_results(
         raise AttributeError("a wasmtime-py without these internals")
 
     monkeypatch.setattr(wasm_component, "freeze", unavailable)
-    slow_comp = ControllerComponent.load(CONTROLLER, cache_dir=cache)
+    slow_comp = ControllerComponent.load(path, cache_dir=folder)
     slow = run(slow_comp)
     assert slow_comp._mid_type is None and slow_comp._mid_type_failed
     assert fast == slow
@@ -525,51 +499,3 @@ def test_conversion_accepts_tagged_and_bare_shapes() -> None:
     assert convert(mask, 100, services) == Sample(TokenSet("bitmask", (0, 0, 0, 8)))
     with pytest.raises(ControllerError, match="cannot read a token set"):
         convert(Variant("sample", [1, 2]), 100, services)  # allow or deny? ambiguous
-
-
-# Changing the eos-token import to u64 also needs the core module to agree.
-EOS_U64 = [
-    ('(export "eos-token" (func (result u32)))', '(export "eos-token" (func (result u64)))'),
-    ("(func $eos-token (result i32))", "(func $eos-token (result i64))"),
-    ("(call $log-u32 (call $eos-token))", "(call $log-u32 (i32.wrap_i64 (call $eos-token)))"),
-]
-
-
-@pytest.mark.parametrize(
-    ("edits", "message"),
-    [
-        (  # an import whose type changed without a version bump
-            EOS_U64,
-            "import aici:controller/tokenizer@0.1.0#eos-token has `func() -> u64`, "
-            "but this host expects `func() -> u32`",
-        ),
-        (  # a renamed record field inside mid-process's result type
-            [('"ff-tokens"', '"ff-token"')],
-            "export aici:controller/controller@0.1.0#[method]runner.mid-process has a "
-            "signature that differs from this host's at `...",
-        ),
-    ],
-)
-def test_signature_mismatch_is_refused(
-    tmp_path: Path, edits: list[tuple[str, str]], message: str
-) -> None:
-    text = CONTROLLER.read_text()
-    for old, new in edits:
-        assert old in text
-        text = text.replace(old, new)
-    path = tmp_path / "edited.wat"
-    path.write_text(text)
-    with pytest.raises(ComponentError) as info:
-        ControllerComponent.load(path, cache_dir=tmp_path)
-    assert message in str(info.value)
-    assert str(info.value).endswith("rebuild against wit/controller.wit")
-
-
-def test_invalid_binary_names_the_cause(tmp_path: Path) -> None:
-    path = tmp_path / "cut.wasm"
-    path.write_bytes(b"\0asm\x0d\0\x01\0garbage")
-    with pytest.raises(ComponentError) as info:
-        ControllerComponent.load(path, cache_dir=tmp_path)
-    assert str(info.value) == (
-        f"{path} is not a valid WebAssembly component: unexpected end-of-file (at offset 0xa)"
-    )

@@ -1,2 +1,0 @@
-;; A valid component that exports nothing.
-(component)
