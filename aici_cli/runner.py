@@ -23,7 +23,7 @@ from aici_cli.engine.loop import ControllerFactory, Engine
 from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
 from aici_cli.jobs import Job, LineError, open_input, read_jobs
-from aici_cli.models import load_model
+from aici_cli.models.load import load_model
 from aici_cli.openai_batch import BatchFormat, looks_like_request
 from aici_cli.results import ResultWriter
 from aici_cli.resume import InputLines, OutputFile, ResumePlan

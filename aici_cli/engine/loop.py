@@ -41,7 +41,8 @@ from aici_cli.engine.rows import RowTable, Source
 from aici_cli.engine.sampling import row_generator, sample
 from aici_cli.errors import ControllerError, GrammarError, ModelError
 from aici_cli.jobs import Job, LineError
-from aici_cli.models import LoadedModel, render_prompt
+from aici_cli.models.chat import render_prompt
+from aici_cli.models.load import LoadedModel
 from aici_cli.results import error_result
 from aici_cli.stats import StepTimes
 

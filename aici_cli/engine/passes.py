@@ -16,7 +16,7 @@ from aici_cli.engine.cache import RowCache
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
 from aici_cli.engine.rows import RowTable
-from aici_cli.models import LoadedModel
+from aici_cli.models.load import LoadedModel
 
 
 def is_out_of_memory(e: BaseException) -> bool:
