@@ -90,6 +90,10 @@ def main() -> None:
               help="JSON Schema file enforced on every line without its own constraint.")
 @click.option("--regex", default=None, help="Regular expression enforced on every line.")
 @click.option("--choices", default=None, help="Comma-separated choices, e.g. 'yes,no'.")
+@click.option("--score", is_flag=True,
+              help="Rank each line's choices by the log-probability the model gives them "
+                   "after the prompt instead of generating (multiple-choice evals): `text` "
+                   "is the best choice, `scores` has them all.")
 @click.option("--json-permissive", is_flag=True,
               help="Let objects carry keys their schema does not declare (JSON Schema's own "
                    "default). By default undeclared keys are disallowed where a schema is "
@@ -105,6 +109,22 @@ def main() -> None:
               help="Prompt-lookup draft length for greedy lines: tokens guessed from the "
                    "line's own history and kept where the model agrees (outputs unchanged, "
                    "fewer passes). 0 turns drafts off.")
+@click.option("--no-prefix-cache", is_flag=True,
+              help="Prefill every prompt in full, even where a row already holds the keys of "
+                   "its start (a shared few-shot prefix or system prompt). For comparison: "
+                   "outputs are the same either way.")
+@click.option("--lookahead", type=click.IntRange(1, 100_000), default=64, show_default=True,
+              help="Lines read ahead of admission, so that lines whose prefix is cached run "
+                   "first (results are written as lines finish; `index` keeps each line's "
+                   "number). 1 admits in input order.")
+@click.option("--logprobs", "logprobs", type=click.IntRange(0, 20), default=None,
+              help="Give every generated token its log-probability and its K most likely "
+                   "alternatives (lines may set `logprobs`/`top_logprobs` themselves).")
+@click.option("--logprobs-mode", type=click.Choice(["raw", "masked"]), default="raw",
+              show_default=True,
+              help="raw: the model's own distribution (as OpenAI and vLLM report); masked: "
+                   "the distribution the constraint leaves, renormalized over the allowed "
+                   "tokens (a fast-forwarded token then has logprob 0).")
 @click.option("--step-stats", is_flag=True, help="Add per-step records to each result line.")
 @click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
               help="Write the run summary (JSON) here.")
@@ -116,8 +136,10 @@ def main() -> None:
 def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
         max_tokens: int, temperature: float, top_p: float, seed: int, stop: tuple[str, ...],
         n: int, input_format: str, json_schema: str | None, regex: str | None, choices: str | None,
+        score: bool,
         json_permissive: bool, controller: str | None, controller_arg: str,
-        controller_timeout_ms: int, no_ff: bool, draft_tokens: int, step_stats: bool,
+        controller_timeout_ms: int, no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
+        lookahead: int, logprobs: int | None, logprobs_mode: str, step_stats: bool,
         stats_out: str | None,
         resume: bool, quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
@@ -151,10 +173,13 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         input=input, output=output, model=model, device=device, dtype=dtype,
         engine=EngineConfig(batch_size=batch_size, fast_forward=not no_ff,
                             draft_tokens=draft_tokens, step_stats=step_stats,
+                            prefix_cache=not no_prefix_cache, lookahead=lookahead,
+                            logprobs_mode=logprobs_mode,
                             strict_json=not json_permissive),
         defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, stop=tuple(stop),
-                             constraint=_constraint(json_schema, regex, choices), n=n),
+                             constraint=_constraint(json_schema, regex, choices), n=n,
+                             score=score, logprobs=logprobs),
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
         resume=resume,

@@ -19,6 +19,13 @@ class EngineConfig:
     initial_capacity: int = 256
     # Prompt-lookup draft length for greedy rows (see draft.py); below 2: no drafts.
     draft_tokens: int = 4
+    # Reuse the keys a row holds for a new line whose prompt starts the same (rows.py).
+    prefix_cache: bool = True
+    # Lines read ahead of admission, to admit those whose prefix is cached first.
+    lookahead: int = 64
+    # Logprobs from the model's distribution ("raw", as OpenAI and vLLM) or from the one
+    # the constraint leaves ("masked": renormalized over the allowed tokens).
+    logprobs_mode: str = "raw"
 
 
 MIB = 1024 * 1024
@@ -40,6 +47,8 @@ class JobDefaults:
     stop: tuple[str, ...] = ()
     constraint: Constraint | None = None
     n: int = 1
+    score: bool = False  # rank a line's choices by log-likelihood instead of generating
+    logprobs: int | None = None  # top alternatives per token for every line; None: off
     # A line's size in UTF-8 bytes, without its line ending; checked before decoding.
     max_line_bytes: int = 8 * MIB
     # A line's `json_schema`, `regex` or `choices` as compact JSON: the grammar compiler's

@@ -23,7 +23,7 @@ _SAME = ("temperature", "top_p", "seed", "n")
 # Accepted and ignored: they do not change what is generated here.
 _IGNORED = ("model", "user", "metadata", "store", "service_tier")
 _KNOWN = {"messages", "prompt", "max_tokens", "max_completion_tokens", "stop",
-          "response_format", "stream", *_SAME, *_IGNORED}
+          "response_format", "stream", "logprobs", "top_logprobs", *_SAME, *_IGNORED}
 
 
 class RequestError(ValueError):
@@ -90,10 +90,33 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     stop = body.get("stop")
     if stop is not None:
         line["stop"] = [stop] if isinstance(stop, str) else stop
+    line.update(_logprobs(body, url == CHAT))
     schema = _response_schema(body.get("response_format"))
     if schema is not None:
         line["json_schema"] = schema
     return line, Request(custom_id, url)
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The line's logprob fields: chat takes `logprobs: true` and `top_logprobs: k`;
+    completions take `logprobs: k` (the alternatives per token)."""
+    value = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if top is not None and not value:
+            raise RequestError("body.top_logprobs needs body.logprobs: true")
+        if not value:
+            return {}
+        return {"logprobs": True, **({"top_logprobs": top} if top is not None else {})}
+    if "top_logprobs" in body:
+        raise RequestError(f"body.top_logprobs belongs to {CHAT}; {COMPLETIONS} takes "
+                           "logprobs: <int>")
+    if value is None or value is False:
+        return {}
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"body.logprobs of {COMPLETIONS} is the number of alternatives "
+                           "per token (0-20)")
+    return {"logprobs": True, "top_logprobs": value}
 
 
 def _response_schema(fmt: Any) -> dict[str, Any] | bool | None:
@@ -130,9 +153,40 @@ def _choice(result: dict[str, Any], index: int, chat: bool) -> dict[str, Any]:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    choice["logprobs"] = None
+    entries = result.get("logprobs")
+    if entries is None:
+        choice["logprobs"] = None
+    elif chat:
+        choice["logprobs"] = {"content": [_chat_logprob(e) for e in entries]}
+    else:
+        choice["logprobs"] = _completion_logprobs(entries)
     choice["finish_reason"] = _finish(result.get("finish_reason", "stop"))
     return choice
+
+
+def _chat_logprob(e: dict[str, Any] | None) -> dict[str, Any]:
+    """A chat `logprobs.content` item (null logprob where none could be read)."""
+    if e is None:
+        return {"token": "", "logprob": None, "bytes": [], "top_logprobs": []}
+    return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"],
+                              "bytes": t["bytes"]} for t in e["top_logprobs"]]}
+
+
+def _completion_logprobs(entries: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The completions format: parallel lists, alternatives as {token: logprob}."""
+    tokens, values, tops, offsets = [], [], [], []
+    offset = 0
+    for e in entries:
+        token = e["token"] if e is not None else ""
+        tokens.append(token)
+        values.append(e["logprob"] if e is not None else None)
+        tops.append({t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                    if e is not None else None)
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def _aici(result: dict[str, Any]) -> dict[str, Any]:
@@ -161,6 +215,7 @@ def to_output(result: dict[str, Any], request: Request | None, model: str,
     chat = request is None or request.url == CHAT
     samples = result.get("choices") or [result]
     prompt_tokens = int(samples[0].get("stats", {}).get("prompt_tokens", 0))
+    cached = int(samples[0].get("stats", {}).get("cached_tokens", 0))
     completion = sum(int(s.get("stats", {}).get("output_tokens", 0)) for s in samples)
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
@@ -169,7 +224,8 @@ def to_output(result: dict[str, Any], request: Request | None, model: str,
         "model": model,
         "choices": [_choice(s, i, chat) for i, s in enumerate(samples)],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-                  "total_tokens": prompt_tokens + completion},
+                  "total_tokens": prompt_tokens + completion,
+                  "prompt_tokens_details": {"cached_tokens": cached}},
     }
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     line["error"] = None

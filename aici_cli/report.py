@@ -313,6 +313,7 @@ def report_table(summary: dict[str, Any]) -> Table:
         rows.append(("finish reasons", ", ".join(f"{k} {v}" for k, v in reasons.items())))
     rows += [
         ("prompt tokens", str(summary["prompt_tokens"])),
+        ("  from the prefix cache", str(summary.get("cached_tokens", 0))),
         ("output tokens", str(summary["output_tokens"])),
         ("fast-forwarded tokens", str(summary["ff_tokens"])),
         ("forward passes (batched)", _num(summary.get("forward_passes"), missing=need)),
@@ -321,6 +322,8 @@ def report_table(summary: dict[str, Any]) -> Table:
         ("wall time", _num(summary.get("wall_s"), ".2f", " s", missing=need)),
         ("tokens/s", _num(summary.get("tokens_per_s"), ".1f", missing=need)),
     ]
+    if summary.get("answered"):
+        rows.append(("accuracy", f"{summary['accuracy']:.1%} of {summary['answered']} lines"))
     schema_lines = summary.get("schema_lines", 0)
     if schema_lines:
         compliance = summary.get("compliance")

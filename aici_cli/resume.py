@@ -318,6 +318,11 @@ class InputLines:
                 self.digests[index] = line_digest(raw)
             yield raw
 
+    @property
+    def all_written(self) -> bool:
+        """Every line was read and has its result (none waits, read ahead, for a row)."""
+        return self.exhausted and not self.digests
+
     def tag(self, result: dict[str, Any]) -> dict[str, Any]:
         """`result` with the digest of its input line, which is forgotten from here on."""
         digest = self.digests.pop(result.get("index", 0), None)

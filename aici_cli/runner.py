@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from aici_cli.config import RunConfig
-from aici_cli.engine.loop import ControllerFactory, Engine
+from aici_cli.engine.intake import ControllerFactory
+from aici_cli.engine.loop import Engine
 from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
 from aici_cli.jobs import Job, LineError, open_input, read_jobs
@@ -225,7 +226,7 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
     engine = Engine(lm, config.engine)
     call_times: list[float] = []  # ms of every wasm guest call in the run
     if config.controller is not None:
-        engine.controller_factory = wasm_factory(config, engine, call_times)
+        engine.intake.controller_factory = wasm_factory(config, engine, call_times)
 
     def announce() -> None:
         signum = interrupts.take_news() if interrupts is not None else None
@@ -255,8 +256,8 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
     if config.stats_out:
         Path(config.stats_out).write_text(json.dumps(summary, indent=2) + "\n")
     display.summary(summary)
-    # An interrupt that came after the last line was read cost nothing: the run is whole.
-    signum = interrupts.signum if interrupts is not None and not lines.exhausted else None
+    # An interrupt that came after every line got its result cost nothing: the run is whole.
+    signum = interrupts.signum if interrupts is not None and not lines.all_written else None
     outcome = RunOutcome(summary, interrupted=signum,
                          earlier_errors=plan.scan.errors if plan is not None else 0,
                          skipped=len(plan.done) if plan is not None else 0)

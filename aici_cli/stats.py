@@ -19,6 +19,7 @@ class LineStats:
     in (a batched pass counts in full for every row that took part in it)."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys came from the prefix cache
     output_tokens: int = 0
     forward_passes: int = 0  # passes this sequence took part in
     ff_tokens: int = 0  # output tokens fast-forwarded (appended without sampling)
@@ -98,20 +99,27 @@ class RunTally:
     lines: int = 0
     errors: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     output_tokens: int = 0
     ff_tokens: int = 0
     row_forward_passes: int = 0  # sum over sequences: each gives at most one sampled token
     schema_lines: int = 0
     valid: int = 0
+    answered: int = 0  # lines with an expected `answer`
+    correct: int = 0
     error_types: dict[str, int] = field(default_factory=dict)
 
     def add(self, result: dict[str, Any]) -> None:
         self.lines += 1
         st = result.get("stats", {})
         self.prompt_tokens += int(st.get("prompt_tokens", 0))
+        self.cached_tokens += int(st.get("cached_tokens", 0))
         self.output_tokens += int(st.get("output_tokens", 0))
         self.ff_tokens += int(st.get("ff_tokens", 0))
         self.row_forward_passes += int(st.get("forward_passes", 0))
+        if "correct" in result:
+            self.answered += 1
+            self.correct += bool(result["correct"])
         if result.get("finish_reason") == "error":
             self.errors += 1
             etype = result.get("error", {}).get("type", "error")
@@ -130,6 +138,12 @@ class RunTally:
             "lines": self.lines,
             "errors": self.errors,
             "prompt_tokens": self.prompt_tokens,
+            # Prompt tokens taken from the prefix cache: prefill computation saved.
+            "cached_tokens": self.cached_tokens,
+            "prefix_hit_rate": (
+                round(self.cached_tokens / self.prompt_tokens, 4) if self.prompt_tokens
+                else None
+            ),
             "output_tokens": self.output_tokens,
             "ff_tokens": self.ff_tokens,
             "row_forward_passes": rows,
@@ -140,6 +154,8 @@ class RunTally:
             ),
             "schema_lines": self.schema_lines,
             "valid": self.valid,
+            "answered": self.answered,
+            "accuracy": round(self.correct / self.answered, 4) if self.answered else None,
         }
 
     def run_summary(self, steps: Sequence[StepTimes], wall_s: float,

@@ -72,6 +72,12 @@ class RunDisplay:
         self.console.print(summary_table(summary))
 
 
+def _cached(summary: dict[str, Any]) -> str:
+    """`cached / prompt (rate)`: the prefill the prefix cache saved."""
+    cached, prompt = summary.get("cached_tokens", 0), summary.get("prompt_tokens", 0)
+    return f"{cached}/{prompt} ({cached / prompt:.0%})" if prompt else "0"
+
+
 def summary_table(summary: dict[str, Any]) -> Table:
     """The run summary as a rich table (also used by `aici-batch report`)."""
     table = Table(title="aici-batch run", show_header=True, header_style="bold")
@@ -82,11 +88,14 @@ def summary_table(summary: dict[str, Any]) -> Table:
         ("errors", str(summary["errors"])),
         ("output tokens", str(summary["output_tokens"])),
         ("fast-forwarded tokens", str(summary["ff_tokens"])),
+        ("prompt tokens from the prefix cache", _cached(summary)),
         ("forward passes (batched)", str(summary["forward_passes"])),
         ("row passes per output token", str(summary["forward_passes_per_token"])),
         ("wall time", f"{summary['wall_s']:.2f} s"),
         ("tokens/s", f"{summary['tokens_per_s']:.1f}"),
     ]
+    if summary.get("answered"):
+        rows.append(("accuracy", f"{summary['accuracy']:.1%} of {summary['answered']}"))
     if summary.get("schema_lines"):
         rows.append(("schema outputs valid", f"{summary['valid']}/{summary['schema_lines']}"))
     if "guest_call_ms" in summary:

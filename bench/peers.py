@@ -13,6 +13,7 @@ Contenders (runners in bench/peers/):
   aici           aici-batch, built-in JSON-schema controller, fast-forward on
   aici-noff      the same with fast-forward off
   aici-wasm      aici-batch with the segment-based wasm controller (schema_segment.py)
+  aici-logprobs  aici with every token's logprob and top 5 (`--logprobs 5`); opt-in
 
 Each contender runs in its own subprocess, one after another, so imports, compile caches
 and thread pools do not leak between them; every subprocess sets the same torch thread
@@ -57,9 +58,10 @@ CONTENDERS: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
     "aici": ("aici_peer", {"fast_forward": True}, ("aici-batch", "llguidance")),
     "aici-noff": ("aici_peer", {"fast_forward": False}, ("aici-batch", "llguidance")),
     "aici-wasm": ("aici_peer", {}, ("aici-batch", "llguidance", "wasmtime")),
+    "aici-logprobs": ("aici_peer", {"logprobs": 5}, ("aici-batch", "llguidance")),
 }
 BASELINE = "aici"
-DEFAULT_CONTENDERS = [name for name in CONTENDERS if name != "outlines"]
+DEFAULT_CONTENDERS = [name for name in CONTENDERS if name not in ("outlines", "aici-logprobs")]
 
 # Outside the measured set, so no compiler cache gets a head start on a measured schema.
 WARM_SCHEMA: dict[str, Any] = {

@@ -394,7 +394,8 @@ def test_result_timings_come_from_the_engine_clock(lm: LoadedModel,
 
     monkeypatch.setattr(ticking.model_pass, "run", slow_pass)
     results: list[dict[str, Any]] = []
-    ticking.run([job(1, max_tokens=3), job(2, max_tokens=5)], results.append)
+    ticking.run([job(1, max_tokens=3), job(2, prompt="Other words", max_tokens=5)],
+                results.append)
     by_index = {r["index"]: r for r in results}
     for index, passes in ((1, 3), (2, 5)):
         st = by_index[index]["stats"]

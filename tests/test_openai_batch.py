@@ -51,7 +51,8 @@ def test_completion_request_and_json_object() -> None:
 
 
 @pytest.mark.parametrize(("req", "needle"), [
-    (request(messages=[], tools=[{}], logprobs=True), "unsupported body field(s): logprobs, tools"),
+    (request(messages=[], tools=[{}], logit_bias={}),
+     "unsupported body field(s): logit_bias, tools"),
     ({**request(messages=[]), "extra": 1}, "unsupported request field(s): extra"),
     ({**request(messages=[]), "url": "/v1/embeddings"}, "url '/v1/embeddings' is not supported"),
     ({**request(messages=[]), "method": "GET"}, "method must be POST"),
@@ -76,7 +77,8 @@ def test_detection() -> None:
 
 
 RESULT = {"id": "r1", "index": 3, "text": '{"a": 1}', "finish_reason": "stop", "valid": True,
-          "stats": {"prompt_tokens": 10, "output_tokens": 4, "forward_passes": 3}}
+          "stats": {"prompt_tokens": 10, "cached_tokens": 6, "output_tokens": 4,
+                    "forward_passes": 3}}
 
 
 @pytest.mark.parametrize("url", [CHAT, COMPLETIONS])
@@ -84,7 +86,8 @@ def test_outputs_validate_against_the_documented_format(url: str) -> None:
     out = to_output(RESULT, Request("r1", url), "smollm2", created=1)
     jsonschema.validate(out, SCHEMA)
     body = out["response"]["body"]
-    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14}
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+                             "prompt_tokens_details": {"cached_tokens": 6}}
     choice = body["choices"][0]
     assert (choice["message"]["content"] if url == CHAT else choice["text"]) == '{"a": 1}'
     assert out["custom_id"] == "r1" and out["error"] is None
@@ -150,6 +153,11 @@ def test_openai_batch_file_runs_unchanged(tiny_model_dir: Path, tmp_path: Path) 
     assert text["object"] == "text_completion" and len(text["choices"]) == 3
     assert by_id["tools-1"]["response"] is None
     assert "unsupported body field(s): tools" in by_id["tools-1"]["error"]["message"]
+    # The three samples share one prompt: one computes it, the others take its keys.
+    samples = by_id["text-1"]["aici"]["choices"]
+    assert sorted(c["stats"]["cached_tokens"] > 0 for c in samples) == [False, True, True]
+    assert text["usage"]["prompt_tokens_details"]["cached_tokens"] == samples[0]["stats"][
+        "cached_tokens"]
     [bad] = [line for line in lines if line["custom_id"] is None]
     assert bad["error"]["code"] == "invalid_json"
 
@@ -163,3 +171,38 @@ def test_openai_batch_file_runs_unchanged(tiny_model_dir: Path, tmp_path: Path) 
     summary = json.loads(res.output)
     assert summary["lines"] == 5 and summary["errors"] == 2
     assert summary["schema_lines"] == 1
+
+
+def test_logprobs_in_both_shapes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    rows: list[Any] = [
+        {"custom_id": "chat", "method": "POST", "url": CHAT,
+         "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                  "logprobs": True, "top_logprobs": 2}},
+        {"custom_id": "text", "method": "POST", "url": COMPLETIONS,
+         "body": {"prompt": "Once upon", "max_tokens": 4, "logprobs": 3}},
+        {"custom_id": "plain", "method": "POST", "url": CHAT,
+         "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}},
+        {"custom_id": "bad", "method": "POST", "url": CHAT,
+         "body": {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}},
+    ]
+    src, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
+    _write(src, rows)
+    res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model",
+                                    str(tiny_model_dir), "--dtype", "float32", "-q"])
+    assert res.exit_code == 1, res.output
+    lines = {x["custom_id"]: x for x in map(json.loads, out.read_text().splitlines())}
+    for line in lines.values():
+        jsonschema.validate(line, SCHEMA)
+    chat = lines["chat"]["response"]["body"]["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert len(content) == lines["chat"]["aici"]["stats"]["output_tokens"]
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+    assert "".join(bytes(c["bytes"]).decode("utf-8", "replace") for c in content) == (
+        chat["message"]["content"])
+    text = lines["text"]["response"]["body"]["choices"][0]
+    lp = text["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+    assert all(len(t) <= 3 for t in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == text["text"]
+    assert lines["plain"]["response"]["body"]["choices"][0]["logprobs"] is None
+    assert "top_logprobs needs body.logprobs" in lines["bad"]["error"]["message"]

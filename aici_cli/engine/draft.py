@@ -67,7 +67,9 @@ def propose_drafts(gens: Sequence[Generation | None], k: int,
     if k < 2:
         return drafts
     for i, gen in enumerate(gens):
-        if gen is None or gen.length == 0 or gen.job.temperature >= MIN_TEMPERATURE:
+        if (gen is None or gen.length == 0 or gen.score_from is not None
+                or gen.finish is not None
+                or gen.job.temperature >= MIN_TEMPERATURE):
             continue
         n = min(k, gen.job.max_tokens - len(gen.output))
         if n < 2:

@@ -24,11 +24,11 @@ class Finish:
 
 @dataclass
 class SampleGroup:
-    """The `n` samples of one line. One of them prefills the prompt; the others copy its
-    keys from that row, and the line's result waits for all of them."""
+    """The `n` samples of one line: the line's result waits for all of them. (They share
+    the prompt's keys through the prefix cache, see `rows.py`.)"""
 
     size: int
-    prompt_len: int
+    scoring: bool = False  # the rows of a scored line's choices, not samples
     results: list[dict[str, Any] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -58,6 +58,14 @@ class Generation:
     group: SampleGroup | None = None  # set when the line asks for n > 1 samples
     sample: int = 0  # which of the group's samples
     text_checked: int = 0  # chars of decoded output already searched for stop strings
+    # A scored choice: `prompt` is the line's prompt and the choice tokenized together,
+    # the choice's tokens start here; the row is read once, nothing is sampled.
+    score_from: int | None = None
+    choice: str = ""
+    logprob: float = 0.0
+    # With logprobs: one record per output token so far (None where none could be read).
+    logprobs: list[dict[str, Any] | None] | None = None
+    closing: bool = False  # finished, and took one more pass to read its last logprobs
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
@@ -101,17 +109,23 @@ class Generation:
                 f"backtrack of {n} tokens reaches past the prompt ({len(self.output)} generated)",
             )
         del self.output[len(self.output) - n :]
+        if self.logprobs is not None:
+            del self.logprobs[len(self.output) :]
         self.text_checked = 0  # the rewritten tail must be searched for stop strings again
         from_pending = min(n, len(self.pending))
         del self.pending[len(self.pending) - from_pending :]
         self.length -= n - from_pending
 
-    def adopt_prompt(self) -> None:
-        """The prompt's keys were copied into this row: feed only what follows it, or
-        the prompt's last token again when nothing does, for this row's own logits."""
-        p = len(self.prompt)
-        assert self.length == 0 and self.pending[:p] == self.prompt
-        if len(self.pending) > p:
-            self.length, self.pending = p, self.pending[p:]
-        else:
-            self.length, self.pending = p - 1, [self.prompt[-1]]
+    def cache_limit(self) -> int:
+        """Most prompt tokens the prefix cache may provide: all but the last (fed for this
+        row's own logits), or for a scored choice all before the choice's first token's
+        predecessor (those logits are the score)."""
+        return (self.score_from if self.score_from is not None else len(self.prompt)) - 1
+
+    def take_cached(self, n: int) -> None:
+        """Before its first pass: the row's cache holds the keys of the first `n` prompt
+        tokens already (a prefix-cache hit); feed only what follows them."""
+        assert self.stats.forward_passes == 0 and n <= self.cache_limit()
+        self.stats.cached_tokens = n
+        self.length = n
+        self.pending = (self.prompt + self.output)[n:]

@@ -24,11 +24,22 @@ class ForwardInputs:
     # A placeholder 4D mask: it tells transformers not to build one (attention.py ignores it).
     attention_mask: torch.Tensor | dict[str, torch.Tensor]
     # Packed indices whose logits the pass returns: first each row's next-token position
-    # (its last real token; 0 for a row that fed nothing), so logits[:b] is [b, V] as a
-    # view; then the `keep[i] - 1` positions after it (draft tokens), row by row.
+    # (0 for a row that fed nothing), so logits[:b] is [b, V] as a view; then each row's
+    # other readout positions (`Readout.extras`), row by row.
     last: torch.Tensor
-    extra_at: list[int]  # where row i's draft-position logits start in the returned logits
+    extra_at: list[int]  # where row i's extra logits start in the returned logits
     plan: PackedPlan
+
+
+@dataclass(frozen=True)
+class Readout:
+    """Where in a row's chunk the pass reads logits: `next_at`, the position whose logits
+    pick the row's next token, and `extras`, other positions (ascending): earlier ones
+    whose logits score tokens already fed (choices, logprobs), later ones that check a
+    draft. Default: the chunk's last position only."""
+
+    next_at: int
+    extras: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,11 +107,12 @@ def build_inputs(
     chunks: Sequence[Sequence[int]],
     attention_layout: AttentionLayout,
     device: torch.device,
-    keep: Sequence[int] | None = None,
+    readouts: Sequence[Readout | None] | None = None,
 ) -> ForwardInputs:
     """Inputs for rows `first_row ..` whose cache holds `lengths[i]` tokens and which feed
     `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty.
-    `keep[i]` (default 1): how many of row i's last positions to return logits for.
+    `readouts[i]` (default: the last position) says which of row i's positions to
+    return logits for.
 
     One walk over the rows fills every per-token and per-row list at once (this runs
     every step); hence its length."""
@@ -118,17 +130,21 @@ def build_inputs(
     single_kv = 1
     for i, (length, chunk) in enumerate(zip(lengths, chunks)):
         n = len(chunk)
+        readout = readouts[i] if readouts is not None else None
         extra_at.append(b + len(extra))
-        if n == 0:
+        if n == 0:  # placeholders: the layout depends on the readouts only
             last.append(0)
+            extra += [0] * (len(readout.extras) if readout is not None else 0)
             continue
         start = len(ids)
         ids += chunk
         positions += range(length, length + n)
         token_rows += [first_row + i] * n
-        k = keep[i] if keep is not None else 1
-        last.append(start + n - k)
-        extra += range(start + n - k + 1, start + n)
+        if readout is None:
+            last.append(start + n - 1)
+        else:
+            last.append(start + readout.next_at)
+            extra += (start + offset for offset in readout.extras)
         if n == 1:
             single_tok[i] = start
             members.append(i)

@@ -19,35 +19,39 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from aici_cli.config import EngineConfig
-from aici_cli.control.base import Controller, Directive
-from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.control.base import Directive
+from aici_cli.control.grammar import GrammarCompiler
 from aici_cli.control.stop_strings import find_stop
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.clock import Now, StepClock, ms
 from aici_cli.engine.draft import accept_draft, propose_drafts
 from aici_cli.engine.generation import Finish, Generation, SampleGroup
+from aici_cli.engine.intake import ControllerFactory, Emit, LineIntake
+from aici_cli.engine.logprobs import entry, fed_offsets, fill_fed, log_softmax
 from aici_cli.engine.masks import MaskVerdict, TokenMasks, apply_masks, controller_fault
-from aici_cli.engine.passes import ModelPass
-from aici_cli.engine.result_line import combine_samples, generation_result
-from aici_cli.engine.rows import RowTable, Source
+from aici_cli.engine.passes import ModelPass, PassOutput
+from aici_cli.engine.result_line import combine_samples, generation_result, with_answer
+from aici_cli.engine.rows import Prepared, RowTable
 from aici_cli.engine.sampling import row_generator, sample
-from aici_cli.errors import ControllerError, GrammarError, ModelError
+from aici_cli.engine.scoring import (
+    choice_logprob,
+    combine_scores,
+    score_fields,
+    scored_offsets,
+)
+from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job, LineError
-from aici_cli.models.chat import render_prompt
 from aici_cli.models.load import LoadedModel
-from aici_cli.results import error_result
 from aici_cli.stats import StepTimes
 
-ControllerFactory = Callable[[Job], "Controller | None"]
-Emit = Callable[[dict[str, Any]], None]
+Source = Iterator[Job | LineError]
 
 
 class Engine:
@@ -67,82 +71,156 @@ class Engine:
         model_cfg = lm.model.config
         self.max_positions = int(getattr(model_cfg, "max_position_embeddings", 1 << 15))
         install(lm.model)
-        self._compiler: GrammarCompiler | None = None
-        self.controller_factory = controller_factory
+        self.intake = LineIntake(lm, config, self.max_positions, controller_factory)
         self.cache = RowCache(
             num_layers=int(model_cfg.num_hidden_layers),
             rows=config.batch_size,
             capacity=min(config.initial_capacity, self.max_positions),
         )
-        self.rows = RowTable(config.batch_size, self.cache)
+        self.masked_logprobs = config.logprobs_mode == "masked"
+        self.rows = RowTable(config.batch_size, self.cache, config.prefix_cache,
+                             config.lookahead if config.prefix_cache else 1)
         self.model_pass = ModelPass(lm, self.cache, self.rows)
         self.masks = TokenMasks(config.batch_size, self.vocab_size)
         self.step_times: list[StepTimes] = []
 
     @property
     def compiler(self) -> GrammarCompiler:
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(
-                self.lm.tokenizer, self.vocab_size, sorted(self.eos), self.config.strict_json
-            )
-        return self._compiler
+        """The run's grammar compiler (built on first use: it wraps the tokenizer)."""
+        return self.intake.compiler
 
     @property
     def compile_ms(self) -> list[float]:
-        """Compile time of each distinct grammar of the run (empty when none compiled)."""
-        return self._compiler.compile_ms if self._compiler is not None else []
+        return self.intake.compile_ms
 
     # ----------------------------------------------------------------------------- run
 
     @torch.inference_mode()
     def run(self, items: Iterable[Job | LineError], emit: Emit,
             should_admit: Callable[[], bool] = lambda: True) -> None:
-        """Drive every item to exactly one `emit`ted result; returns when all are done."""
+        """Drive every item to exactly one `emit`ted result; returns when all are done,
+        or, once `should_admit` turns False, when every line already started is done
+        (lines read ahead but not started then have no result)."""
         source: Source | None = iter(items)
+        launch = functools.partial(self._launch, emit=emit)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
         try:
             while True:
+                admitting = should_admit()
+                if admitting and source is not None and self.rows.has_room():
+                    source = self._read_ahead(source, emit)
                 # Samples of a line already started are admitted even after admission of
                 # new lines stopped (an interrupt): the line must still get its result.
-                pull = source is not None and should_admit()
-                if pull or self.rows.waiting:
-                    source = self.rows.admit(source, pull, lambda item: self._start(item, emit))
+                self.rows.admit(launch, new_lines=admitting)
                 if not self.rows.busy():
-                    if not self.rows.waiting and (source is None or not should_admit()):
+                    if not self.rows.waiting and (
+                            not admitting or (source is None and not self.rows.ahead)):
                         return
                     continue
                 self._step(emit)
         finally:
             self.pool.shutdown(wait=True)
 
+    def _read_ahead(self, source: Source, emit: Emit) -> Source | None:
+        """Read lines until `lookahead` wait for a row; returns the source, or None once
+        it is exhausted. Bad lines are answered at once (they need no row)."""
+        while self.rows.wants_more():
+            item = next(source, None)
+            if item is None:
+                return None
+            prepared = self.intake.prepare(item, emit)
+            if prepared is not None:
+                self.rows.ahead.append(prepared)
+        return source
+
     # ---------------------------------------------------------------------------- step
 
     def _step(self, emit: Emit) -> None:
         clock = StepClock(self.now)
         rows, gens = self.rows.take_part()  # who feeds what in this pass
-        kind = "prefill" if any(g is not None and g.length == 0 for g in gens) else "decode"
-        # Before the mask worker starts: drafts and masks both read the matchers.
-        drafts = propose_drafts(gens, self.config.draft_tokens, self.eos)
+        kind = ("prefill" if any(g is not None and g.stats.forward_passes == 0 for g in gens)
+                else "decode")
+        drafts = self._drafts(gens)  # before the mask worker starts: both read matchers
         fed = sum(len(g.pending) for g in gens if g is not None)
         fed += sum(len(d) - 1 for d in drafts if d)
+        # Scored choices and closing rows are read, not sampled (and need no mask).
+        scoring = [k for k, g in enumerate(gens) if g is not None and g.score_from is not None]
+        closing = [k for k, g in enumerate(gens) if g is not None and g.finish is not None]
         masks = self.pool.submit(self.masks.fill, rows, gens)  # overlaps the forward pass
         clock.mark("forward")
-        out = self.model_pass.run(rows[0], gens, drafts)
+        out = self.model_pass.run(rows[0], gens, drafts, self._scored(gens, scoring))
         clock.mark("forwarded")
         verdict = self._verdict(masks.result(), out.out_of_memory)
         clock.mark("masks_ready")
         logits = out.next_token_logits(len(gens))
+        raw_logprobs = self._next_logprobs(logits, gens, masked=False)
         greedy = apply_masks(logits, verdict)  # the failed rows now include empty masks
+        next_logprobs = self._next_logprobs(logits, gens, masked=True) or raw_logprobs
         clock.mark("masked")
         self._release(rows, gens, self._fail(gens, verdict.failed), emit)
-        real = [k for k, g in enumerate(gens) if g is not None and k not in verdict.deferred]
+        real = [k for k, g in enumerate(gens) if g is not None and k not in verdict.deferred
+                and k not in scoring and k not in closing]
         picked = self._sample(logits, greedy.tolist(), real, gens)
         clock.mark("sampled")
         times = clock.times(kind, rows=len(real), tokens=fed)
-        controller_ms = self._hand_over(gens, real, picked, drafts, out.draft_picks(len(gens)),
-                                        out.extra_at, verdict.deferred, times)
+        self._fill_fed_logprobs(gens, out)
+        controller_ms = self._hand_over(gens, real, picked, drafts, out, verdict.deferred,
+                                        times, next_logprobs)
+        self._score(gens, scoring, out, times)  # scored choices: read once, then done
+        self._close(gens, closing, times)
         self.step_times.append(clock.finish(times, controller_ms))
-        self._release(rows, gens, [*real, *verdict.deferred], emit)  # finished rows
+        self._release(rows, gens, [*real, *verdict.deferred, *scoring, *closing], emit)
+
+    def _scored(self, gens: list[Generation | None], scoring: list[int]) -> list[list[int]]:
+        """Per row, the offsets of the positions (before its next-token one) whose logits
+        it needs: a scored choice's, or the fast-forwarded tokens' for raw logprobs."""
+        scored: list[list[int]] = [[] for _ in gens]
+        for k, gen in enumerate(gens):
+            if gen is None:
+                continue
+            if k in scoring:
+                scored[k] = scored_offsets(gen)
+            elif gen.logprobs is not None and not self.masked_logprobs:
+                scored[k] = fed_offsets(gen)
+        return scored
+
+    def _drafts(self, gens: list[Generation | None]) -> list[list[int]]:
+        drafts = propose_drafts(gens, self.config.draft_tokens, self.eos)
+        if self.masked_logprobs:  # no masks at draft positions: no drafts for those rows
+            drafts = [[] if g is not None and g.logprobs is not None else d
+                      for g, d in zip(gens, drafts)]
+        return drafts
+
+    def _next_logprobs(self, logits: torch.Tensor, gens: list[Generation | None],
+                       masked: bool) -> dict[int, torch.Tensor]:
+        """Log-softmax of the next-token logits of the rows that want logprobs, taken
+        before the masks apply (`masked` False) or after, as the run's mode says; {} at
+        the other moment."""
+        if masked != self.masked_logprobs:
+            return {}
+        return {k: log_softmax(logits[k]) for k, g in enumerate(gens)
+                if g is not None and g.logprobs is not None and g.score_from is None}
+
+    def _fill_fed_logprobs(self, gens: list[Generation | None], out: PassOutput) -> None:
+        """Logprobs of the fast-forwarded tokens this pass fed (before any new token)."""
+        for k, gen in enumerate(gens):
+            if gen is not None and gen.logprobs is not None and gen.score_from is None:
+                logits = None if self.masked_logprobs else out.scored_logits(k)
+                fill_fed(gen, logits, self.token_bytes)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes (exact, even for part of a UTF-8 character)."""
+        return bytes(self.intake.compiler.tokenizer.decode_bytes([token]))
+
+    def _score(self, gens: list[Generation | None], scoring: list[int], out: PassOutput,
+               times: StepTimes) -> None:
+        for k in scoring:
+            gen = gens[k]
+            if gen is None:  # failed (out of memory even alone)
+                continue
+            self._account(gen, times)
+            gen.logprob = choice_logprob(gen, out.scored_logits(k))
+            gen.finish = Finish("stop")
 
     @staticmethod
     def _verdict(verdict: MaskVerdict, out_of_memory: list[int]) -> MaskVerdict:
@@ -163,22 +241,29 @@ class Engine:
                       [g.job.top_p for g in chosen], [g.generator for g in chosen])
 
     def _hand_over(self, gens: list[Generation | None], real: list[int], picked: list[int],
-                   drafts: list[list[int]], predicted: list[int], extra_at: list[int],
-                   deferred: dict[int, Directive], times: StepTimes) -> float:
+                   drafts: list[list[int]], out: PassOutput,
+                   deferred: dict[int, Directive], times: StepTimes,
+                   next_logprobs: dict[int, torch.Tensor]) -> float:
         """Give each row its sampled token and the draft tokens the model confirmed, and
         the rows whose controller answered with a directive that directive; returns the
         controllers' ms."""
         b = len(gens)
+        predicted = out.draft_picks(b) if any(drafts) else []
         controller_ms = 0.0
         for k, token in zip(real, picked):
             gen = gens[k]
             assert gen is not None
+            if k in next_logprobs and token not in self.eos:
+                self._record_logprob(gen, next_logprobs[k], token)
             controller_ms += self._commit(gen, token, times)
             if drafts[k]:
-                at = extra_at[k] - b
+                at = out.draft_at(k, b)
+                take = self._take_token
+                if gen.logprobs is not None:  # each draft token's from its checking position
+                    rows = out.every[b + at : b + at + len(drafts[k]) - 1]
+                    take = functools.partial(self._take_draft_token, rows=iter(rows))
                 controller_ms += accept_draft(gen, drafts[k], token,
-                                              predicted[at : at + len(drafts[k]) - 1],
-                                              self._take_token)
+                                              predicted[at : at + len(drafts[k]) - 1], take)
         for k, directive in deferred.items():
             gen = gens[k]
             if gen is not None:
@@ -195,13 +280,30 @@ class Engine:
             gen.finish = Finish("error", (err.type, err.message))
         return list(failed)
 
+    def _close(self, gens: list[Generation | None], closing: list[int],
+               times: StepTimes) -> None:
+        """Rows that took their closing pass (their logprobs are filled): done."""
+        for k in closing:
+            gen = gens[k]
+            if gen is not None:
+                self._account(gen, times)
+                gen.closing = True
+
+    def _closing_pass(self, gen: Generation) -> bool:
+        """Whether a finished generation keeps its row for one more pass: its last tokens
+        were fast-forwarded and never fed, and the line wants their (raw) logprobs."""
+        return (gen.logprobs is not None and not self.masked_logprobs
+                and gen.finish is not None and gen.finish.reason != "error"
+                and len(gen.logprobs) < len(gen.output) and bool(gen.pending)
+                and gen.stats.forward_passes > 0 and not gen.closing)
+
     def _release(self, rows: list[int], gens: list[Generation | None], ks: Iterable[int],
                  emit: Emit) -> None:
         """Free the rows of the generations at positions `ks` that finished, and emit
         their results. A released position is None in `gens` from then on."""
         for k in ks:
             gen = gens[k]
-            if gen is None or gen.finish is None:
+            if gen is None or gen.finish is None or self._closing_pass(gen):
                 continue
             self.rows.release(rows[k])
             self._finish(gen, emit)
@@ -209,81 +311,68 @@ class Engine:
 
     # ----------------------------------------------------------------------- admission
 
-    def _start(self, item: Job | LineError, emit: Emit) -> list[Generation]:
-        """The generations of an input item that need a row: its `n` samples with their
-        controllers. A line error, or a failure to tokenize or to build a controller,
-        becomes that line's error result (and [])."""
-        if isinstance(item, LineError):
-            emit(error_result(item))
+    def _launch(self, line: Prepared, emit: Emit) -> list[Generation]:
+        """The generations of an admitted line that need a row: its `n` samples with their
+        controllers, after each controller's `start`, or a scored line's choices. A
+        controller that cannot be built becomes the line's error result (and [])."""
+        job = line.job
+        if job.score:
+            return self._launch_scored(line, emit)
+        controllers = self.intake.controllers(job, emit)
+        if controllers is None:
             return []
-        job = item
-        try:
-            prompt_ids = self._tokenize(job)
-            controllers = [self._controller(job) for _ in range(job.n)]
-        except (GrammarError, ControllerError, ModelError) as e:
-            emit(error_result(LineError(job.index, job.id, e.type, f"line {job.index}: {e}")))
-            return []
-        except Exception as e:  # a bug must cost this line only, not the run
-            emit(error_result(LineError(job.index, job.id, "internal_error",
-                                        f"line {job.index}: {type(e).__name__}: {e}")))
-            return []
-        group = SampleGroup(job.n, len(prompt_ids)) if job.n > 1 else None
-        gens = []
+        group = SampleGroup(job.n) if job.n > 1 else None
+        waiting = []
         for i, controller in enumerate(controllers):
-            gen = Generation(job, prompt_ids, controller, row_generator(job.seed, i),
+            gen = Generation(job, line.prompt, controller, row_generator(job.seed, i),
                              started=self.now(), group=group, sample=i)
             if self.config.step_stats:
                 gen.steps = []
+            if job.logprobs is not None:
+                gen.logprobs = []
             if controller is not None:
-                self._consult(gen, functools.partial(controller.start, prompt_ids))
-            self._check_limits(gen)
-            gens.append(gen)
-        waiting = []
-        for gen in gens:
-            if gen.finish is not None:
+                self._consult(gen, functools.partial(controller.start, line.prompt))
+            if self._check_limits(gen):
                 self._finish(gen, emit)
             else:
                 waiting.append(gen)
         return waiting
 
-    def _tokenize(self, job: Job) -> list[int]:
-        tok = self.lm.tokenizer
-        if job.messages is not None:
-            text = render_prompt(tok, job.messages)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tok(job.prompt)["input_ids"]
-        if not ids:
-            raise ModelError("prompt encodes to no tokens")
-        limit = self.max_positions - job.max_tokens
-        if len(ids) > limit:
-            raise GrammarError(
-                "prompt_too_long",
-                f"prompt has {len(ids)} tokens; with max_tokens {job.max_tokens} the model's "
-                f"{self.max_positions} positions allow at most {max(limit, 0)}",
-            )
-        return list(ids)
-
-    def _controller(self, job: Job) -> Controller | None:
-        if self.controller_factory is not None:
-            custom = self.controller_factory(job)
-            if custom is not None:
-                return custom
-        if job.constraint is None:
-            return None
-        return GrammarController(self.compiler.compile(job.constraint), self.config.fast_forward)
+    def _launch_scored(self, line: Prepared, emit: Emit) -> list[Generation]:
+        """One row per choice, each feeding the prompt and its choice (scoring.py)."""
+        job = line.job
+        assert job.constraint is not None
+        options: list[str] = list(job.constraint.value)
+        sequences = self.intake.choice_sequences(line, emit)
+        if sequences is None:
+            return []
+        group = SampleGroup(len(options), scoring=True)
+        waiting = []
+        for i, (option, (ids, start)) in enumerate(zip(options, sequences)):
+            gen = Generation(job, ids, None, row_generator(job.seed, i), started=self.now(),
+                             group=group, sample=i, score_from=start, choice=option)
+            if start == len(ids):  # an empty choice: nothing to score
+                gen.finish = Finish("stop")
+                self._finish(gen, emit)
+            else:
+                waiting.append(gen)
+        return waiting
 
     def _finish(self, gen: Generation, emit: Emit) -> None:
         """Emit a finished generation's result, or, for a sample, the line's result once
         its last sample finishes."""
         result = generation_result(gen, self.lm.tokenizer, self.now())
+        if gen.score_from is not None and result["finish_reason"] != "error":
+            result["score"] = score_fields(gen.choice, gen.logprob,
+                                           len(gen.prompt) - gen.score_from)
         group = gen.group
-        if group is None:
-            emit(result)
-            return
-        group.results[gen.sample] = result
-        if group.done:
-            emit(combine_samples([r for r in group.results if r is not None]))
+        if group is not None:
+            group.results[gen.sample] = result
+            if not group.done:
+                return
+            combine = combine_scores if group.scoring else combine_samples
+            result = combine([r for r in group.results if r is not None])
+        emit(with_answer(gen.job, result))
 
     # ------------------------------------------------------------------- controllers
 
@@ -325,6 +414,19 @@ class Engine:
         if changed:  # only a changed output needs another look for stop strings
             self._check_limits(gen)
         return spent
+
+    def _record_logprob(self, gen: Generation, logprobs: torch.Tensor, token: int) -> None:
+        assert gen.logprobs is not None
+        gen.logprobs += [None] * (len(gen.output) - len(gen.logprobs))
+        gen.logprobs.append(entry(logprobs, token, gen.job.logprobs or 0, self.token_bytes))
+
+    def _take_draft_token(self, gen: Generation, token: int,
+                          rows: Iterator[torch.Tensor]) -> float:
+        """`_take_token` for an accepted draft token, recording its logprob first: the
+        accepted tokens come in draft order, draft token i + 1 checked by the logits
+        after draft token i, the i-th of `rows`."""
+        self._record_logprob(gen, log_softmax(next(rows)), token)
+        return self._take_token(gen, token)
 
     def _commit(self, gen: Generation, token: int, times: StepTimes) -> float:
         """The row took part in this pass and sampled `token`; returns the controller's

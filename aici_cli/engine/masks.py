@@ -58,7 +58,7 @@ class TokenMasks:
         grammar_k: list[tuple[int, Controller]] = []
         custom: list[tuple[int, int, Controller]] = []
         for k, (row, gen) in enumerate(zip(rows, gens)):
-            if gen is None or gen.controller is None:
+            if gen is None or gen.controller is None or gen.finish is not None:
                 continue
             matcher = gen.controller.matcher()
             if matcher is not None:  # filled in parallel with the others

@@ -14,7 +14,7 @@ import torch
 
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.generation import Generation
-from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
+from aici_cli.engine.inputs import AttentionLayout, Readout, build_inputs, forward
 from aici_cli.engine.rows import RowTable
 from aici_cli.models.load import LoadedModel
 
@@ -29,12 +29,14 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 @dataclass
 class PassOutput:
-    """`every`: logits for each row's next token (rows 0..b-1), then after each fed draft
-    token (row i's from `extra_at[i]`), in the model's dtype, cut to the vocabulary.
-    `out_of_memory`: positions of the rows that could not run even alone."""
+    """`every`: logits for each row's next token (rows 0..b-1), then row i's extra
+    positions from `extra_at[i]`: first those it asked to score (`scored[i]`, in that
+    order), then one after each fed draft token but the last. In the model's dtype, cut to
+    the vocabulary. `out_of_memory`: positions of the rows that could not run even alone."""
 
     every: torch.Tensor
     extra_at: list[int]
+    scored: list[list[int]]
     out_of_memory: list[int]
 
     def next_token_logits(self, b: int) -> torch.Tensor:
@@ -42,9 +44,19 @@ class PassOutput:
         bf16 value widens to fp32 exactly); `sample` widens what it samples."""
         return self.every[:b]
 
+    def scored_logits(self, k: int) -> torch.Tensor:
+        """[len(scored[k]), V]: row k's logits at the positions it asked to score."""
+        at = self.extra_at[k]
+        return self.every[at : at + len(self.scored[k])]
+
     def draft_picks(self, b: int) -> list[int]:
-        """The model's own pick after every fed draft token, in one call for the batch."""
+        """The model's own pick after every extra position, in one call for the batch
+        (only those after draft tokens are read, see `draft_at`)."""
         return self.every[b:].argmax(dim=-1).tolist() if self.every.shape[0] > b else []
+
+    def draft_at(self, k: int, b: int) -> int:
+        """Where row k's draft picks start in `draft_picks(b)`."""
+        return self.extra_at[k] - b + len(self.scored[k])
 
 
 class ModelPass:
@@ -55,54 +67,85 @@ class ModelPass:
         self.layout = AttentionLayout.for_config(lm.model.config)
 
     def run(self, first_row: int, gens: Sequence[Generation | None],
-            drafts: list[list[int]]) -> PassOutput:
+            drafts: list[list[int]], scored: list[list[int]] | None = None) -> PassOutput:
         """Each row feeds its pending tokens and its draft but its last token (a draft d
         is checked against the logits after d[0..-2]: its last token needs no pass of
-        its own). Out of memory, `drafts` is cleared and the pass retried without."""
+        its own). `scored[i]`: offsets in row i's pending tokens (before the last) whose
+        logits it needs too. Out of memory, `drafts` is cleared and the pass retried
+        without."""
         lengths = [g.length if g is not None else 0 for g in gens]
         chunks = [g.pending if g is not None else [] for g in gens]
+        scored = scored if scored is not None else [[] for _ in gens]
         if any(drafts):
             fed = [c + d[:-1] for c, d in zip(chunks, drafts)]
-            keep = [max(1, len(d)) for d in drafts]
+            readouts = [_readout(len(c), s, len(d)) for c, s, d in zip(chunks, scored, drafts)]
             try:
                 self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
                 inputs = build_inputs(first_row, lengths, fed, self.layout, self.lm.device,
-                                      keep)
+                                      readouts)
                 every = forward(self.lm.model, self.cache, inputs)
-                return PassOutput(self._vocab(every), inputs.extra_at, [])
+                return PassOutput(self._vocab(every), inputs.extra_at, scored, [])
             except Exception as e:
                 if not is_out_of_memory(e):
                     raise
                 drafts[:] = [[] for _ in drafts]
-        logits, out_of_memory = self._forward(first_row, lengths, chunks)
-        return PassOutput(self._vocab(logits), [len(chunks)] * len(chunks), out_of_memory)
+        readouts = [_readout(len(c), s, 0) for c, s in zip(chunks, scored)]
+        logits, extra_at, out_of_memory = self._forward(first_row, lengths, chunks, readouts)
+        return PassOutput(self._vocab(logits), extra_at, scored, out_of_memory)
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Drop the padding columns some models carry past the tokenizer's vocabulary."""
         v = self.lm.vocab_size
         return logits[:, :v] if logits.shape[-1] > v else logits
 
-    def _forward(self, first_row: int, lengths: list[int],
-                 chunks: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """One packed pass: the logits [b, V] of each row's last token, and the rows that
-        could not run even alone for lack of memory (their logits are zeros)."""
+    def _forward(self, first_row: int, lengths: list[int], chunks: list[list[int]],
+                 readouts: list[Readout | None]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """One packed pass: the logits of each row's readout positions (next tokens [b, V],
+        then the extras from `extra_at`), and the rows that could not run even alone for
+        lack of memory (their logits are zeros)."""
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
-            inputs = build_inputs(first_row, lengths, chunks, self.layout, self.lm.device)
-            return forward(self.lm.model, self.cache, inputs), []
+            inputs = build_inputs(first_row, lengths, chunks, self.layout, self.lm.device,
+                                  readouts)
+            return forward(self.lm.model, self.cache, inputs), inputs.extra_at, []
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
         active = [k for k, c in enumerate(chunks) if c]
         if len(active) == 1:
-            logits = torch.zeros(len(chunks), self.lm.vocab_size, dtype=self.lm.dtype,
-                                 device=self.lm.device)
-            return logits, active
+            return self._alone_out_of_memory(chunks, readouts, active)
         self.rows.live_cap = max(1, min(self.rows.live_cap, len(active) // 2))
         halves = active[: len(active) // 2], active[len(active) // 2 :]
         parts = [self._forward(first_row, lengths,
-                               [c if k in half else [] for k, c in enumerate(chunks)])
+                               [c if k in half else [] for k, c in enumerate(chunks)],
+                               readouts)
                  for half in halves]
-        logits = parts[0][0]
-        logits[halves[1]] = parts[1][0][halves[1]]
-        return logits, parts[0][1] + parts[1][1]
+        # Both halves lay out every row's extras alike (a row that sits a half out gets
+        # placeholders): take each row's logits from its own half.
+        logits, extra_at = parts[0][0], parts[0][1]
+        for k in halves[1]:
+            logits[k] = parts[1][0][k]
+            readout = readouts[k]
+            n = len(readout.extras) if readout is not None else 0
+            logits[extra_at[k] : extra_at[k] + n] = parts[1][0][extra_at[k] : extra_at[k] + n]
+        return logits, extra_at, parts[0][2] + parts[1][2]
+
+    def _alone_out_of_memory(self, chunks: list[list[int]], readouts: list[Readout | None],
+                             active: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+        b = len(chunks)
+        extra_at, total = [], b
+        for r in readouts:
+            extra_at.append(total)
+            total += len(r.extras) if r is not None else 0
+        logits = torch.zeros(total, self.lm.vocab_size, dtype=self.lm.dtype,
+                             device=self.lm.device)
+        return logits, extra_at, active
+
+
+def _readout(pending: int, scored: Sequence[int], draft: int) -> Readout | None:
+    """Row readout: its next token after `pending` tokens, the `scored` offsets, and one
+    position per draft token fed (a draft of `draft` tokens feeds all but its last)."""
+    if not scored and draft < 2:
+        return None
+    extras = (*scored, *range(pending, pending + draft - 1))
+    return Readout(pending - 1, extras)

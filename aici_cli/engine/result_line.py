@@ -7,6 +7,7 @@ from typing import Any
 
 from aici_cli.engine.clock import ms
 from aici_cli.engine.generation import Finish, Generation
+from aici_cli.jobs import Job
 
 
 def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, Any]:
@@ -33,6 +34,8 @@ def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, 
         for name, value in gen.controller.stats().items():
             result["stats"][name] = round(float(value), 3)
         gen.controller.close()
+    if gen.logprobs is not None:
+        result["logprobs"] = gen.logprobs + [None] * (len(gen.output) - len(gen.logprobs))
     if gen.steps is not None:
         result["steps"] = gen.steps
     return result
@@ -65,3 +68,11 @@ def combine_samples(results: list[dict[str, Any]]) -> dict[str, Any]:
         line["finish_reason"] = "error"
         line["error"] = failed["error"]
     return line
+
+
+def with_answer(job: Job, result: dict[str, Any]) -> dict[str, Any]:
+    """The line's expected answer, when it has one, and whether `text` is it."""
+    if job.answer is not None:
+        result["answer"] = job.answer
+        result["correct"] = result["finish_reason"] != "error" and result["text"] == job.answer
+    return result

@@ -1,33 +1,84 @@
-"""Row bookkeeping: which generation holds each cache row, who waits for one, and who
-takes part in the next pass.
+"""Row bookkeeping: which generation holds each cache row, who waits for one, which keys a
+row still holds for the next line, and who takes part in the next pass.
 
 Row i of the table is row i of the KV cache. A finished generation's row is released at
-once and refilled at the next admission (continuous batching). The `n` samples of a line
-are admitted together as far as rows allow; the rest wait in `waiting`, ahead of new lines.
+once and refilled at the next admission (continuous batching).
+
+Prefix cache. A released row keeps its keys until it is overwritten, so a new line whose
+prompt starts like the tokens a row holds (a shared few-shot prefix, a system prompt, the
+same prompt for `n` samples) takes those keys instead of recomputing them: in place when
+it is given that row, otherwise copied (`RowCache.copy_prefix`, exact: slot s holds
+position s in every row). The index is a scan over the rows, not a radix tree or block
+hashes: the cache holds one sequence per row, at most `batch_size` of them, and comparing a
+prompt with each is a vectorized compare of microseconds; a tree pays off only when many
+more cached sequences than rows are kept (a paged cache).
+
+Admission reads up to `lookahead` lines ahead (bounded, so a 10 GB stdin still streams),
+prefers the lines whose prefix is cached, and gives each the idle row whose keys serve it
+best, evicting the idle row whose keys serve the waiting lines least.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
 
 from aici_cli.engine.cache import RowCache
-from aici_cli.engine.generation import Generation, SampleGroup
-from aici_cli.jobs import Job, LineError
+from aici_cli.engine.generation import Generation
+from aici_cli.jobs import Job
 
 # Prompt tokens one pass takes on; further new rows wait for the next pass. Bounds the
 # activations of a pass (and its latency for the rows already decoding).
 PREFILL_TOKENS_PER_PASS = 4096
 
-Source = Iterator[Job | LineError]
+# A new row sits a pass out, to copy keys a row of this pass is about to compute, only
+# when that saves at least this many prompt tokens: below it, computing them again costs
+# less than a pass without the row (on CPU a token of prefill is a few % of a pass).
+WAIT_MIN_TOKENS = 32
+
+
+@dataclass
+class Prepared:
+    """A line read ahead and tokenized, waiting for a row; its controllers are built
+    only when it is admitted (a wasm guest's store is not cheap to hold)."""
+
+    job: Job
+    prompt: list[int]
+    tokens: np.ndarray  # the prompt, for prefix comparisons
+
+    @classmethod
+    def of(cls, job: Job, prompt: list[int]) -> Prepared:
+        return cls(job, prompt, np.asarray(prompt, dtype=np.int64))
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
 
 
 class RowTable:
-    def __init__(self, size: int, cache: RowCache) -> None:
+    def __init__(self, size: int, cache: RowCache, prefix_cache: bool = True,
+                 lookahead: int = 64) -> None:
         self.cache = cache
+        self.prefix_cache = prefix_cache
+        self.lookahead = max(1, lookahead)
         self.gens: list[Generation | None] = [None] * size
-        # Samples of admitted lines (n > 1) still waiting for a free row.
+        # Tokens whose keys an idle row still holds (valid until it is overwritten).
+        self.held: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(size)]
+        # Generations of admitted lines (their n samples) still waiting for a free row.
         self.waiting: deque[Generation] = deque()
+        # Lines read ahead, not yet admitted, in input order.
+        self.ahead: list[Prepared] = []
+        # When each row was last released (a counter): the eviction's tie-break.
+        self.released_at = [0] * size
+        self._releases = 0
         # Rows that may run at once; lowered when a pass runs out of memory.
         self.live_cap = size
 
@@ -41,64 +92,130 @@ class RowTable:
         return sum(g is not None for g in self.gens)
 
     def release(self, row: int) -> None:
+        """The row's generation finished: its keys stay, for a later line to take."""
+        gen = self.gens[row]
+        if gen is not None and self.prefix_cache:
+            self.held[row] = np.asarray((gen.prompt + gen.output)[: gen.length],
+                                        dtype=np.int64)
+        self._releases += 1
+        self.released_at[row] = self._releases
         self.gens[row] = None
 
-    def admit(self, source: Source | None, pull: bool,
-              start: Callable[[Job | LineError], list[Generation]]) -> Source | None:
-        """Fill idle rows, first with waiting samples, then (if `pull`) from `source`, up
-        to `live_cap` rows in all; `start` turns an item into the generations that need a
-        row (none for an item that already has its result). Returns the source, or None
-        once it is exhausted."""
+    # ----------------------------------------------------------------------- admission
+
+    def has_room(self) -> bool:
+        """Whether a row could take a generation now."""
+        return self.live() < self.live_cap and None in self.gens
+
+    def wants_more(self) -> bool:
+        """Whether reading another line ahead is useful now."""
+        return len(self.ahead) < self.lookahead
+
+    def admit(self, launch: Callable[[Prepared], list[Generation]],
+              new_lines: bool = True) -> None:
+        """Fill idle rows, first with waiting samples, then (if `new_lines`) with lines
+        read ahead, those with the longest cached prefix first, up to `live_cap` rows in
+        all. `launch` builds a line's generations (none when it already has its result)."""
         live = self.live()
-        for row in range(len(self.gens)):
-            if self.gens[row] is not None:
+        while live < self.live_cap and None in self.gens:
+            if not self.waiting:
+                if not new_lines or not self.ahead:
+                    return
+                self.waiting.extend(launch(self.ahead.pop(self._next_line())))
                 continue
-            if live >= self.live_cap:
-                break
-            while not self.waiting:
-                if not pull or source is None:
-                    return source
-                item = next(source, None)
-                if item is None:
-                    return None
-                self.waiting.extend(start(item))
-            self.gens[row] = self.waiting.popleft()
+            gen = self.waiting.popleft()
+            self.gens[self._row_for(np.asarray(gen.prompt, dtype=np.int64))] = gen
             live += 1
-        return source
+
+    def _rows_tokens(self) -> list[np.ndarray]:
+        """What each row's cache holds now: a live generation's fed tokens, or an idle
+        row's kept keys."""
+        out = []
+        for row, gen in enumerate(self.gens):
+            if gen is None:
+                out.append(self.held[row])
+            else:
+                out.append(np.asarray((gen.prompt + gen.output)[: gen.length], dtype=np.int64))
+        return out
+
+    def _next_line(self) -> int:
+        """Index in `ahead` of the line to admit next: the longest cached prefix, the
+        earliest line among equals (input order when nothing is cached)."""
+        if not self.prefix_cache or len(self.ahead) == 1:
+            return 0
+        rows = self._rows_tokens()
+        best, best_n = 0, -1
+        for i, line in enumerate(self.ahead):
+            n = max((common_prefix(line.tokens, held) for held in rows), default=0)
+            if n > best_n:
+                best, best_n = i, n
+        return best
+
+    def _row_for(self, prompt: np.ndarray) -> int:
+        """The idle row a new generation goes to: the one whose kept keys share the most
+        with its prompt (they are reused in place); when none shares any, eviction: the
+        one whose keys serve the lines read ahead least (by the tokens they would save),
+        and among those the least recently released. (Lines read ahead that an idle row
+        serves are admitted first, so the read-ahead rarely decides; recency keeps the
+        prefixes that lines keep coming back to.)"""
+        idle = [row for row, gen in enumerate(self.gens) if gen is None]
+        if not self.prefix_cache:
+            return idle[0]
+        shared = [common_prefix(prompt, self.held[row]) for row in idle]
+        if max(shared) > 0:
+            return idle[shared.index(max(shared))]
+
+        def value(row: int) -> tuple[int, int]:
+            saves = max((common_prefix(line.tokens, self.held[row]) for line in self.ahead),
+                        default=0)
+            return saves, self.released_at[row]
+
+        return min(idle, key=value)
+
+    # ---------------------------------------------------------------------- the pass
 
     def take_part(self) -> tuple[list[int], list[Generation | None]]:
         """The span of live rows, and the generation of each row taking part in this pass
-        (None: idle, or a new row that waits: for the prefill budget, or for a sibling
-        sample prefilling the same prompt in this pass). A sample whose sibling's row
-        already holds the prompt copies those keys instead of prefilling them."""
+        (None: idle, or a new row that waits: for the prefill budget, or for a row of this
+        pass that computes keys it can copy next pass). A new row first takes the longest
+        prefix of its prompt that any row's cache holds."""
         live = [i for i, g in enumerate(self.gens) if g is not None]
         rows = list(range(live[0], live[-1] + 1))
         gens = [self.gens[i] for i in rows]
         budget = PREFILL_TOKENS_PER_PASS
-        prefilling: set[int] = set()  # groups whose prompt a row of this pass prefills
+        prefilling: list[np.ndarray] = []  # prompts new rows of this pass compute
         for k, gen in enumerate(gens):
-            if gen is None or gen.length > 0:
+            if gen is None or gen.stats.forward_passes > 0:
                 continue
-            if gen.group is not None:
-                if id(gen.group) in prefilling:
-                    gens[k] = None
-                    continue
-                source = self._prompt_row(gen.group)
-                if source is not None:
-                    self.cache.copy_prefix(source, rows[k], gen.group.prompt_len)
-                    gen.adopt_prompt()
+            prompt = np.asarray(gen.prompt, dtype=np.int64)
+            if self.prefix_cache:
+                cached = self._take_cached(rows[k], gen, prompt)
+                soon = max((common_prefix(prompt, p) for p in prefilling), default=0)
+                gain = min(soon, gen.cache_limit()) - cached
+                if gain > 0 and gain >= min(WAIT_MIN_TOKENS, gen.cache_limit()):
+                    gens[k] = None  # takes those keys next pass instead
                     continue
             if budget <= 0:
                 gens[k] = None
                 continue
             budget -= len(gen.pending)
-            if gen.group is not None:
-                prefilling.add(id(gen.group))
+            prefilling.append(prompt)
         return rows, gens
 
-    def _prompt_row(self, group: SampleGroup) -> int | None:
-        """A row whose cache holds the group's prompt (a sibling past its prefill)."""
-        for row, gen in enumerate(self.gens):
-            if gen is not None and gen.group is group and gen.length >= group.prompt_len:
-                return row
-        return None
+    def _take_cached(self, row: int, gen: Generation, prompt: np.ndarray) -> int:
+        """Give the new generation in `row` the longest prefix of its prompt that a row's
+        cache holds (its own row's kept keys in place, another row's copied), but at least
+        its last prompt token to feed, for its own next-token logits. Returns its length."""
+        best_row, best = row, 0
+        for other, tokens in enumerate(self._rows_tokens()):
+            # Its own row: the keys kept there, or already taken in place.
+            n = common_prefix(prompt, tokens if other != row or gen.length else self.held[row])
+            if n > best or (n == best and other == row):
+                best_row, best = other, n
+        best = min(best, gen.cache_limit())
+        if best > gen.length:
+            if best_row != row:
+                self.cache.copy_prefix(best_row, row, best)
+            gen.take_cached(best)
+        self.held[row] = np.zeros(0, dtype=np.int64)  # the live generation defines it now
+        return gen.length

@@ -148,6 +148,21 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
     if isinstance(constraint, LineError):
         return constraint
 
+    score = bool(obj.get("score", defaults.score))
+    if score and (constraint is None or constraint.kind != "choice"):
+        return line_error(index, id_, "invalid_line",
+                          "field 'score' needs 'choices' (the options to rank)")
+    if score and int(obj.get("n", 1)) > 1:
+        return line_error(index, id_, "invalid_line",
+                          "field 'score' ranks the choices once: 'n' must be 1")
+
+    if "top_logprobs" in obj and not obj.get("logprobs"):
+        return line_error(index, id_, "invalid_line",
+                          "field 'top_logprobs' needs 'logprobs': true")
+    logprobs = int(obj.get("top_logprobs", 0)) if obj.get("logprobs") else None
+    if "logprobs" not in obj:
+        logprobs = defaults.logprobs
+
     extra: dict[str, Any] = {}
     if "controller_arg" in obj:
         extra["controller_arg"] = obj["controller_arg"]
@@ -166,7 +181,10 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
         stop=tuple(obj["stop"]) if "stop" in obj else tuple(defaults.stop),
         constraint=constraint,
         extra=extra,
-        n=int(obj.get("n", defaults.n)),
+        n=1 if score else int(obj.get("n", defaults.n)),
+        score=score,
+        answer=obj.get("answer"),
+        logprobs=logprobs,
     )
 
 

@@ -24,6 +24,9 @@ class Job:
     constraint: Constraint | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     n: int = 1  # samples of this prompt; they share its prefill
+    score: bool = False  # rank the choice constraint's options instead of generating
+    answer: str | None = None  # the expected text (an evaluation's gold answer)
+    logprobs: int | None = None  # None: no logprobs; k: each token's and its top k
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""`aici`, `aici-noff`, `aici-wasm`: aici-batch's own `run_batch` on the same prompts.
+"""`aici`, `aici-noff`, `aici-wasm`, `aici-logprobs`: aici-batch's own `run_batch` on the
+same prompts (`aici-logprobs`: every token with its logprob and top 5, `--logprobs 5`).
 
 `run_batch` loads the default model itself (so `model`/`tokenizer` are unused) and times
 only the generation loop (`summary.wall_s`, after model load), which is what the generate()
@@ -22,7 +23,7 @@ BATCHING = "aici-batch continuous batching"
 
 def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[str, Any]],
         batch_size: int, max_tokens: int, *, fast_forward: bool = True,
-        controller: str | None = None) -> PeerRun:
+        controller: str | None = None, logprobs: int | None = None) -> PeerRun:
     """One `run_batch` over all prompts; counts come from its summary, texts from results."""
     from aici_cli.config import EngineConfig, JobDefaults, RunConfig
     from aici_cli.runner import run_batch
@@ -41,7 +42,8 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
         config = RunConfig(
             input=str(lines), output=str(Path(tmp) / "out.jsonl"),
             engine=EngineConfig(batch_size=batch_size, fast_forward=fast_forward),
-            defaults=JobDefaults(max_tokens=max_tokens), quiet=True, controller=controller,
+            defaults=JobDefaults(max_tokens=max_tokens, logprobs=logprobs), quiet=True,
+            controller=controller,
         )
         summary = run_batch(config, on_result=results.append).summary
     run = PeerRun.empty(len(prompts))

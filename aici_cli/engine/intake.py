@@ -1,0 +1,112 @@
+"""Admission's per-line work: a line read ahead becomes a tokenized `Prepared`, an
+admitted one gets its controllers (or its scored choices' token sequences). A line that
+fails here becomes its own error result; the run goes on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aici_cli.config import EngineConfig
+from aici_cli.control.base import Controller
+from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.engine.rows import Prepared
+from aici_cli.engine.scoring import choice_sequences
+from aici_cli.errors import ControllerError, GrammarError, ModelError
+from aici_cli.jobs import Job, LineError
+from aici_cli.models.chat import render_prompt
+from aici_cli.models.load import LoadedModel
+from aici_cli.results import error_result
+
+ControllerFactory = Callable[[Job], "Controller | None"]
+Emit = Callable[[dict[str, Any]], None]
+T = TypeVar("T")
+
+
+class LineIntake:
+    def __init__(self, lm: LoadedModel, config: EngineConfig, max_positions: int,
+                 controller_factory: ControllerFactory | None = None) -> None:
+        self.lm = lm
+        self.config = config
+        self.max_positions = max_positions
+        self.controller_factory = controller_factory
+        self._compiler: GrammarCompiler | None = None
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.lm.tokenizer, self.lm.vocab_size,
+                                             sorted(self.lm.eos_token_ids),
+                                             self.config.strict_json)
+        return self._compiler
+
+    @property
+    def compile_ms(self) -> list[float]:
+        """Compile time of each distinct grammar of the run (empty when none compiled)."""
+        return self._compiler.compile_ms if self._compiler is not None else []
+
+    def prepare(self, item: Job | LineError, emit: Emit) -> Prepared | None:
+        """A line read ahead, tokenized. A line error, or a prompt that cannot be
+        tokenized, becomes that line's error result (and None)."""
+        if isinstance(item, LineError):
+            emit(error_result(item))
+            return None
+        return self.guard(item, emit, lambda: Prepared.of(item, self.tokenize(item)))
+
+    def controllers(self, job: Job, emit: Emit) -> list[Controller | None] | None:
+        """The controller of each of the job's `n` samples; None after emitting the
+        line's error when one cannot be built."""
+        return self.guard(job, emit, lambda: [self.controller(job) for _ in range(job.n)])
+
+    def choice_sequences(self, line: Prepared, emit: Emit) -> list[tuple[list[int], int]] | None:
+        """A scored line's choices tokenized with its prompt (see `scoring.py`)."""
+        job = line.job
+        assert job.constraint is not None and job.constraint.kind == "choice"
+        options = list(job.constraint.value)
+        text, special = self.prompt_text(job)
+        return self.guard(job, emit, lambda: choice_sequences(
+            self.lm.tokenizer, text, special, line.prompt, options))
+
+    @staticmethod
+    def guard(job: Job, emit: Emit, build: Callable[[], T]) -> T | None:
+        """`build()`, or None after emitting its failure as the line's error result (a
+        bug, too, costs this line only, not the run)."""
+        try:
+            return build()
+        except (GrammarError, ControllerError, ModelError) as e:
+            emit(error_result(LineError(job.index, job.id, e.type, f"line {job.index}: {e}")))
+        except Exception as e:
+            emit(error_result(LineError(job.index, job.id, "internal_error",
+                                        f"line {job.index}: {type(e).__name__}: {e}")))
+        return None
+
+    def prompt_text(self, job: Job) -> tuple[str, bool]:
+        """The prompt as text, and whether tokenizing it adds the special tokens (a raw
+        prompt gets them; a rendered chat template has its own)."""
+        if job.messages is not None:
+            return render_prompt(self.lm.tokenizer, job.messages), False
+        assert job.prompt is not None
+        return job.prompt, True
+
+    def tokenize(self, job: Job) -> list[int]:
+        text, special = self.prompt_text(job)
+        ids = self.lm.tokenizer(text, add_special_tokens=special)["input_ids"]
+        if not ids:
+            raise ModelError("prompt encodes to no tokens")
+        limit = self.max_positions - job.max_tokens
+        if len(ids) > limit:
+            raise GrammarError(
+                "prompt_too_long",
+                f"prompt has {len(ids)} tokens; with max_tokens {job.max_tokens} the model's "
+                f"{self.max_positions} positions allow at most {max(limit, 0)}",
+            )
+        return list(ids)
+
+    def controller(self, job: Job) -> Controller | None:
+        if self.controller_factory is not None:
+            custom = self.controller_factory(job)
+            if custom is not None:
+                return custom
+        if job.constraint is None:
+            return None
+        return GrammarController(self.compiler.compile(job.constraint), self.config.fast_forward)

@@ -1,0 +1,85 @@
+"""Scoring choices by log-likelihood, as lm-evaluation-harness does for multiple choice.
+
+A scored line runs one row per choice, each feeding the prompt and the choice; the prompt's
+keys come from the prefix cache, so with a shared few-shot prefix cached a line costs one
+pass (the rows feed only the question and their choice). A choice's score is the sum of
+the log-probabilities of its tokens, each read from the logits of the position before it
+in the same pass: nothing is sampled.
+
+Tokenization: the prompt and the choice are tokenized together, and the choice's tokens
+are those past the longest common prefix with the prompt's own tokens. A token that merges
+the end of the prompt with the start of the choice (" Paris" after "is") thus counts to the
+choice, scored given the prompt tokens before it, which is what the model sees when it
+writes the choice itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from aici_cli.engine.generation import Generation
+from aici_cli.engine.rows import common_prefix
+from aici_cli.errors import GrammarError
+
+
+def choice_sequences(tokenizer: Any, text: str, special: bool, context: Sequence[int],
+                     options: Sequence[str]) -> list[tuple[list[int], int]]:
+    """For each option: the ids of `text + option` tokenized together, and where the
+    option's tokens start in them (at least 1: something must predict the first)."""
+    ctx = np.asarray(context, dtype=np.int64)
+    out = []
+    for option in options:
+        ids = list(tokenizer(text + option, add_special_tokens=special)["input_ids"])
+        start = common_prefix(np.asarray(ids, dtype=np.int64), ctx)
+        if start == 0:
+            raise GrammarError("invalid_choices",
+                               f"choice {option!r} merges with the whole prompt's first token; "
+                               "it cannot be scored after it")
+        out.append((ids, start))
+    return out
+
+
+def scored_offsets(gen: Generation) -> list[int]:
+    """Offsets, in the row's pending tokens, of the positions whose logits predict the
+    choice's tokens: each token's predecessor."""
+    assert gen.score_from is not None and gen.length < gen.score_from
+    return list(range(gen.score_from - 1 - gen.length, len(gen.prompt) - 1 - gen.length))
+
+
+def choice_logprob(gen: Generation, logits: torch.Tensor) -> float:
+    """The choice's log-probability from `logits` [c, V] at `scored_offsets`."""
+    assert gen.score_from is not None
+    targets = torch.tensor(gen.prompt[gen.score_from :], device=logits.device)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return float(logprobs.gather(1, targets[:, None]).sum())
+
+
+def score_fields(option: str, logprob: float, tokens: int) -> dict[str, Any]:
+    return {"choice": option, "logprob": round(logprob, 6), "tokens": tokens,
+            "logprob_per_token": round(logprob / tokens, 6) if tokens else 0.0}
+
+
+def combine_scores(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result line for a scored line: `text` is the best choice (the first of equals,
+    in the order given), `scores` every choice's, best first; `stats` add up the rows'."""
+    line = {k: v for k, v in results[0].items() if k not in ("steps", "score", "text")}
+    failed = next((r for r in results if r["finish_reason"] == "error"), None)
+    scores = [r["score"] for r in results if "score" in r]
+    ranked = sorted(scores, key=lambda s: -s["logprob"])  # stable: ties keep their order
+    line["text"] = ranked[0]["choice"] if failed is None and ranked else ""
+    line["finish_reason"] = "stop" if failed is None else "error"
+    if failed is not None:
+        line["error"] = failed["error"]
+    line["scores"] = ranked
+    stats: dict[str, Any] = {}
+    for r in results:
+        for key, value in r.get("stats", {}).items():
+            stats[key] = round(stats.get(key, 0) + value, 3)
+    stats["ttft_ms"] = 0.0
+    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
+    line["stats"] = stats
+    return line
