@@ -103,3 +103,25 @@ def test_cached_logits_match_single_sequence_in_fp32() -> None:
         chunks = [[int(logits[0].argmax())], tok(' "a": 1', add_special_tokens=False)["input_ids"]]
         for r in range(2):
             seqs[r] += chunks[r]
+
+
+def test_the_eval_example_scores_through_the_prefix_cache(tmp_path: Path) -> None:
+    """`examples/eval` on the default model, as the README runs it (a slice of it)."""
+    from click.testing import CliRunner
+
+    from aici_cli.cli import main
+
+    eval_file = Path(__file__).resolve().parents[1] / "examples" / "eval" / "eval.jsonl"
+    src, out = tmp_path / "eval.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(eval_file.read_text().splitlines(keepends=True)[:12]))
+    res = CliRunner().invoke(main, ["run", str(src), "--score", "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(results) == 12
+    for r in results:
+        assert r["text"] == r["scores"][0]["choice"] and len(r["scores"]) == 4
+    # Every line after the first takes the 5-shot prefix from the cache.
+    prompt = sum(r["stats"]["prompt_tokens"] for r in results)
+    cached = sum(r["stats"]["cached_tokens"] for r in results)
+    assert cached > 0.85 * prompt
+    assert sum(r["correct"] for r in results) >= 6  # chance would be 3 of 12
