@@ -163,6 +163,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     results are still written), 2 when the run could not start, 130 (Ctrl-C) or 143
     (SIGTERM) when interrupted before every line ran.
     """
+    # (Long because this docstring is the --help text; the body only builds the config.)
     try:
         from aici_cli.config import RunConfig
         from aici_cli.runner import run_batch  # heavy imports (torch) only here

@@ -12,7 +12,7 @@ import torch
 from aici_cli.control.base import Controller, Directive
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job
-from aici_cli.stats import LineStats
+from aici_cli.stats import LineStats, StepTimes
 
 
 @dataclass
@@ -97,10 +97,31 @@ class Generation:
         self.output.append(token)
         self.pending.append(token)
 
-    def fed(self) -> None:
-        """This pass fed the pending tokens: they are in the cache now."""
+    def took_part(self, times: StepTimes) -> None:
+        """This pass fed the pending tokens (they are in the cache now); count its time."""
+        st = self.stats
+        st.forward_passes += 1
+        st.forward_ms += times.forward_ms
+        st.mask_ms += times.mask_ms
+        st.sample_ms += times.sample_ms
         self.length += len(self.pending)
         self.pending = []
+
+    def record_step(self, times: StepTimes, sampled: int, ff_tokens: int,
+                    controller_ms: float) -> None:
+        """A `--step-stats` record of the pass this generation took part in."""
+        if self.steps is None:
+            return
+        self.steps.append({
+            "step": len(self.steps),
+            "kind": "prefill" if self.stats.forward_passes == 1 else "decode",
+            "sampled": sampled,
+            "forced": ff_tokens,  # the result format's name for fast-forward tokens
+            "forward_ms": round(times.forward_ms, 3),
+            "mask_ms": round(times.mask_ms, 3),
+            "controller_ms": round(controller_ms, 3),
+            "sample_ms": round(times.sample_ms, 3),
+        })
 
     def backtrack(self, n: int) -> None:
         if n > len(self.output):

@@ -218,7 +218,7 @@ class Engine:
             gen = gens[k]
             if gen is None:  # failed (out of memory even alone)
                 continue
-            self._account(gen, times)
+            gen.took_part(times)
             gen.logprob = choice_logprob(gen, out.scored_logits(k))
             gen.finish = Finish("stop")
 
@@ -286,7 +286,7 @@ class Engine:
         for k in closing:
             gen = gens[k]
             if gen is not None:
-                self._account(gen, times)
+                gen.took_part(times)
                 gen.closing = True
 
     def _closing_pass(self, gen: Generation) -> bool:
@@ -431,12 +431,12 @@ class Engine:
     def _commit(self, gen: Generation, token: int, times: StepTimes) -> float:
         """The row took part in this pass and sampled `token`; returns the controller's
         ms."""
-        self._account(gen, times)
+        gen.took_part(times)
         if gen.stats.ttft_ms == 0.0:
             gen.stats.ttft_ms = ms(gen.started, self.now())
         ff_before = gen.stats.ff_tokens
         controller_ms = self._take_token(gen, token)
-        self._record_step(gen, times, sampled=0 if token in self.eos else 1,
+        gen.record_step(times, sampled=0 if token in self.eos else 1,
                           ff_tokens=gen.stats.ff_tokens - ff_before,
                           controller_ms=controller_ms)
         return controller_ms
@@ -446,14 +446,14 @@ class Engine:
         """The controller answered this pass with a directive instead of a mask (it was
         decided, and timed, in the mask worker): apply it in place of a sampled token
         (the pass's logits for this row go unused)."""
-        self._account(gen, times)
+        gen.took_part(times)
         ff_before = gen.stats.ff_tokens
         try:
             gen.apply(directive)
         except Exception as e:
             gen.finish = Finish("error", controller_fault(e))
         self._check_limits(gen)
-        self._record_step(gen, times, sampled=0, ff_tokens=gen.stats.ff_tokens - ff_before,
+        gen.record_step(times, sampled=0, ff_tokens=gen.stats.ff_tokens - ff_before,
                           controller_ms=0.0)
 
     def _check_limits(self, gen: Generation) -> bool:
@@ -471,31 +471,3 @@ class Engine:
             gen.finish = Finish("length")
             return True
         return False
-
-    # ----------------------------------------------------------------------- accounts
-
-    @staticmethod
-    def _account(gen: Generation, times: StepTimes) -> None:
-        """The row took part in this pass: its pending tokens are now in the cache."""
-        st = gen.stats
-        st.forward_passes += 1
-        st.forward_ms += times.forward_ms
-        st.mask_ms += times.mask_ms
-        st.sample_ms += times.sample_ms
-        gen.fed()
-
-    @staticmethod
-    def _record_step(gen: Generation, times: StepTimes, sampled: int, ff_tokens: int,
-                     controller_ms: float) -> None:
-        if gen.steps is None:
-            return
-        gen.steps.append({
-            "step": len(gen.steps),
-            "kind": "prefill" if gen.stats.forward_passes == 1 else "decode",
-            "sampled": sampled,
-            "forced": ff_tokens,  # the result format's name for fast-forward tokens
-            "forward_ms": round(times.forward_ms, 3),
-            "mask_ms": round(times.mask_ms, 3),
-            "controller_ms": round(controller_ms, 3),
-            "sample_ms": round(times.sample_ms, 3),
-        })
