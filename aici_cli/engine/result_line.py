@@ -55,14 +55,7 @@ def combine_samples(results: list[dict[str, Any]]) -> dict[str, Any]:
         {"index": i, **{k: v for k, v in r.items() if k not in ("id", "index")}}
         for i, r in enumerate(results)
     ]
-    stats: dict[str, Any] = {}
-    for r in results:
-        for key, value in r.get("stats", {}).items():
-            stats[key] = round(stats.get(key, 0) + value, 3)
-    stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
-                           default=0.0)
-    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
-    line["stats"] = stats
+    line["stats"] = summed_stats(results)
     failed = next((r for r in results if r["finish_reason"] == "error"), None)
     if failed is not None:
         line["finish_reason"] = "error"
@@ -76,3 +69,16 @@ def with_answer(job: Job, result: dict[str, Any]) -> dict[str, Any]:
         result["answer"] = job.answer
         result["correct"] = result["finish_reason"] != "error" and result["text"] == job.answer
     return result
+
+
+def summed_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stats of a line run as several rows: the rows' work added up, the first token
+    of any row, the last row to finish."""
+    stats: dict[str, Any] = {}
+    for r in results:
+        for key, value in r.get("stats", {}).items():
+            stats[key] = round(stats.get(key, 0) + value, 3)
+    stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
+                           default=0.0)
+    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
+    return stats

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from aici_cli.engine.generation import Generation
+from aici_cli.engine.result_line import summed_stats
 from aici_cli.engine.rows import common_prefix
 from aici_cli.errors import GrammarError
 
@@ -75,11 +76,5 @@ def combine_scores(results: list[dict[str, Any]]) -> dict[str, Any]:
     if failed is not None:
         line["error"] = failed["error"]
     line["scores"] = ranked
-    stats: dict[str, Any] = {}
-    for r in results:
-        for key, value in r.get("stats", {}).items():
-            stats[key] = round(stats.get(key, 0) + value, 3)
-    stats["ttft_ms"] = 0.0
-    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
-    line["stats"] = stats
+    line["stats"] = summed_stats(results)
     return line
