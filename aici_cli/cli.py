@@ -125,6 +125,12 @@ def main() -> None:
               help="raw: the model's own distribution (as OpenAI and vLLM report); masked: "
                    "the distribution the constraint leaves, renormalized over the allowed "
                    "tokens (a fast-forwarded token then has logprob 0).")
+@click.option("--close-at-limit", is_flag=True,
+              help="When max_tokens is about to cut a JSON value off, finish it with the "
+                   "shortest completion the schema allows (`stats.closed_early`).")
+@click.option("--loop-guard", is_flag=True,
+              help="When a JSON value's tokens loop (one short n-gram repeated), finish the "
+                   "value at once (`stats.closed_early`).")
 @click.option("--step-stats", is_flag=True, help="Add per-step records to each result line.")
 @click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
               help="Write the run summary (JSON) here.")
@@ -139,7 +145,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         score: bool,
         json_permissive: bool, controller: str | None, controller_arg: str,
         controller_timeout_ms: int, no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
-        lookahead: int, logprobs: int | None, logprobs_mode: str, step_stats: bool,
+        lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
+        loop_guard: bool, step_stats: bool,
         stats_out: str | None,
         resume: bool, quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
@@ -175,7 +182,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         engine=EngineConfig(batch_size=batch_size, fast_forward=not no_ff,
                             draft_tokens=draft_tokens, step_stats=step_stats,
                             prefix_cache=not no_prefix_cache, lookahead=lookahead,
-                            logprobs_mode=logprobs_mode,
+                            logprobs_mode=logprobs_mode, close_at_limit=close_at_limit,
+                            loop_guard=loop_guard,
                             strict_json=not json_permissive),
         defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, stop=tuple(stop),

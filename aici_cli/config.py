@@ -26,6 +26,11 @@ class EngineConfig:
     # Logprobs from the model's distribution ("raw", as OpenAI and vLLM) or from the one
     # the constraint leaves ("masked": renormalized over the allowed tokens).
     logprobs_mode: str = "raw"
+    # Finish a JSON value with the shortest completion found when max_tokens is about to
+    # cut it off, and on a loop (control/grammar/closing.py). Opt-in: both can change an
+    # output that would have finished on its own.
+    close_at_limit: bool = False
+    loop_guard: bool = False
 
 
 MIB = 1024 * 1024

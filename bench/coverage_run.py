@@ -62,6 +62,10 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-ff", action="store_true")
+    ap.add_argument("--close-at-limit", action="store_true",
+                    help="finish a JSON value the token limit is about to cut off")
+    ap.add_argument("--loop-guard", action="store_true",
+                    help="finish a JSON value whose tokens loop")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=REPO / "out" / "coverage")
     args = ap.parse_args()
@@ -85,7 +89,8 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     config = RunConfig(
         input=str(prompts), output=str(args.out / "results.jsonl"), model=args.model,
-        engine=EngineConfig(batch_size=args.batch_size, fast_forward=not args.no_ff),
+        engine=EngineConfig(batch_size=args.batch_size, fast_forward=not args.no_ff,
+                            close_at_limit=args.close_at_limit, loop_guard=args.loop_guard),
         defaults=JobDefaults(max_tokens=args.max_tokens),
         stats_out=str(args.out / "stats.json"), quiet=True,
     )
@@ -108,6 +113,7 @@ def main() -> int:
             "compliance": round(sum(bool(r.get("valid")) for r in rs) / len(rs), 3),
             "finished_valid": f"{sum(bool(r.get('valid')) for r in stopped)}/{len(stopped)}",
             "truncated": sum(r["finish_reason"] == "length" for r in compiled),
+            "closed_early": sum(bool(r["stats"].get("closed_early")) for r in rs),
             "passes_per_token": round(passes / out_tokens, 3) if out_tokens else None,
             "ff_tokens": sum(r["stats"]["ff_tokens"] for r in rs),
             "output_tokens": out_tokens,
@@ -121,11 +127,11 @@ def main() -> int:
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
     print(f"{'subset':16} {'n':>4} {'declared':>9} {'compliance':>10} {'stop&valid':>11} "
-          f"{'trunc':>6} {'pass/tok':>9}")
+          f"{'trunc':>6} {'closed':>7} {'pass/tok':>9}")
     for subset, s in report["subsets"].items():
         print(f"{subset:16} {s['schemas']:>4} {s['declared_coverage']:>9.3f} "
               f"{s['compliance']:>10.3f} {s['finished_valid']:>11} {s['truncated']:>6} "
-              f"{s['passes_per_token']!s:>9}")
+              f"{s['closed_early']:>7} {s['passes_per_token']!s:>9}")
     summ = outcome.summary
     print(f"tokens/s {summ['tokens_per_s']}, wall {summ['wall_s']} s, batched passes "
           f"{summ['forward_passes']}, output tokens {summ['output_tokens']}, "

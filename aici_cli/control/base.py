@@ -80,8 +80,9 @@ class Controller(Protocol):
         """Fields to merge into the result line when the sequence ends (e.g. json, valid)."""
         ...
 
-    def stats(self) -> dict[str, float]:
-        """Extra timings (ms) for the result's `stats`: where `controller_ms` went."""
+    def stats(self) -> dict[str, float | bool]:
+        """Extra figures for the result's `stats`: where `controller_ms` went (ms), or
+        flags such as `closed_early`."""
         ...
 
     def close(self) -> None:
@@ -117,7 +118,7 @@ class ControllerBase:
     def report(self, text: str) -> dict[str, Any]:
         return {}
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | bool]:
         return {}
 
     def close(self) -> None:

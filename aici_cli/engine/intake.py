@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 from aici_cli.config import EngineConfig
 from aici_cli.control.base import Controller
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.control.grammar.closing import Closer
+from aici_cli.control.grammar.controller import Closing
 from aici_cli.engine.rows import Prepared
 from aici_cli.engine.scoring import choice_sequences
 from aici_cli.errors import ControllerError, GrammarError, ModelError
@@ -31,6 +33,7 @@ class LineIntake:
         self.max_positions = max_positions
         self.controller_factory = controller_factory
         self._compiler: GrammarCompiler | None = None
+        self._closer: Closer | None = None
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -109,4 +112,16 @@ class LineIntake:
                 return custom
         if job.constraint is None:
             return None
-        return GrammarController(self.compiler.compile(job.constraint), self.config.fast_forward)
+        return GrammarController(self.compiler.compile(job.constraint), self.config.fast_forward,
+                                 self._closing(job))
+
+    def _closing(self, job: Job) -> Closing | None:
+        """When a JSON line's value may be finished early (`--close-at-limit`,
+        `--loop-guard`)."""
+        cfg = self.config
+        if not (cfg.close_at_limit or cfg.loop_guard) or job.constraint is None or (
+                job.constraint.kind != "json_schema"):
+            return None
+        if self._closer is None:
+            self._closer = Closer(self.lm.tokenizer)
+        return Closing(self._closer, job.max_tokens, cfg.close_at_limit, cfg.loop_guard)

@@ -32,7 +32,7 @@ def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, 
     result["stats"] = gen.stats.as_dict()
     if gen.controller is not None:
         for name, value in gen.controller.stats().items():
-            result["stats"][name] = round(float(value), 3)
+            result["stats"][name] = value if isinstance(value, bool) else round(value, 3)
         gen.controller.close()
     if gen.logprobs is not None:
         result["logprobs"] = gen.logprobs + [None] * (len(gen.output) - len(gen.logprobs))
@@ -77,7 +77,10 @@ def summed_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for r in results:
         for key, value in r.get("stats", {}).items():
-            stats[key] = round(stats.get(key, 0) + value, 3)
+            if isinstance(value, bool):  # a flag: set when any row's is
+                stats[key] = stats.get(key, False) or value
+            else:
+                stats[key] = round(stats.get(key, 0) + value, 3)
     stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
                            default=0.0)
     stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)

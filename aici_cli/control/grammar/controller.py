@@ -4,24 +4,40 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 import torch
 
 from aici_cli.control.base import ControllerBase, Directive
+from aici_cli.control.grammar.closing import HORIZON, MARGIN, Closer, is_loop
 from aici_cli.control.grammar.compiler import CompiledGrammar
 from aici_cli.control.grammar.limits import is_limit_error, tidy_error
 from aici_cli.errors import ControllerError
 
 
+@dataclass(frozen=True)
+class Closing:
+    """When to finish the value early (see `closing.py`): near `max_tokens`, on a loop."""
+
+    closer: Closer
+    max_tokens: int
+    at_limit: bool = True
+    loop_guard: bool = False
+
+
 class GrammarController(ControllerBase):
     """A sequence constrained by a compiled grammar; see `aici_cli.control.base`."""
 
-    def __init__(self, grammar: CompiledGrammar, fast_forward: bool = True) -> None:
+    def __init__(self, grammar: CompiledGrammar, fast_forward: bool = True,
+                 closing: Closing | None = None) -> None:
         self.grammar = grammar
         self._matcher = grammar.template.deep_copy()
         self.fast_forward = fast_forward
+        self.closing = closing
+        self.output: list[int] = []  # every token the matcher consumed, in order
+        self.closed_early = False
 
     def _next(self) -> Directive:
         m = self._matcher
@@ -30,11 +46,39 @@ class GrammarController(ControllerBase):
         if m.is_stopped():
             return Directive(stop=True)
         if not self.fast_forward:
-            return Directive()
+            closing = self._close_early()
+            return Directive(ff_tokens=tuple(closing), stop=self.closed_early)
         ff_tokens = m.compute_ff_tokens()  # forced by the grammar: no need to sample them
         if m.is_error() or (ff_tokens and not m.consume_tokens(ff_tokens)):
             raise self.matcher_fault()
-        return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
+        self.output += ff_tokens
+        ff_tokens += self._close_early()
+        return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped() or self.closed_early)
+
+    def _close_early(self) -> list[int]:
+        """The tokens that complete the value now, when `closing` says it is time (and a
+        completion is found); consumed into the matcher. [] otherwise."""
+        c = self.closing
+        m = self._matcher
+        if c is None or m.is_stopped() or m.is_accepting():
+            return []
+        left = c.max_tokens - len(self.output)
+        completion = None
+        if c.loop_guard and is_loop(self.output):
+            completion = c.closer.completion(m, self._text(), min(HORIZON, left))
+        elif c.at_limit and left <= HORIZON:
+            completion = c.closer.completion(m, self._text(), left)
+            if completion is not None and left - len(completion) > MARGIN:
+                completion = None  # not yet: the model may still finish on its own
+        if not completion or not m.consume_tokens(completion):
+            return []
+        self.output += completion
+        self.closed_early = True
+        return completion
+
+    def _text(self) -> str:
+        assert self.closing is not None
+        return str(self.closing.closer.tokenizer.decode(self.output))
 
     def matcher_fault(self) -> ControllerError:
         """The error of a matcher in its error state, typed by cause.
@@ -58,7 +102,11 @@ class GrammarController(ControllerBase):
     def advance(self, tokens: Sequence[int]) -> Directive:
         if not self._matcher.consume_tokens(list(tokens)):
             raise self.matcher_fault()
+        self.output += tokens
         return self._next()
+
+    def stats(self) -> dict[str, float | bool]:
+        return {"closed_early": True} if self.closed_early else {}
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` the grammar accepts from the current state, consuming

@@ -172,7 +172,7 @@ class WasmController(ControllerBase):
                 fields["outputs"] = dict(self.guest.outputs)
         return fields
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | bool]:
         """Where `controller_ms` went: inside the guest, and running its segments."""
         guest_ms = self.guest.guest_ms if self.guest is not None else 0.0
         return {"guest_ms": guest_ms, "segment_ms": self.segment_ms}

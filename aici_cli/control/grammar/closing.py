@@ -1,0 +1,169 @@
+"""Finishing a constrained value before the token limit cuts it off.
+
+A small model can spend its whole budget inside one value (a string or number it repeats
+forever) and end cut off, with no usable JSON. `Closer` finds a short way to complete the
+value from the matcher's current state: at each step it takes the first token of a fixed
+list that the grammar allows (closing quotes and brackets first, then the shortest
+literals), and whatever the grammar forces (keys of required properties). The grammar
+decides every token, so the completion is valid for the schema; it is not always the
+shortest one, and a grammar that cannot be completed from the list (a `minLength` string,
+a long `pattern`) gets none, and is cut off as before.
+
+Used two ways (both opt-in, both marked in the result as `stats.closed_early`):
+- at the limit (`--close-at-limit`): when the tokens left are about what the completion
+  needs, the completion is fast-forwarded and the sequence ends;
+- on a loop (`--loop-guard`): when the output's last tokens repeat one short n-gram many
+  times, the value is closed at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+
+# The closing tokens, by the JSON state they suit (tried in order; the grammar decides).
+# Values come with and without the space a separator may leave to them (": ", ", ").
+# A bare space is the last resort everywhere.
+IN_STRING = ('"', '"}', '"]', ':', '-', '0', '.', 'a', ' ')
+AFTER_OPEN_OBJECT = ('}', '"', ' ')
+_VALUES = ('0', ' 0', 'null', ' null', 'false', ' false', '""', ' ""', '"', ' "', '[', ' [',
+           '{', ' {', '1', ' 1', 'a')
+AFTER_OPEN_ARRAY = (']', *_VALUES, ' ')
+VALUE = (*_VALUES, ' ')
+AFTER_VALUE_IN_OBJECT = ('}', ',', ' ')
+AFTER_VALUE_IN_ARRAY = (']', ',', ' ')
+AFTER_VALUE = ('}', ']', ',', ' ')
+CLOSING_TEXTS = tuple(dict.fromkeys(IN_STRING + AFTER_OPEN_OBJECT + AFTER_OPEN_ARRAY + VALUE
+                                    + AFTER_VALUE_IN_OBJECT + AFTER_VALUE_IN_ARRAY))
+
+# Completions are looked for only this close to the limit (each costs a matcher copy and
+# a few token checks); a completion longer than this is not found.
+HORIZON = 96
+
+# Tokens kept in hand beyond the completion's length: the completion can grow by a few
+# tokens from one step to the next (a new nested object), and must still fit.
+MARGIN = 4
+
+# A loop: the last tokens are one n-gram of at most MAX_PERIOD tokens repeated, covering
+# at least MIN_LOOP_TOKENS tokens and MIN_REPEATS repeats. A 135M model's loops
+# ("0,0,0,...", "1234567890123...", a word again and again) are far longer.
+MAX_PERIOD = 8
+MIN_REPEATS = 6
+MIN_LOOP_TOKENS = 24
+
+
+def json_state(text: str) -> tuple[bool, list[str], str]:
+    """Where a JSON prefix stands: inside a string, the open brackets, and the last
+    significant thing seen ("" start, "{", "[", ":", ",", or "v" after a value)."""
+    stack: list[str] = []
+    in_string = escaped = False
+    last = ""
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string, last = False, "v"
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append(ch)
+            last = ch
+        elif ch in "}]":
+            if stack:
+                stack.pop()
+            last = "v"
+        elif ch in ":,":
+            last = ch
+        elif not ch.isspace():
+            last = "v"
+    return in_string, stack, last
+
+
+def closing_order(text: str) -> tuple[str, ...]:
+    """The closing texts to try next after `text`, most useful first."""
+    in_string, stack, last = json_state(text)
+    if in_string:
+        return IN_STRING
+    if last == "{":
+        return AFTER_OPEN_OBJECT
+    if last == "[":
+        return AFTER_OPEN_ARRAY
+    if last in ("", ":", ","):
+        return VALUE
+    if stack:
+        return AFTER_VALUE_IN_OBJECT if stack[-1] == "{" else AFTER_VALUE_IN_ARRAY
+    return AFTER_VALUE
+
+
+class Closer:
+    """Completions from a matcher's state; one per run (it only holds token ids)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: dict[str, int] = {}
+        for text in CLOSING_TEXTS:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) == 1:
+                self.ids[text] = ids[0]
+
+    def completion(self, matcher: llguidance.LLMatcher, text: str,
+                   limit: int = HORIZON) -> list[int] | None:
+        """Tokens (at most `limit`) that take a copy of `matcher`, whose output so far
+        reads `text`, to a state where the grammar is complete; None when none is found.
+        The matcher is not changed."""
+        m = matcher.deep_copy()
+        out: list[int] = []
+        while len(out) <= limit:
+            if m.is_stopped() or m.is_accepting():
+                return out if len(out) <= limit else None
+            forced = m.compute_ff_tokens()
+            if m.is_error():
+                return None
+            if forced:
+                if not m.consume_tokens(forced):
+                    return None
+                out += forced
+                text += self.tokenizer.decode(forced)
+                continue
+            # A text chosen twice in a row goes last: a pattern like `[0-9]+-[0-9]+` would
+            # otherwise take "0" forever.
+            order = closing_order(text)
+            if len(out) >= 2 and out[-1] == out[-2]:
+                order = tuple(t for t in order if self.ids.get(t) != out[-1]) + order
+            choice = next((t for t in order
+                           if t in self.ids and m.validate_tokens([self.ids[t]]) == 1), None)
+            token = self.ids[choice] if choice is not None else _first_allowed(m)
+            if token is None or not m.consume_token(token):
+                return None
+            out.append(token)
+            text += choice if choice is not None else self.tokenizer.decode([token])
+        return None
+
+
+def _first_allowed(m: llguidance.LLMatcher) -> int | None:
+    """The lowest-numbered token the grammar allows (BPE numbers short, common tokens
+    first): the way on when no closing text fits, such as the first letters of a key the
+    schema requires."""
+    bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8),
+                         bitorder="little")
+    allowed = np.flatnonzero(bits)
+    return int(allowed[0]) if allowed.size else None
+
+
+def is_loop(tokens: Sequence[int]) -> bool:
+    """Whether `tokens` ends in one n-gram (n <= MAX_PERIOD) repeated MIN_REPEATS times
+    and over at least MIN_LOOP_TOKENS tokens."""
+    for period in range(1, MAX_PERIOD + 1):
+        span = max(period * MIN_REPEATS, MIN_LOOP_TOKENS)
+        if len(tokens) < span:
+            break
+        tail = tokens[len(tokens) - span :]
+        if all(tail[i] == tail[i % period] for i in range(span)):
+            return True
+    return False

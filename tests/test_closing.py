@@ -1,0 +1,113 @@
+"""Finishing JSON values before the token limit cuts them off, and on loops."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from aici_cli.cli import main
+from aici_cli.config import EngineConfig
+from aici_cli.control.constraint import Constraint
+from aici_cli.control.grammar.closing import closing_order, is_loop, json_state
+from aici_cli.engine.loop import Engine
+from aici_cli.jobs import Job, load_schema
+from aici_cli.models import LoadedModel, load_model
+
+STRING = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+NESTED = {"type": "object",
+          "properties": {"n": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"type": "string"}},
+                         "inner": {"type": "object", "properties": {"x": {"type": "string"}},
+                                   "required": ["x"]}},
+          "required": ["n", "tags", "inner"]}
+ROWS = {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "string"}},
+                                   "required": ["a"]}}
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+def jobs(max_tokens: int) -> list[Job]:
+    return [Job(index=i + 1, id=str(i), prompt="Data:", messages=None, max_tokens=max_tokens,
+                temperature=0.0, top_p=1.0, seed=0, constraint=Constraint("json_schema", s))
+            for i, s in enumerate([STRING, NESTED, ROWS])]
+
+
+def run(lm: LoadedModel, lines: list[Job], **config: Any) -> dict[int, dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    Engine(lm, EngineConfig(**config)).run(lines, results.append)
+    return {r["index"]: r for r in results}
+
+
+def test_json_state_and_what_closes_it() -> None:
+    assert json_state('{"a": "x\\"y') == (True, ["{"], ":")
+    assert json_state('{"a": [1, {"b": 2}') == (False, ["{", "["], "v")
+    assert closing_order('{"a": "xy')[0] == '"'
+    assert closing_order('{"a": [1')[0] == "]"
+    assert closing_order('{"a": 1')[0] == "}"
+    assert closing_order('{"a": ')[0] == "0"
+
+
+def test_a_loop_is_a_short_ngram_repeated_many_times() -> None:
+    assert is_loop([7, 8] * 12)
+    assert is_loop([1, 2, 3] + [5] * 24)
+    assert not is_loop([7, 8] * 11)  # 22 tokens: too short to call it a loop
+    assert not is_loop(list(range(40)))
+    assert not is_loop([1, 2, 3, 4, 5, 6, 7, 8, 9] * 6)  # period 9: longer than a loop's
+
+
+@pytest.mark.parametrize("max_tokens", [28, 48])  # room for the smallest values
+def test_values_the_limit_would_cut_are_finished_and_valid(lm: LoadedModel,
+                                                           max_tokens: int) -> None:
+    lines = jobs(max_tokens)
+    plain = run(lm, lines)
+    closed = run(lm, lines, close_at_limit=True)
+    schemas = [STRING, NESTED, ROWS]
+    assert any(r["finish_reason"] == "length" for r in plain.values())
+    for j, schema in zip(lines, schemas):
+        before, after = plain[j.index], closed[j.index]
+        if before["finish_reason"] == "length":
+            assert after["finish_reason"] == "stop" and after["stats"]["closed_early"] is True
+            assert after["valid"] is True
+            jsonschema.validate(json.loads(after["text"]), schema)
+            assert after["stats"]["output_tokens"] <= max_tokens
+        else:  # it finished on its own, well within the limit: nothing changes
+            assert after["text"] == before["text"] and "closed_early" not in after["stats"]
+
+
+def test_the_loop_guard_changes_only_looping_outputs(lm: LoadedModel) -> None:
+    lines = [dataclasses.replace(j, logprobs=0) for j in jobs(60)]  # the token ids, too
+    plain = run(lm, lines)
+    guarded = run(lm, lines, loop_guard=True)
+    assert any(r["stats"].get("closed_early") for r in guarded.values())
+    for j in lines:
+        before, after = plain[j.index], guarded[j.index]
+        if not after["stats"].get("closed_early"):
+            assert after["text"] == before["text"]
+            continue
+        assert after["valid"] is True and after["finish_reason"] == "stop"
+        # Up to where the guard fired, the same tokens as unguarded, and a loop there.
+        ids = [e["id"] for e in after["logprobs"]]
+        fired = next(n for n in range(1, len(ids) + 1) if is_loop(ids[:n]))
+        assert ids[:fired] == [e["id"] for e in before["logprobs"]][:fired]
+
+
+def test_close_at_limit_through_the_cli(tiny_model_dir: Path, tmp_path: Path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"prompt": "Data:", "json_schema": NESTED, "max_tokens": 30,
+                               "n": 2, "temperature": 1.0}) + "\n")
+    res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model",
+                                    str(tiny_model_dir), "--dtype", "float32",
+                                    "--close-at-limit", "-q"])
+    assert res.exit_code == 0, res.output
+    [result] = [json.loads(x) for x in out.read_text().splitlines()]
+    jsonschema.validate(result, load_schema("result-line"))
+    assert all(c["valid"] for c in result["choices"])
