@@ -57,6 +57,20 @@ def test_close_objects_closes_plain_objects_only() -> None:
     assert close_objects(explicit) == explicit
 
 
+def test_close_objects_keeps_required_keys_it_does_not_declare(lm: LoadedModel) -> None:
+    # Real schemas require keys they never declare; closing must not make them impossible.
+    schema = {"type": "object", "properties": {"name": {"type": "string"}},
+              "required": ["name", "id"]}
+    closed = close_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"] == {"name": {"type": "string"}, "id": {}}
+    for value in ({"name": "x", "id": 3}, {"name": "x", "id": [1]}):  # any value, as before
+        assert jsonschema.Draft202012Validator(closed).is_valid(value)
+    assert not jsonschema.Draft202012Validator(closed).is_valid({"name": "x", "id": 1, "z": 0})
+    compiler = GrammarCompiler(lm.tokenizer, lm.vocab_size, sorted(lm.eos_token_ids))
+    compiler.compile(Constraint("json_schema", schema))  # was: unsatisfiable
+
+
 def test_close_objects_never_widens_one_of_or_not() -> None:
     # Closing oneOf branches would let {"dog": "x"} through as matching one closed branch,
     # while under the original schema it matches both open branches and fails oneOf.

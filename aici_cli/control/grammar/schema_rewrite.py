@@ -43,7 +43,8 @@ def close_objects(schema: Any) -> Any:
 
     JSON Schema allows any extra key by default; a model given that freedom tends to
     invent keys until the token limit. Objects that list `properties` and say nothing about
-    extra keys get `additionalProperties: false`. Closing must only narrow what validates,
+    extra keys get `additionalProperties: false` (keys they require without declaring them
+    are declared, with any value). Closing must only narrow what validates,
     so some schemas stay open: members of `allOf` and of `anyOf` whose parent declares keys
     itself (closing one would reject the keys declared beside it), members of `oneOf`
     (a closed branch can fail where its open original matched, letting an output match
@@ -75,6 +76,14 @@ def close_objects(schema: Any) -> Any:
             and not combined
         ):
             out["additionalProperties"] = False
+            # A key the object requires but does not declare stays allowed (with any
+            # value): closed without it, the object could not be written at all.
+            required = node.get("required")
+            if isinstance(required, list):
+                missing = [k for k in required
+                           if isinstance(k, str) and k not in out["properties"]]
+                if missing:
+                    out["properties"] = {**out["properties"], **{k: {} for k in missing}}
         return out
 
     return walk(schema, False)
