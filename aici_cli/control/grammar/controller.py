@@ -36,7 +36,9 @@ class GrammarController(ControllerBase):
         self._matcher = grammar.template.deep_copy()
         self.fast_forward = fast_forward
         self.closing = closing
-        self.output: list[int] = []  # every token the matcher consumed, in order
+        # Every token the matcher consumed, in order: kept only when closing may need it
+        # (the length against max_tokens, loops), not on every constrained row's step.
+        self.output: list[int] = []
         self.closed_early = False
 
     def _next(self) -> Directive:
@@ -51,8 +53,9 @@ class GrammarController(ControllerBase):
         ff_tokens = m.compute_ff_tokens()  # forced by the grammar: no need to sample them
         if m.is_error() or (ff_tokens and not m.consume_tokens(ff_tokens)):
             raise self.matcher_fault()
-        self.output += ff_tokens
-        ff_tokens += self._close_early()
+        if self.closing is not None:
+            self.output += ff_tokens
+            ff_tokens += self._close_early()
         return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped() or self.closed_early)
 
     def _close_early(self) -> list[int]:
@@ -102,7 +105,8 @@ class GrammarController(ControllerBase):
     def advance(self, tokens: Sequence[int]) -> Directive:
         if not self._matcher.consume_tokens(list(tokens)):
             raise self.matcher_fault()
-        self.output += tokens
+        if self.closing is not None:
+            self.output += tokens
         return self._next()
 
     def stats(self) -> dict[str, float | bool]:
