@@ -131,6 +131,10 @@ def main() -> None:
 @click.option("--loop-guard", is_flag=True,
               help="When a JSON value's tokens loop (one short n-gram repeated), finish the "
                    "value at once (`stats.closed_early`).")
+@click.option("--deterministic", is_flag=True,
+              help="Batch-invariant passes: a line's tokens are the same whatever its batch "
+                   "size, neighbours, row, drafts, prefix-cache hits or --resume (costs "
+                   "throughput; see README).")
 @click.option("--step-stats", is_flag=True, help="Add per-step records to each result line.")
 @click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
               help="Write the run summary (JSON) here.")
@@ -146,7 +150,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         json_permissive: bool, controller: str | None, controller_arg: str,
         controller_timeout_ms: int, no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
         lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
-        loop_guard: bool, step_stats: bool,
+        loop_guard: bool, deterministic: bool, step_stats: bool,
         stats_out: str | None,
         resume: bool, quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
@@ -183,7 +187,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                             draft_tokens=draft_tokens, step_stats=step_stats,
                             prefix_cache=not no_prefix_cache, lookahead=lookahead,
                             logprobs_mode=logprobs_mode, close_at_limit=close_at_limit,
-                            loop_guard=loop_guard,
+                            loop_guard=loop_guard, deterministic=deterministic,
                             strict_json=not json_permissive),
         defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, stop=tuple(stop),

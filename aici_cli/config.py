@@ -31,6 +31,9 @@ class EngineConfig:
     # output that would have finished on its own.
     close_at_limit: bool = False
     loop_guard: bool = False
+    # Batch-invariant forward passes (engine/invariant.py): a line's tokens do not depend
+    # on its batch, row, drafts or prefix-cache hits. Off by default: it costs throughput.
+    deterministic: bool = False
 
 
 MIB = 1024 * 1024

@@ -31,6 +31,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from aici_cli.engine.invariant import per_query_attention
+
 NAME = "aici_rows"
 
 
@@ -72,6 +74,11 @@ class PackedPlan:
     kv_len: int  # max over rows of length + n
     single: SingleGroup | None
     runs: list[RowRun]
+    # Batch-invariant mode (invariant.py): one attention call per token, from these lists
+    # (the tensors above as Python ints), and linear layers in fixed tiles.
+    invariant: bool = False
+    token_row_list: list[int] | None = None
+    token_slot_list: list[int] | None = None
 
 
 _state = threading.local()
@@ -89,6 +96,12 @@ def packed(plan: PackedPlan) -> Iterator[None]:
 
 def current_plan() -> PackedPlan | None:
     return getattr(_state, "plan", None)
+
+
+def invariant_pass() -> bool:
+    """True inside a packed pass of the batch-invariant mode."""
+    plan = current_plan()
+    return plan is not None and plan.invariant
 
 
 def install(model: Any) -> None:
@@ -120,6 +133,10 @@ def rows_attention(
                                       sliding_window=sliding_window, **kwargs)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported")
+    if plan.invariant:
+        assert plan.token_row_list is not None and plan.token_slot_list is not None
+        return per_query_attention(query, key, value, plan.token_row_list,
+                                   plan.token_slot_list, scaling, sliding_window)[None], None
     heads, t, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads = key.shape[1]
     rep = heads // kv_heads

@@ -108,11 +108,13 @@ def build_inputs(
     attention_layout: AttentionLayout,
     device: torch.device,
     readouts: Sequence[Readout | None] | None = None,
+    invariant: bool = False,
 ) -> ForwardInputs:
     """Inputs for rows `first_row ..` whose cache holds `lengths[i]` tokens and which feed
     `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty.
     `readouts[i]` (default: the last position) says which of row i's positions to
-    return logits for.
+    return logits for. `invariant`: the batch-invariant pass (invariant.py), which needs
+    no masks.
 
     One walk over the rows fills every per-token and per-row list at once (this runs
     every step); hence its length."""
@@ -145,6 +147,8 @@ def build_inputs(
         else:
             last.append(start + readout.next_at)
             extra += (start + offset for offset in readout.extras)
+        if invariant:
+            continue
         if n == 1:
             single_tok[i] = start
             members.append(i)
@@ -163,6 +167,9 @@ def build_inputs(
         kv_len=max(length + len(c) for length, c in zip(lengths, chunks)),
         single=single,
         runs=runs,
+        invariant=invariant,
+        token_row_list=token_rows if invariant else None,
+        token_slot_list=positions if invariant else None,
     )
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     mask: torch.Tensor | dict[str, torch.Tensor] = placeholder

@@ -80,7 +80,7 @@ class Engine:
         self.masked_logprobs = config.logprobs_mode == "masked"
         self.rows = RowTable(config.batch_size, self.cache, config.prefix_cache,
                              config.lookahead if config.prefix_cache else 1)
-        self.model_pass = ModelPass(lm, self.cache, self.rows)
+        self.model_pass = ModelPass(lm, self.cache, self.rows, config.deterministic)
         self.masks = TokenMasks(config.batch_size, self.vocab_size)
         self.step_times: list[StepTimes] = []
 

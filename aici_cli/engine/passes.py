@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from aici_cli.engine.attention import invariant_pass
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.inputs import AttentionLayout, Readout, build_inputs, forward
+from aici_cli.engine.invariant import install as install_tiled_linears
 from aici_cli.engine.rows import RowTable
 from aici_cli.models.load import LoadedModel
 
@@ -60,11 +62,16 @@ class PassOutput:
 
 
 class ModelPass:
-    def __init__(self, lm: LoadedModel, cache: RowCache, rows: RowTable) -> None:
+    def __init__(self, lm: LoadedModel, cache: RowCache, rows: RowTable,
+                 invariant: bool = False) -> None:
+        """`invariant`: batch-invariant passes (`--deterministic`, see invariant.py)."""
         self.lm = lm
         self.cache = cache
         self.rows = rows
         self.layout = AttentionLayout.for_config(lm.model.config)
+        self.invariant = invariant
+        if invariant:
+            install_tiled_linears(lm.model, invariant_pass)
 
     def run(self, first_row: int, gens: Sequence[Generation | None],
             drafts: list[list[int]], scored: list[list[int]] | None = None) -> PassOutput:
@@ -82,7 +89,7 @@ class ModelPass:
             try:
                 self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
                 inputs = build_inputs(first_row, lengths, fed, self.layout, self.lm.device,
-                                      readouts)
+                                      readouts, self.invariant)
                 every = forward(self.lm.model, self.cache, inputs)
                 return PassOutput(self._vocab(every), inputs.extra_at, scored, [])
             except Exception as e:
@@ -106,7 +113,7 @@ class ModelPass:
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
             inputs = build_inputs(first_row, lengths, chunks, self.layout, self.lm.device,
-                                  readouts)
+                                  readouts, self.invariant)
             return forward(self.lm.model, self.cache, inputs), inputs.extra_at, []
         except Exception as e:
             if not is_out_of_memory(e):
