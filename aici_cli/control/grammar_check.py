@@ -42,7 +42,9 @@ def lark_grammar(text: str) -> tuple[str, str | None]:
 _WHITESPACE_PIECES = re.compile(
     r"(?:[ \t\n\r]|\\[ tnr]|\\x(?:20|09|0[aAdD])|\\u00(?:20|09|0[aAdD])|\(\?:|[\[\]()|*+?])*"
 )
-_COUNTED = re.compile(r"\{\d+(?:,\d*)?\}")  # {m}, {m,}, {m,n}: read the same by Rust and re
+# {m}, {m,}, {m,n} after something to repeat: read the same by Rust and by re ({,n} is
+# re's only).
+_COUNTED = re.compile(r"(?<=[^\[(|{}?*+])\{\d+(?:,\d*)?\}")
 _REPEATED_TWICE = re.compile(r"[*+?}][*+]")  # possessive `*+`: Python only, Rust refuses it
 
 
