@@ -108,7 +108,7 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     unsupported = sorted(set(body) - _KNOWN)
     if unsupported:
         raise RequestError(f"unsupported body field(s): {', '.join(unsupported)}")
-    if body.get("stream") not in (None, False):
+    if body.get("stream") is not None and body["stream"] is not False:
         raise RequestError(f"body.stream must be false in a batch, got {show(body['stream'])}")
 
     line: dict[str, Any] = {"id": custom_id}

@@ -76,7 +76,10 @@ def _structured_outputs(value: Any) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise RequestError(f"body.structured_outputs must be an object, got {json_type(value)}")
-    unknown = sorted(set(value) - set(_STRUCTURED) - _STRUCTURED_OPTIONS)
+    # A key set to null is unset (clients that write every key of vLLM's
+    # StructuredOutputsParams send `"structural_tag": null`).
+    given = {key for key, item in value.items() if item is not None}
+    unknown = sorted(given - set(_STRUCTURED) - _STRUCTURED_OPTIONS)
     if unknown:
         raise RequestError(f"unsupported body.structured_outputs field(s): {', '.join(unknown)}")
     return value

@@ -66,6 +66,7 @@ def test_completion_request_and_json_object() -> None:
     (request(prompt="x"), "body.prompt belongs to /v1/completions"),
     (request(COMPLETIONS, prompt=["a", "b"]), "must be one string"),
     (request(messages=[], stream=True), "stream must be false"),
+    (request(messages=[], stream=0), "stream must be false in a batch, got 0"),
     (request(messages=[], response_format={"type": "grammar"}), "type 'grammar' is not"),
     (request(messages=[], response_format={"type": "json_schema", "json_schema": {}}),
      "needs json_schema.schema"),

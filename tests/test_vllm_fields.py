@@ -85,6 +85,13 @@ def _spacing(text: str) -> set[str]:
     ({"structured_outputs": {"json_object": True}}, {"json_schema": {"type": "object"}},
      "body.structured_outputs.json_object"),
     ({"structured_outputs": {"json_object": False}}, {}, None),
+    # Every key of vLLM's StructuredOutputsParams written out, the unset ones as null.
+    ({"structured_outputs": {"json": None, "regex": REGEX, "choice": None, "grammar": None,
+                             "json_object": None, "whitespace_pattern": None,
+                             "structural_tag": None, "disable_fallback": False,
+                             "disable_any_whitespace": False,
+                             "disable_additional_properties": False}},
+     {"regex": REGEX}, "body.structured_outputs.regex"),
     ({"guided_json": SCHEMA}, {"json_schema": SCHEMA}, "body.guided_json"),
     ({"guided_json": json.dumps(SCHEMA)}, {"json_schema": SCHEMA}, "body.guided_json"),
     ({"guided_regex": REGEX}, {"regex": REGEX}, "body.guided_regex"),
