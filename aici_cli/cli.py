@@ -85,7 +85,8 @@ def main() -> None:
               default="auto", show_default=True,
               help="Input line format: aici-batch's own, or OpenAI batch requests "
                    "({custom_id, method, url, body}, as `vllm run-batch` reads), answered "
-                   "in the OpenAI batch output format. auto: decided by the first line.")
+                   "in the OpenAI batch output format. auto: decided by the first line "
+                   "shaped like either; a line in the other format is that line's error.")
 @click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
               help="JSON Schema file enforced on every line without its own constraint.")
 @click.option("--regex", default=None, help="Regular expression enforced on every line.")
@@ -142,6 +143,10 @@ def main() -> None:
               help="Skip the lines whose result is already in the -o file and append the "
                    "rest (after an interrupted or killed run). A torn last line is cut off; "
                    "results from a different input are refused.")
+@click.option("--exit-zero-on-line-errors", is_flag=True,
+              help="Exit 0 even when some lines ended in an error (each has its error result "
+                   "in the output), as `vllm run-batch` does: for pipelines that read errors "
+                   "from the output file. A run that cannot start still exits 2.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors.")
 def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
         max_tokens: int, temperature: float, top_p: float, seed: int, stop: tuple[str, ...],
@@ -152,7 +157,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
         loop_guard: bool, deterministic: bool, step_stats: bool,
         stats_out: str | None,
-        resume: bool, quiet: bool) -> None:
+        resume: bool, exit_zero_on_line_errors: bool, quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
     per input line.
 
@@ -171,8 +176,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     rest.
 
     Exit status: 0 when every line succeeded, 1 when some lines ended in an error (all
-    results are still written), 2 when the run could not start, 130 (Ctrl-C) or 143
-    (SIGTERM) when interrupted before every line ran.
+    results are still written; 0 with --exit-zero-on-line-errors), 2 when the run could
+    not start, 130 (Ctrl-C) or 143 (SIGTERM) when interrupted before every line ran.
     """
     # (Long because this docstring is the --help text; the body only builds the config.)
     try:
@@ -195,7 +200,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                              score=score, logprobs=logprobs),
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
-        resume=resume,
+        resume=resume, exit_zero_on_line_errors=exit_zero_on_line_errors,
     )
     if controller is not None and config.defaults.constraint is not None:
         raise FatalError("--controller cannot be combined with --json-schema/--regex/--choices")

@@ -2,7 +2,10 @@
 
 Input lines are requests `{custom_id, method, url, body}` for `/v1/chat/completions` or
 `/v1/completions`; `to_line` maps each onto aici-batch's own input line, so the rest of
-the pipeline (validation, constraints, engine) is shared. Output lines are
+the pipeline (validation, constraints, engine) is shared, and remembers which request
+field each line field came from, so that an error names the field the user wrote. The
+constraint fields (`response_format`, vLLM's structured outputs) are
+`request_constraints`. Output lines are
 `{id, custom_id, response: {status_code, request_id, body}, error}` with the body of a
 chat completion or a text completion; aici-batch's own per-line figures ride along under
 `aici`, a field a consumer of the format ignores.
@@ -10,10 +13,18 @@ chat completion or a text completion; aici-batch's own per-line figures ride alo
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
+
+from aici_cli.formats import load_schema
+from aici_cli.jobs.parse import Translate
+from aici_cli.jobs.types import TranslateError
+from aici_cli.json_text import show
+from aici_cli.request_constraints import BODY_FIELDS, RequestError, constraint_fields
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -23,31 +34,64 @@ _SAME = ("temperature", "top_p", "seed", "n")
 # Accepted and ignored: they do not change what is generated here.
 _IGNORED = ("model", "user", "metadata", "store", "service_tier")
 _KNOWN = {"messages", "prompt", "max_tokens", "max_completion_tokens", "stop",
-          "response_format", "stream", "logprobs", "top_logprobs", *_SAME, *_IGNORED}
-
-
-class RequestError(ValueError):
-    """A request this format reader cannot run; the message names the offending field."""
+          "stream", "logprobs", "top_logprobs", *BODY_FIELDS, *_SAME, *_IGNORED}
+# The keys of a request line; any one of them makes a line a request.
+_REQUEST_KEYS = ("custom_id", "method", "url", "body")
 
 
 @dataclass(frozen=True)
 class Request:
-    """What the output line needs from its request."""
+    """What the output line needs from its request: its id (None when it has none), its
+    url, and for each field of the line it became, the request field it came from."""
 
-    custom_id: str
+    custom_id: str | None
     url: str
+    fields: tuple[tuple[str, str], ...] = ()
 
 
 def looks_like_request(obj: Any) -> bool:
-    """True for a parsed line shaped like a batch request (used to detect the format)."""
-    return isinstance(obj, dict) and "custom_id" in obj and "body" in obj and "url" in obj
+    """True for a parsed line shaped like a batch request: it has any of `custom_id`,
+    `method`, `url`, `body` (none of which aici-batch's own lines have)."""
+    return isinstance(obj, dict) and any(key in obj for key in _REQUEST_KEYS)
+
+
+def line_format(obj: Any) -> str | None:
+    """"openai" for a line shaped like a batch request, "aici" for one with a field of
+    aici-batch's own lines, None for anything else (not an object, or neither)."""
+    if looks_like_request(obj):
+        return "openai"
+    own = load_schema("input-line")["properties"]
+    if isinstance(obj, dict) and any(key in own for key in obj):
+        return "aici"
+    return None
+
+
+def _shown_keys(obj: dict[str, Any], keys: Collection[str]) -> str:
+    return ", ".join(repr(k) for k in obj if k in keys)
+
+
+def refuse_requests(why: str) -> Translate:
+    """The check of a file read in aici-batch's own format (a `jobs.Translate`): a line
+    shaped like a batch request is that line's error, saying why the file is read so."""
+
+    def check(obj: dict[str, Any], index: int) -> dict[str, Any]:
+        if looks_like_request(obj):
+            raise TranslateError(
+                f"an OpenAI batch request (it has {_shown_keys(obj, _REQUEST_KEYS)}) in a "
+                f"file read in aici-batch's own format ({why})", "format_mismatch")
+        return obj
+
+    return check
 
 
 def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     """Map one request onto an aici-batch input line; raises RequestError."""
     if not isinstance(obj, dict):
         raise RequestError("a batch request must be a JSON object")
-    extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
+    extra = sorted(set(obj) - set(_REQUEST_KEYS))
+    if "custom_id" not in obj:
+        also = f" (and request field(s) {', '.join(extra)} are not supported)" if extra else ""
+        raise RequestError(f"custom_id is required{also}")
     if extra:
         raise RequestError(f"unsupported request field(s): {', '.join(extra)}")
     custom_id = obj.get("custom_id")
@@ -64,8 +108,8 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     unsupported = sorted(set(body) - _KNOWN)
     if unsupported:
         raise RequestError(f"unsupported body field(s): {', '.join(unsupported)}")
-    if body.get("stream"):
-        raise RequestError("body.stream must be false in a batch")
+    if body.get("stream") is not None and body["stream"] is not False:
+        raise RequestError(f"body.stream must be false in a batch, got {show(body['stream'])}")
 
     line: dict[str, Any] = {"id": custom_id}
     if url == CHAT:
@@ -91,10 +135,13 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     if stop is not None:
         line["stop"] = [stop] if isinstance(stop, str) else stop
     line.update(_logprobs(body, url == CHAT))
-    schema = _response_schema(body.get("response_format"))
-    if schema is not None:
-        line["json_schema"] = schema
-    return line, Request(custom_id, url)
+    constraint, constraint_sources = constraint_fields(body)
+    line.update(constraint)
+    sources = {key: f"body.{key}" for key in line if key != "id"}
+    if "max_completion_tokens" in body:
+        sources["max_tokens"] = "body.max_completion_tokens"
+    sources.update(constraint_sources)
+    return line, Request(custom_id, url, tuple(sources.items()))
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
@@ -117,29 +164,6 @@ def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
         raise RequestError(f"body.logprobs of {COMPLETIONS} is the number of alternatives "
                            "per token (0-20)")
     return {"logprobs": True, "top_logprobs": value}
-
-
-def _response_schema(fmt: Any) -> dict[str, Any] | bool | None:
-    """The JSON schema a `response_format` asks for; None for plain text."""
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise RequestError("body.response_format must be an object")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "object"}
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise RequestError("response_format json_schema needs json_schema.schema")
-        schema = spec["schema"]
-        if not isinstance(schema, (dict, bool)):
-            raise RequestError("response_format json_schema.schema must be a JSON object")
-        return schema
-    raise RequestError(f"response_format type {kind!r} is not supported "
-                       "(use text, json_object or json_schema)")
 
 
 def _finish(reason: str) -> str:
@@ -208,8 +232,11 @@ def to_output(result: dict[str, Any], request: Request | None, model: str,
     line: dict[str, Any] = {"id": f"batch_{request_id}", "custom_id": custom_id}
     if result.get("finish_reason") == "error":
         err = result.get("error", {})
+        message = str(err.get("message", ""))
+        if request is not None:
+            message = _request_names(message, request.fields)
         line["response"] = None
-        line["error"] = {"code": err.get("type", "error"), "message": err.get("message", "")}
+        line["error"] = {"code": err.get("type", "error"), "message": message}
         line["aici"] = _aici(result)
         return line
     chat = request is None or request.url == CHAT
@@ -233,12 +260,24 @@ def to_output(result: dict[str, Any], request: Request | None, model: str,
     return line
 
 
+def _request_names(message: str, fields: tuple[tuple[str, str], ...]) -> str:
+    """`message` with each line field it quotes ('json_schema', 'choices[0]') named as
+    the request field it came from ('body.guided_json', 'body.guided_choice[0]')."""
+    if not fields:
+        return message
+    names = dict(fields)
+    pattern = "|".join(re.escape(name) for name in names)
+    return re.sub(rf"'({pattern})((?:[.\[][^']*)?)'",
+                  lambda m: f"'{names[m.group(1)]}{m.group(2)}'", message)
+
+
 class BatchFormat:
     """The OpenAI batch format for one run: requests in (`translate`, for `read_jobs`),
     output lines out (`output`), matched by input line number."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, why: str = "--format openai") -> None:
         self.model = model
+        self.why = why  # why the file is read in this format, for a line that is not
         self.created = int(time.time())
         self.requests: dict[int, Request] = {}
 
@@ -247,6 +286,11 @@ class BatchFormat:
         if isinstance(custom_id, str) and custom_id:  # known even if the request is refused
             url = obj.get("url")
             self.requests[index] = Request(custom_id, url if url == COMPLETIONS else CHAT)
+        if line_format(obj) == "aici":
+            own = load_schema("input-line")["properties"]
+            raise TranslateError(
+                f"a line of aici-batch's own format (it has {_shown_keys(obj, own)}) in a "
+                f"file read as OpenAI batch requests ({self.why})", "format_mismatch")
         line, self.requests[index] = to_line(obj)
         return line
 

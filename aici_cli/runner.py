@@ -23,9 +23,9 @@ from aici_cli.engine.intake import ControllerFactory
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
-from aici_cli.jobs import Job, LineError, open_input, read_jobs
+from aici_cli.jobs import Job, LineError, Translate, open_input, read_jobs
 from aici_cli.models.load import load_model
-from aici_cli.openai_batch import BatchFormat, looks_like_request
+from aici_cli.openai_batch import BatchFormat, line_format, refuse_requests
 from aici_cli.results import ResultWriter
 from aici_cli.resume import InputLines, OutputFile, ResumePlan
 from aici_cli.stats import RunTally, percentile
@@ -42,14 +42,16 @@ class RunOutcome:
     interrupted: int | None = None  # the signal that stopped the run before every line ran
     earlier_errors: int = 0  # error results already in the output of a resumed run
     skipped: int = 0  # lines a resumed run found done
+    line_errors_ok: bool = False  # --exit-zero-on-line-errors
 
     @property
     def exit_code(self) -> int:
         """128 + signal when interrupted; otherwise 1 when any result in the output (a
-        resumed run's earlier ones too) is an error, else 0."""
+        resumed run's earlier ones too) is an error, unless `line_errors_ok`, else 0."""
         if self.interrupted is not None:
             return 128 + self.interrupted
-        return 1 if self.summary["errors"] or self.earlier_errors else 0
+        failed = self.summary["errors"] or self.earlier_errors
+        return 1 if failed and not self.line_errors_ok else 0
 
 
 def wasm_factory(config: RunConfig, engine: Engine,
@@ -79,8 +81,8 @@ def wasm_factory(config: RunConfig, engine: Engine,
     def factory(job: Job) -> WasmController:
         if job.constraint is not None and job.constraint != config.defaults.constraint:
             raise ControllerError(
-                "invalid_line", "a line's json_schema/regex/choices cannot be combined with "
-                "--controller; the controller decides the constraints",
+                "invalid_line", "a line's json_schema/regex/choices/grammar cannot be combined "
+                "with --controller; the controller decides the constraints",
             )
         arg = job.extra.get("controller_arg", config.controller_arg)
         if not isinstance(arg, str):
@@ -143,32 +145,52 @@ def _run(config: RunConfig, stderr: IO[str],
     if output is not None:
         output.prepare(plan)
     out = output.stream() if output is not None else sys.stdout
-    peeked, input_format = _detect_format(source, config.input_format)
-    batch_format = BatchFormat(lm.name) if input_format == "openai" else None
+    peeked, input_format, why = _detect_format(source, config.input_format)
+    batch_format = BatchFormat(lm.name, why) if input_format == "openai" else None
     lines = InputLines(itertools.chain(peeked, source),
                        skip=plan.done if plan is not None else None)
     display = RunDisplay(stderr, total=total, quiet=config.quiet)
     if plan is not None:
         _announce_resume(display, config, plan)
-    return _drive(config, lm, out, lines, display, interrupts, on_result, plan, batch_format)
+    translate = batch_format.translate if batch_format is not None else refuse_requests(why)
+    return _drive(config, lm, out, lines, display, interrupts, on_result, plan, batch_format,
+                  translate)
 
 
-def _detect_format(source: BinaryIO, wanted: str) -> tuple[list[bytes], str]:
-    """The input format: `wanted`, or for "auto" that of the first non-blank line (an
-    OpenAI batch request, or else aici-batch's own). Returns the lines read to decide,
-    which the run must still see."""
+# How far `--format auto` reads for a line that decides the format: lines (not counting
+# blank ones) and bytes, since the lines read are held until the run sees them.
+DETECT_LINES = 1000
+DETECT_BYTES = 64 * 1024 * 1024
+
+
+def _detect_format(source: BinaryIO, wanted: str) -> tuple[list[bytes], str, str]:
+    """The input format, and why (for the error of a line in the other one): `wanted`,
+    or for "auto" that of the first line shaped like either (an OpenAI batch request,
+    with any of custom_id/method/url/body, or a line with a field of aici-batch's own),
+    skipping lines that are neither (invalid JSON, `{}`). Returns the lines read to
+    decide, which the run must still see."""
     if wanted != "auto":
-        return [], wanted
+        return [], wanted, f"--format {wanted}"
     peeked: list[bytes] = []
+    size = 0
     for raw in source:
         peeked.append(raw)
+        size += len(raw)
         if raw.strip():
-            try:
-                first = json.loads(raw)
-            except ValueError:
-                break
-            return peeked, "openai" if looks_like_request(first) else "aici"
-    return peeked, "aici"
+            decided = _line_format(raw)
+            if decided is not None:
+                return peeked, decided, f"--format auto, decided by line {len(peeked)}"
+        if len(peeked) >= DETECT_LINES or size >= DETECT_BYTES:
+            break
+    return peeked, "aici", f"--format auto: no line in the first {len(peeked)} decided"
+
+
+def _line_format(raw: bytes) -> str | None:
+    try:
+        obj = json.loads(raw.decode("utf-8").removeprefix("\ufeff"))
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON: this line's own error later
+        return None
+    return line_format(obj)
 
 
 def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan) -> None:
@@ -219,7 +241,8 @@ class ResultSink:
 def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display: RunDisplay,
            interrupts: Interrupts | None,
            on_result: Callable[[dict[str, Any]], None] | None,
-           plan: ResumePlan | None, batch_format: BatchFormat | None = None) -> RunOutcome:
+           plan: ResumePlan | None, batch_format: BatchFormat | None = None,
+           translate: Translate | None = None) -> RunOutcome:
     """Run the engine over `lines`, writing each result as it finishes (as an OpenAI
     batch output line with `batch_format`)."""
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
@@ -247,7 +270,6 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
     t0 = time.perf_counter()
     try:
         with display:
-            translate = batch_format.translate if batch_format is not None else None
             jobs = read_jobs(lines, config.defaults, translate)
             engine.run(_not_done(jobs, lines), sink, should_admit)
     finally:
@@ -260,7 +282,8 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
     signum = interrupts.signum if interrupts is not None and not lines.all_written else None
     outcome = RunOutcome(summary, interrupted=signum,
                          earlier_errors=plan.scan.errors if plan is not None else 0,
-                         skipped=len(plan.done) if plan is not None else 0)
+                         skipped=len(plan.done) if plan is not None else 0,
+                         line_errors_ok=config.exit_zero_on_line_errors)
     if signum is not None and not config.quiet:
         _note(display, _interrupted_note(config, outcome, plan))
     return outcome

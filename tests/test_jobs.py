@@ -139,7 +139,8 @@ def _job(line: str | bytes, defaults: JobDefaults = DEFAULTS) -> Job:
         (
             '{"prompt": "hi", "regex": "a", "choices": ["a"]}',
             "invalid_line",
-            ["at most one of 'json_schema', 'regex' or 'choices'", "got 'regex' and 'choices'"],
+            ["at most one of 'json_schema', 'regex', 'choices' or 'grammar'",
+             "got 'regex' and 'choices'"],
         ),
         (
             '{"prompt": "hi", "json_schema": {}, "regex": "a", "choices": ["a"]}',

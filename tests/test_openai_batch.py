@@ -39,7 +39,13 @@ def test_chat_request_maps_every_supported_field() -> None:
     assert line == {"id": "r1", "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 7,
                     "stop": ["END"], "n": 2, "json_schema": schema}
-    assert req == Request("r1", CHAT)
+    assert (req.custom_id, req.url) == ("r1", CHAT)
+    # Each line field remembers the request field it came from, for error messages.
+    assert dict(req.fields) == {
+        "messages": "body.messages", "max_tokens": "body.max_completion_tokens",
+        "temperature": "body.temperature", "top_p": "body.top_p", "seed": "body.seed",
+        "stop": "body.stop", "n": "body.n",
+        "json_schema": "body.response_format.json_schema.schema"}
 
 
 def test_completion_request_and_json_object() -> None:
@@ -60,6 +66,7 @@ def test_completion_request_and_json_object() -> None:
     (request(prompt="x"), "body.prompt belongs to /v1/completions"),
     (request(COMPLETIONS, prompt=["a", "b"]), "must be one string"),
     (request(messages=[], stream=True), "stream must be false"),
+    (request(messages=[], stream=0), "stream must be false in a batch, got 0"),
     (request(messages=[], response_format={"type": "grammar"}), "type 'grammar' is not"),
     (request(messages=[], response_format={"type": "json_schema", "json_schema": {}}),
      "needs json_schema.schema"),

@@ -15,7 +15,15 @@ ConstraintKind = Literal["json_schema", "regex", "choice", "lark"]
 
 @dataclass(frozen=True)
 class Constraint:
-    """`value`: a schema (dict or bool), a regex, a Lark grammar, or a list of options."""
+    """`value`: a schema (dict or bool), a regex, a Lark grammar, or a list of options.
+
+    The other two fields apply to JSON schemas only. `whitespace`: a regex that the
+    whitespace between JSON tokens must match ("" for none at all); None keeps the compact
+    default (", " and ": ", nothing else). `permissive`: whether objects may carry keys
+    their schema does not declare; None leaves it to the run (`--json-permissive`).
+    """
 
     kind: ConstraintKind
     value: Any
+    whitespace: str | None = None
+    permissive: bool | None = None

@@ -13,6 +13,7 @@ the CLI imports it at startup.
 
 from aici_cli.formats import load_schema
 from aici_cli.jobs.parse import Translate, open_input, read_jobs
-from aici_cli.jobs.types import Job, LineError
+from aici_cli.jobs.types import Job, LineError, TranslateError
 
-__all__ = ["Job", "LineError", "Translate", "load_schema", "open_input", "read_jobs"]
+__all__ = ["Job", "LineError", "Translate", "TranslateError", "load_schema", "open_input",
+           "read_jobs"]

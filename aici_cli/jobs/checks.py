@@ -215,7 +215,7 @@ def readable_id(obj: dict[str, Any]) -> str | None:
 
 # --------------------------------------------------------------- constraint size
 
-_CONSTRAINT_FIELDS = ("json_schema", "regex", "choices")
+_CONSTRAINT_FIELDS = ("json_schema", "regex", "choices", "grammar", "whitespace_pattern")
 
 
 def _json_bytes(value: Any) -> int:

@@ -108,9 +108,9 @@ def describe(error: ValidationError) -> str:
             return "exactly one of 'prompt' or 'messages' is required, got both"
         return "exactly one of 'prompt' or 'messages' is required"
     if kind == "not" and not where and isinstance(inst, dict):
-        given = [k for k in ("json_schema", "regex", "choices") if k in inst]
+        given = [k for k in ("json_schema", "regex", "choices", "grammar") if k in inst]
         return (
-            "at most one of 'json_schema', 'regex' or 'choices' may be given, "
+            "at most one of 'json_schema', 'regex', 'choices' or 'grammar' may be given, "
             f"got {_quote_list(given)}"
         )
     if kind == "minimum":

@@ -6,6 +6,7 @@ caller writes as an error result, so every input line ends as exactly one result
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import warnings
@@ -14,6 +15,7 @@ from typing import Any, BinaryIO
 
 from aici_cli.config import JobDefaults
 from aici_cli.control.constraint import Constraint
+from aici_cli.control.grammar_check import lark_grammar, whitespace_problem
 from aici_cli.control.schema_check import json_schema_problem
 from aici_cli.errors import UsageError
 from aici_cli.formats import schema_validator
@@ -28,11 +30,12 @@ from aici_cli.jobs.checks import (
     unicode_problem,
 )
 from aici_cli.jobs.messages import describe, error_rank, line_error
-from aici_cli.jobs.types import Job, LineError
+from aici_cli.jobs.types import Job, LineError, TranslateError
 from aici_cli.json_text import json_type
 
 # Maps a parsed line of another format (e.g. an OpenAI batch request) onto this one's
-# fields, given the line number; raises ValueError with a message naming the problem.
+# fields, given the line number; raises ValueError (a `TranslateError` to choose the
+# error type) with a message naming the problem.
 Translate = Callable[[dict[str, Any], int], dict[str, Any]]
 
 
@@ -130,7 +133,8 @@ def _line_object(text: str, index: int, defaults: JobDefaults,
         except ValueError as e:
             custom_id = obj.get("custom_id")
             id_ = custom_id if isinstance(custom_id, str) else None
-            return line_error(index, id_, "invalid_request", str(e))
+            type_ = e.type if isinstance(e, TranslateError) else "invalid_request"
+            return line_error(index, id_, type_, str(e))
     return obj
 
 
@@ -145,6 +149,8 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
     if invalid is not None:
         return invalid
     constraint = _constraint(obj, index, id_, defaults)
+    if not isinstance(constraint, LineError):
+        constraint = _json_options(obj, constraint, index, id_)
     if isinstance(constraint, LineError):
         return constraint
 
@@ -226,4 +232,42 @@ def _constraint(
         return Constraint("regex", obj["regex"])
     if "choices" in obj:
         return Constraint("choice", list(obj["choices"]))
+    if "grammar" in obj:
+        lark, why = lark_grammar(obj["grammar"])
+        if why is not None:
+            return line_error(index, id_, "invalid_grammar",
+                              f"field 'grammar' is not a usable grammar: {why}")
+        return Constraint("lark", lark)
     return defaults.constraint
+
+
+# The fields that shape a JSON schema constraint, the line's own or --json-schema.
+_JSON_OPTIONS = ("whitespace_pattern", "json_permissive")
+
+
+def _json_options(obj: dict[str, Any], constraint: Constraint | None, index: int,
+                  id_: str | None) -> Constraint | LineError | None:
+    """`constraint` with the line's `whitespace_pattern` and `json_permissive` applied;
+    they mean something for a JSON schema only."""
+    given = [name for name in _JSON_OPTIONS if name in obj]
+    if not given:
+        return constraint
+    if constraint is None or constraint.kind != "json_schema":
+        other = "none is given" if constraint is None else (
+            f"not to '{_KIND_FIELDS[constraint.kind]}'")
+        return line_error(index, id_, "invalid_line",
+                          f"field '{given[0]}' applies to a JSON schema ('json_schema' or "
+                          f"--json-schema), {other}")
+    if "whitespace_pattern" in obj:
+        problem = whitespace_problem(obj["whitespace_pattern"])
+        if problem is not None:
+            return line_error(index, id_, "invalid_regex", f"field 'whitespace_pattern' {problem}")
+        constraint = dataclasses.replace(constraint, whitespace=obj["whitespace_pattern"])
+    if "json_permissive" in obj:
+        constraint = dataclasses.replace(constraint, permissive=obj["json_permissive"])
+    return constraint
+
+
+# How a line names each kind of constraint.
+_KIND_FIELDS = {"json_schema": "json_schema", "regex": "regex", "choice": "choices",
+                "lark": "grammar"}

@@ -37,3 +37,12 @@ class LineError:
     id: str
     type: str
     message: str
+
+
+class TranslateError(ValueError):
+    """A line of another format that cannot be mapped onto this one; `type` is the error
+    type of its result."""
+
+    def __init__(self, message: str, type_: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.type = type_

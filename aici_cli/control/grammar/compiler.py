@@ -21,11 +21,11 @@ from aici_cli.control.grammar.limits import (
     tidy_error,
 )
 from aici_cli.control.grammar.schema_rewrite import (
-    JSON_OPTIONS,
     RELAXATIONS,
     choices_grammar,
     close_objects,
     exclusive_one_of,
+    json_options,
 )
 from aici_cli.control.schema_check import check_json_schema
 from aici_cli.errors import GrammarError
@@ -124,12 +124,15 @@ class GrammarCompiler:
         validator = jsonschema.validators.validator_for(original)(
             original, registry=referencing.Registry())
         schema = exclusive_one_of(original)
-        if self.strict_json:
+        permissive = constraint.permissive
+        strict = self.strict_json if permissive is None else not permissive
+        if strict:
             schema = close_objects(schema)
         errors: list[str] = []
         for note, extra in RELAXATIONS:
             try:
-                options: Any = {**JSON_OPTIONS, **extra}  # a JsonCompileOptions dict
+                # A JsonCompileOptions dict.
+                options: Any = {**json_options(constraint.whitespace), **extra}
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     schema, overrides=options
                 )
@@ -155,7 +158,8 @@ def _cache_key(constraint: Constraint) -> str | None:
     """The compile cache's key; None for a value too deeply nested to serialize, which
     `schema_shape_problem` then refuses without caching."""
     try:
-        return json.dumps([constraint.kind, constraint.value], sort_keys=True)
+        return json.dumps([constraint.kind, constraint.value, constraint.whitespace,
+                           constraint.permissive], sort_keys=True)
     except RecursionError:
         return None
 

@@ -18,6 +18,17 @@ JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 
+
+def json_options(whitespace: str | None) -> dict[str, Any]:
+    """The JSON options for a constraint's `whitespace`: None, the compact default above;
+    "", no whitespace at all; a regex, what the whitespace between tokens must match
+    (llguidance lets it match there, in place of the separators' fixed spaces)."""
+    if whitespace is None:
+        return JSON_OPTIONS
+    if whitespace == "":
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    return {"whitespace_flexible": True, "whitespace_pattern": whitespace}
+
 # Tried in order when a schema does not compile as written. The output is still validated
 # against the original schema, so a relaxation can cost compliance but never correctness.
 RELAXATIONS: tuple[tuple[str, dict[str, Any]], ...] = (
