@@ -23,6 +23,12 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K"
 
 
+def short_request(stem: str) -> str:
+    """A short request naming the schema's task: 'analyze_health_data_4ad104b4' ->
+    'Give a JSON object for: analyze health data.' (the grammar enforces the schema)."""
+    return f"Give a JSON object for: {stem.rsplit('_', 1)[0].replace('_', ' ')}."
+
+
 def glaive_jobs(n: int, max_tokens: int, logprobs: int | None = 0) -> list[Any]:
     """The n first Glaive schemas as chat requests for a JSON object, greedy."""
     from aici_cli.control.constraint import Constraint
@@ -32,7 +38,7 @@ def glaive_jobs(n: int, max_tokens: int, logprobs: int | None = 0) -> list[Any]:
     jobs = []
     for i, f in enumerate(files):
         schema = json.loads(f.read_text())
-        ask = f"Give a JSON object for this schema: {json.dumps(schema)}"
+        ask = short_request(f.stem)
         jobs.append(Job(index=i + 1, id=f.stem, max_tokens=max_tokens, temperature=0.0,
                         top_p=1.0, seed=0, constraint=Constraint("json_schema", schema),
                         prompt=None, messages=[{"role": "user", "content": ask}],
