@@ -143,6 +143,8 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     constraint, constraint_sources = constraint_fields(body)
     line.update(constraint)
     sources = {key: f"body.{key}" for key in line if key != "id"}
+    if url == CHAT:  # named in messages even where the request lacks them
+        sources.update({key: f"body.{key}" for key in _TOOLS})
     if "max_completion_tokens" in body:
         sources["max_tokens"] = "body.max_completion_tokens"
     sources.update(constraint_sources)
