@@ -5,7 +5,8 @@ Input lines are requests `{custom_id, method, url, body}` for `/v1/chat/completi
 the pipeline (validation, constraints, engine) is shared, and remembers which request
 field each line field came from, so that an error names the field the user wrote. The
 constraint fields (`response_format`, vLLM's structured outputs) are
-`request_constraints`. Output lines are
+`request_constraints`; chat's tool fields are the line's own (`jobs/tools.py`). Output
+lines are
 `{id, custom_id, response: {status_code, request_id, body}, error}` with the body of a
 chat completion or a text completion; aici-batch's own per-line figures ride along under
 `aici`, a field a consumer of the format ignores.
@@ -143,8 +144,6 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     constraint, constraint_sources = constraint_fields(body)
     line.update(constraint)
     sources = {key: f"body.{key}" for key in line if key != "id"}
-    if url == CHAT:  # named in messages even where the request lacks them
-        sources.update({key: f"body.{key}" for key in _TOOLS})
     if "max_completion_tokens" in body:
         sources["max_tokens"] = "body.max_completion_tokens"
     sources.update(constraint_sources)
@@ -244,7 +243,9 @@ def to_output(result: dict[str, Any], request: Request | None, model: str,
         err = result.get("error", {})
         message = str(err.get("message", ""))
         if request is not None:
-            message = _request_names(message, request.fields)
+            # A message may name a tool field the request lacks ("needs 'tools'").
+            tools = tuple((key, f"body.{key}") for key in _TOOLS) if request.url == CHAT else ()
+            message = _request_names(message, (*tools, *request.fields))
         line["response"] = None
         line["error"] = {"code": err.get("type", "error"), "message": message}
         line["aici"] = _aici(result)

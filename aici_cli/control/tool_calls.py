@@ -25,8 +25,11 @@ from typing import Any
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
-# Between calls (parallel calls), and inside the tags around the JSON.
-SEPARATOR = "\n"
+# A call is _HEAD, its name as a JSON string, _ARGUMENTS, its arguments, _TAIL.
+_HEAD = OPEN + '\n{"name": '
+_ARGUMENTS = ', "arguments": '
+_TAIL = "}\n" + CLOSE
+SEPARATOR = "\n"  # between calls
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,12 @@ class ToolCall:
 
 def call_prefix(name: str) -> str:
     """The text of a call up to its arguments (all of it forced once the name is)."""
-    return f'{OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+    return _HEAD + json.dumps(name, ensure_ascii=False) + _ARGUMENTS
 
 
 def call_text(name: str, arguments: str) -> str:
     """One call in its text form; `arguments` is JSON text."""
-    return f"{call_prefix(name)}{arguments}}}\n{CLOSE}"
+    return call_prefix(name) + arguments + _TAIL
 
 
 def calls_text(calls: Sequence[ToolCall]) -> str:
@@ -59,57 +62,50 @@ def lark_grammar(arguments: Sequence[tuple[str, dict[str, Any]]], text: bool,
     plain text is allowed instead (`auto`); `parallel`: one call or more, else exactly one.
 
     Each tool's arguments are their own `%json` root, so a `$ref` in them resolves in the
-    tool's own `parameters`, as its author wrote it.
+    tool's own `parameters`, as its author wrote it. (Lark string literals are JSON
+    strings, hence `json.dumps`.)
     """
-    lines = ["%llguidance {}"]
     calls = "call (SEP call)*" if parallel else "call"
-    # Text is anything without the opening tag: `~` (llguidance's complement) of every
-    # string containing it, intersected with valid UTF-8.
-    lines.append(f"start: TEXT | {calls}" if text else f"start: {calls}")
+    lines = ["%llguidance {}", f"start: TEXT | {calls}" if text else f"start: {calls}"]
     if text:
+        # Anything without the opening tag: the complement (`~`) of every string holding
+        # it, intersected with valid UTF-8.
         lines.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex_literal(OPEN)}(?s:.*)/")
     lines.append(f"SEP: {json.dumps(SEPARATOR)}")
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(arguments))))
     for i, (name, schema) in enumerate(arguments):
         lines.append(f"call_{i}: {json.dumps(call_prefix(name), ensure_ascii=False)} args_{i} "
-                     f"{json.dumps('}' + SEPARATOR + CLOSE)}")
+                     f"{json.dumps(_TAIL)}")
         lines.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
 
 
 def _regex_literal(text: str) -> str:
     """`text` matched literally inside a Lark `/regex/` (which ends at an unescaped /)."""
-    out = ""
-    for ch in text:
-        out += "\\" + ch if ch in r"\.+*?()|[]{}^$/" else ch
-    return out
+    return "".join("\\" + ch if ch in r"\.+*?()|[]{}^$/" else ch for ch in text)
 
 
 def parse_calls(text: str) -> list[ToolCall] | None:
     """The calls an output makes, or None when it is not calls (plain text, or calls cut
     off before their end). Reads exactly the form `lark_grammar` allows."""
-    if not text.startswith(OPEN):
-        return None
     decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
     pos = 0
     while True:
-        head = f'{OPEN}\n{{"name": '
-        if not text.startswith(head, pos):
+        if not text.startswith(_HEAD, pos):
             return None
         try:
-            name, pos = decoder.raw_decode(text, pos + len(head))
-            if not isinstance(name, str) or not text.startswith(', "arguments": ', pos):
+            name, pos = decoder.raw_decode(text, pos + len(_HEAD))
+            if not isinstance(name, str) or not text.startswith(_ARGUMENTS, pos):
                 return None
-            start = pos + len(', "arguments": ')
+            start = pos + len(_ARGUMENTS)
             arguments, pos = decoder.raw_decode(text, start)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
-        tail = "}" + SEPARATOR + CLOSE
-        if not isinstance(arguments, dict) or not text.startswith(tail, pos):
+        if not isinstance(arguments, dict) or not text.startswith(_TAIL, pos):
             return None
         calls.append(ToolCall(name, text[start:pos]))
-        pos += len(tail)
+        pos += len(_TAIL)
         if pos == len(text):
             return calls
         if not text.startswith(SEPARATOR, pos):
