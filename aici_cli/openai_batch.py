@@ -5,7 +5,8 @@ Input lines are requests `{custom_id, method, url, body}` for `/v1/chat/completi
 the pipeline (validation, constraints, engine) is shared, and remembers which request
 field each line field came from, so that an error names the field the user wrote. The
 constraint fields (`response_format`, vLLM's structured outputs) are
-`request_constraints`. Output lines are
+`request_constraints`; chat's tool fields are the line's own (`jobs/tools.py`). Output
+lines are
 `{id, custom_id, response: {status_code, request_id, body}, error}` with the body of a
 chat completion or a text completion; aici-batch's own per-line figures ride along under
 `aici`, a field a consumer of the format ignores.
@@ -31,10 +32,12 @@ COMPLETIONS = "/v1/completions"
 
 # Request body fields mapped onto aici-batch's line fields (same meaning).
 _SAME = ("temperature", "top_p", "seed", "n")
+# The same, for chat requests only.
+_TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 # Accepted and ignored: they do not change what is generated here.
 _IGNORED = ("model", "user", "metadata", "store", "service_tier")
 _KNOWN = {"messages", "prompt", "max_tokens", "max_completion_tokens", "stop",
-          "stream", "logprobs", "top_logprobs", *BODY_FIELDS, *_SAME, *_IGNORED}
+          "stream", "logprobs", "top_logprobs", *BODY_FIELDS, *_SAME, *_TOOLS, *_IGNORED}
 # The keys of a request line; any one of them makes a line a request.
 _REQUEST_KEYS = ("custom_id", "method", "url", "body")
 
@@ -119,13 +122,16 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     else:
         if "messages" in body:
             raise RequestError(f"body.messages belongs to {CHAT}; {COMPLETIONS} takes prompt")
+        tools = [key for key in _TOOLS if body.get(key) is not None]
+        if tools:
+            raise RequestError(f"body.{tools[0]} belongs to {CHAT}, not to {COMPLETIONS}")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, list):
             raise RequestError("body.prompt must be one string (one request per line)")
         line["prompt"] = prompt
-    for key in _SAME:
+    for key in (*_SAME, *_TOOLS):
         if key in body and body[key] is not None:
             line[key] = body[key]
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -167,13 +173,16 @@ def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
 
 
 def _finish(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
 def _choice(result: dict[str, Any], index: int, chat: bool) -> dict[str, Any]:
     text = result.get("text", "")
     choice: dict[str, Any] = {"index": index}
-    if chat:
+    calls = result.get("tool_calls")
+    if chat and calls is not None:
+        choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+    elif chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
@@ -234,7 +243,9 @@ def to_output(result: dict[str, Any], request: Request | None, model: str,
         err = result.get("error", {})
         message = str(err.get("message", ""))
         if request is not None:
-            message = _request_names(message, request.fields)
+            # A message may name a tool field the request lacks ("needs 'tools'").
+            tools = tuple((key, f"body.{key}") for key in _TOOLS) if request.url == CHAT else ()
+            message = _request_names(message, (*tools, *request.fields))
         line["response"] = None
         line["error"] = {"code": err.get("type", "error"), "message": message}
         line["aici"] = _aici(result)
@@ -318,6 +329,10 @@ def as_result(line: dict[str, Any]) -> dict[str, Any]:
         message = choice.get("message") or {}
         return str(message.get("content") or choice.get("text") or "")
 
+    def calls_of(choice: dict[str, Any]) -> dict[str, Any]:
+        calls = (choice.get("message") or {}).get("tool_calls")
+        return {"tool_calls": calls} if calls else {}
+
     result: dict[str, Any] = {"id": line.get("custom_id") or str(own.get("index")),
                               "index": own.get("index")}
     if "input_sha256" in own:
@@ -335,7 +350,8 @@ def as_result(line: dict[str, Any]) -> dict[str, Any]:
         result["n"] = len(samples)
         result["choices"] = [
             {"index": i, "text": text_of(c), "finish_reason": c.get("finish_reason", "stop"),
-             **{k: f[k] for k in ("valid", "stats") if k in f}}
+             **{k: f[k] for k in ("valid", "stats") if k in f}, **calls_of(c)}
             for i, (c, f) in enumerate(zip(samples, figures))
         ]
+    result.update(calls_of(samples[0]))
     return result

@@ -57,8 +57,8 @@ def test_completion_request_and_json_object() -> None:
 
 
 @pytest.mark.parametrize(("req", "needle"), [
-    (request(messages=[], tools=[{}], logit_bias={}),
-     "unsupported body field(s): logit_bias, tools"),
+    (request(messages=[], functions=[{}], logit_bias={}),
+     "unsupported body field(s): functions, logit_bias"),
     ({**request(messages=[]), "extra": 1}, "unsupported request field(s): extra"),
     ({**request(messages=[]), "url": "/v1/embeddings"}, "url '/v1/embeddings' is not supported"),
     ({**request(messages=[]), "method": "GET"}, "method must be POST"),
@@ -137,8 +137,8 @@ def test_openai_batch_file_runs_unchanged(tiny_model_dir: Path, tmp_path: Path) 
         {"custom_id": "text-1", "method": "POST", "url": COMPLETIONS,
          "body": {"model": "any", "prompt": "Once upon", "max_tokens": 4, "n": 3,
                   "temperature": 1.0, "seed": 3}},
-        {"custom_id": "tools-1", "method": "POST", "url": CHAT,
-         "body": {"model": "any", "messages": [], "tools": []}},
+        {"custom_id": "functions-1", "method": "POST", "url": CHAT,
+         "body": {"model": "any", "messages": [], "functions": []}},
         "{not json",
     ]
     src, out = tmp_path / "batch.jsonl", tmp_path / "out.jsonl"
@@ -158,8 +158,8 @@ def test_openai_batch_file_runs_unchanged(tiny_model_dir: Path, tmp_path: Path) 
     jsonschema.validate(made, schema)
     text = by_id["text-1"]["response"]["body"]
     assert text["object"] == "text_completion" and len(text["choices"]) == 3
-    assert by_id["tools-1"]["response"] is None
-    assert "unsupported body field(s): tools" in by_id["tools-1"]["error"]["message"]
+    assert by_id["functions-1"]["response"] is None
+    assert "unsupported body field(s): functions" in by_id["functions-1"]["error"]["message"]
     # The three samples share one prompt: one computes it, the others take its keys.
     samples = by_id["text-1"]["aici"]["choices"]
     assert sorted(c["stats"]["cached_tokens"] > 0 for c in samples) == [False, True, True]

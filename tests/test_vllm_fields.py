@@ -204,18 +204,24 @@ def test_vllm_run_batch_inputs_run_unchanged(tiny_model_dir: Path, tmp_path: Pat
     for line in lines:
         jsonschema.validate(line, OUTPUT_SCHEMA)
     by_id = {line["custom_id"]: line for line in lines}
-    for answered in ("request-1", "request-2", "request-3", "request-7"):
+    for answered in ("request-1", "request-2", "request-3", "request-6", "request-7"):
         assert by_id[answered]["error"] is None
         assert by_id[answered]["response"]["status_code"] == 200
     # `model` is accepted and ignored: the run's model answers, whatever the request names.
     assert by_id["request-3"]["response"]["body"]["model"] == by_id["request-1"]["response"][
         "body"]["model"]
     assert by_id["request-7"]["response"]["body"]["object"] == "text_completion"
-    errors = {cid: by_id[cid]["error"]["message"] for cid in ("request-4", "request-5",
-                                                              "request-6")}
+    errors = {cid: by_id[cid]["error"]["message"] for cid in ("request-4", "request-5")}
     assert "url '/bad_url' is not supported" in errors["request-4"]
     assert 'body.stream must be false in a batch, got "True"' in errors["request-5"]
-    assert "unsupported body field(s): tool_choice, tools" in errors["request-6"]
+    # `tool_choice: "required"` within 12 tokens (of the tiny model's small vocabulary):
+    # the call is forced to start, and cut off it is no call (content holds it as written).
+    [choice] = by_id["request-6"]["response"]["body"]["choices"]
+    assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
+    content = choice["message"]["content"]
+    assert content.startswith("<tool_call>") and (
+        '<tool_call>\n{"name": "get_current_weather", "arguments": {"city": "'.startswith(content))
+    assert by_id["request-6"]["aici"]["valid"] is False
     assert all(by_id[cid]["response"] is None for cid in errors)
 
     # As `vllm run-batch` does: errors are in the output file, the exit status is 0.

@@ -27,6 +27,28 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# A template that reads `tools`, as Hermes's and Qwen's do: the tools in a system turn, an
+# assistant's calls as <tool_call> blocks (the form aici-batch's tool-call grammar writes),
+# a tool's result as a <|tool|> turn.
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "Tools:\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>"
+    "{{ eos_token }}\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "<tool_call>\n{{ {'name': call['function']['name'], "
+    "'arguments': call['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}{{ eos_token }}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 _WORD_TEXT = (
     "the a an model token batch prompt answer json schema regex value key name id "
     "quick brown fox jumps over lazy dog Alice Bob Paris London True False null yes no "
@@ -67,7 +89,7 @@ def _build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def build_tiny_model(directory: Path) -> Path:
+def build_tiny_model(directory: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a 2-layer Llama (hidden 64, tied embeddings) and its tokenizer to `directory`.
 
     Takes well under a second once transformers is imported. The global torch RNG is left
@@ -83,7 +105,7 @@ def build_tiny_model(directory: Path) -> Path:
         eos_token=EOS,
         model_max_length=2048,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
 
     bos_id, eos_id = backend.token_to_id(BOS), backend.token_to_id(EOS)
     config = LlamaConfig(

@@ -87,7 +87,7 @@ class LineIntake:
         """The prompt as text, and whether tokenizing it adds the special tokens (a raw
         prompt gets them; a rendered chat template has its own)."""
         if job.messages is not None:
-            return render_prompt(self.lm.tokenizer, job.messages), False
+            return render_prompt(self.lm.tokenizer, job.messages, job.tools), False
         assert job.prompt is not None
         return job.prompt, True
 
@@ -116,11 +116,11 @@ class LineIntake:
                                  self._closing(job))
 
     def _closing(self, job: Job) -> Closing | None:
-        """When a JSON line's value may be finished early (`--close-at-limit`,
-        `--loop-guard`)."""
+        """When a JSON line's value (or a tool call's arguments) may be finished early
+        (`--close-at-limit`, `--loop-guard`)."""
         cfg = self.config
         if not (cfg.close_at_limit or cfg.loop_guard) or job.constraint is None or (
-                job.constraint.kind != "json_schema"):
+                job.constraint.kind not in ("json_schema", "tool_calls")):
             return None
         if self._closer is None:
             self._closer = Closer(self.lm.tokenizer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aici_cli.control.tool_calls import tool_calls_field
 from aici_cli.engine.clock import ms
 from aici_cli.engine.generation import Finish, Generation
 from aici_cli.jobs import Job
@@ -26,6 +27,11 @@ def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, 
     }
     if gen.controller is not None:
         result.update(gen.controller.report(text))
+    calls = result.pop("calls", None)
+    if calls is not None and finish.reason in ("stop", "length"):
+        result["tool_calls"] = tool_calls_field(calls, gen.job.index, gen.job.id, gen.sample)
+        if finish.reason == "stop":
+            result["finish_reason"] = "tool_calls"
     if finish.error is not None:
         etype, message = finish.error
         result["error"] = {"type": etype, "message": f"line {gen.job.index}: {message}"}

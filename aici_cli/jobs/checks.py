@@ -215,7 +215,8 @@ def readable_id(obj: dict[str, Any]) -> str | None:
 
 # --------------------------------------------------------------- constraint size
 
-_CONSTRAINT_FIELDS = ("json_schema", "regex", "choices", "grammar", "whitespace_pattern")
+_CONSTRAINT_FIELDS = ("json_schema", "regex", "choices", "grammar", "whitespace_pattern",
+                      "tools")
 
 
 def _json_bytes(value: Any) -> int:

@@ -86,7 +86,7 @@ def error_rank(error: ValidationError) -> int:
 def describe(error: ValidationError) -> str:
     """Turn one jsonschema error into plain words naming the field and the problem."""
     kind = error.validator
-    where = field_path(list(error.path))
+    where = field_path(list(error.absolute_path))  # an `anyOf` branch's error: from the line
     field_ = f"field '{where}'"
     inst = error.instance
     value = error.validator_value
@@ -113,6 +113,12 @@ def describe(error: ValidationError) -> str:
             "at most one of 'json_schema', 'regex', 'choices' or 'grammar' may be given, "
             f"got {_quote_list(given)}"
         )
+    if kind in ("anyOf", "oneOf") and where and error.context:
+        return _alternatives(error, field_)
+    if kind == "enum":
+        return f"{field_} must be one of {', '.join(show(v) for v in value)}, got {show(inst)}"
+    if kind == "const":
+        return f"{field_} must be {show(value)}, got {show(inst)}"
     if kind == "minimum":
         return f"{field_} must be >= {value}, got {show(inst)}"
     if kind == "maximum":
@@ -134,3 +140,20 @@ def describe(error: ValidationError) -> str:
     if kind == "maxItems":
         return f"{field_} must have at most {value} items, got {len(inst)}"
     return f"{field_}: {error.message}" if where else error.message
+
+
+def _alternatives(error: ValidationError, field_: str) -> str:
+    """A field that may take one of several shapes: what is wrong with the value in the
+    shape of its own type (`"sometimes"` against the strings allowed, not against the
+    object form), or which types it may have."""
+    context = list(error.context or [])
+    # Each error's branch is the first step of its schema path; a branch whose type the
+    # value does not have says nothing more about it.
+    mismatched = [e for e in context if e.validator == "type" and not e.relative_path]
+    foreign = {e.relative_schema_path[0] for e in mismatched}
+    fitting = [e for e in context if e.relative_schema_path[0] not in foreign]
+    if fitting:
+        return describe(max(fitting, key=lambda e: len(e.relative_path)))
+    types = [t for e in mismatched for t in (
+        e.validator_value if isinstance(e.validator_value, list) else [e.validator_value])]
+    return f"{field_} must be {' or '.join(dict.fromkeys(types))}, got {show(error.instance)}"

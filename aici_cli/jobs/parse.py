@@ -7,6 +7,7 @@ caller writes as an error result, so every input line ends as exactly one result
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 import warnings
@@ -30,6 +31,7 @@ from aici_cli.jobs.checks import (
     unicode_problem,
 )
 from aici_cli.jobs.messages import describe, error_rank, line_error
+from aici_cli.jobs.tools import messages_problem, tool_constraint
 from aici_cli.jobs.types import Job, LineError, TranslateError
 from aici_cli.json_text import json_type
 
@@ -148,6 +150,9 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
     invalid = _validation_error(obj, index, id_)
     if invalid is not None:
         return invalid
+    problem = messages_problem(obj["messages"]) if "messages" in obj else None
+    if problem is not None:
+        return line_error(index, id_, "invalid_line", problem)
     constraint = _constraint(obj, index, id_, defaults)
     if not isinstance(constraint, LineError):
         constraint = _json_options(obj, constraint, index, id_)
@@ -180,6 +185,7 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
         id=id_ if id_ is not None else str(index),
         prompt=obj.get("prompt"),
         messages=[dict(m) for m in messages] if messages is not None else None,
+        tools=obj.get("tools"),
         max_tokens=int(obj.get("max_tokens", defaults.max_tokens)),
         temperature=float(obj.get("temperature", defaults.temperature)),
         top_p=float(obj.get("top_p", defaults.top_p)),
@@ -213,6 +219,18 @@ def _constraint(
 ) -> Constraint | LineError | None:
     """The line's own constraint, checked as far as can be without a tokenizer, or the
     default one."""
+    tools = tool_constraint(obj, defaults.max_depth)
+    if isinstance(tools, tuple):
+        return line_error(index, id_, *tools)
+    if tools is not None:
+        other = next((k for k in _KIND_FIELDS.values() if k in obj and k != "tools"), None)
+        if other is not None:
+            choice = json.dumps(obj.get("tool_choice", "auto"))
+            return line_error(index, id_, "invalid_line", (
+                f"field 'tools' with 'tool_choice' {choice} constrains the output to tool calls,"
+                f" which cannot be combined with '{other}' (a line takes one constraint; "
+                "'tool_choice' \"none\" shows the tools without calling them)"))
+        return tools
     if "json_schema" in obj:
         unusable = json_schema_problem(obj["json_schema"], defaults.max_depth)
         if unusable is not None:
@@ -270,4 +288,4 @@ def _json_options(obj: dict[str, Any], constraint: Constraint | None, index: int
 
 # How a line names each kind of constraint.
 _KIND_FIELDS = {"json_schema": "json_schema", "regex": "regex", "choice": "choices",
-                "lark": "grammar"}
+                "lark": "grammar", "tool_calls": "tools"}

@@ -27,6 +27,7 @@ class Job:
     score: bool = False  # rank the choice constraint's options instead of generating
     answer: str | None = None  # the expected text (an evaluation's gold answer)
     logprobs: int | None = None  # None: no logprobs; k: each token's and its top k
+    tools: list[dict[str, Any]] | None = None  # shown to the model with `messages`
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import llguidance
 import llguidance.hf
 import referencing
 
+from aici_cli.control import tool_calls
 from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar.limits import (
     GRAMMAR_LIMITS,
@@ -39,6 +40,8 @@ class CompiledGrammar:
     template: llguidance.LLMatcher
     warnings: list[str] = field(default_factory=list)
     validator: Any = None  # jsonschema validator of the original schema, for `valid`
+    # With tool calls: the validator of each tool's `parameters`, by tool name.
+    tools: dict[str, Any] = field(default_factory=dict)
 
 
 class GrammarCompiler:
@@ -96,6 +99,8 @@ class GrammarCompiler:
         if constraint.kind == "choice":
             grammar = llguidance.LLMatcher.grammar_from_lark(choices_grammar(constraint.value))
             return self._compile_grammar(constraint, grammar, "choices", "invalid_choices")
+        if constraint.kind == "tool_calls":
+            return self._compile_tools(constraint)
         raise GrammarError("invalid_constraint", f"unknown constraint kind {constraint.kind!r}")
 
     def _compile_grammar(self, constraint: Constraint, grammar: str, label: str,
@@ -109,7 +114,16 @@ class GrammarCompiler:
         return CompiledGrammar(constraint, matcher)
 
     def _compile_json(self, constraint: Constraint) -> CompiledGrammar:
-        original = constraint.value
+        prepared = self._prepare_json(constraint.value, constraint.whitespace,
+                                      constraint.permissive)
+        return CompiledGrammar(constraint, prepared.matcher, prepared.warnings,
+                               prepared.validator)
+
+    def _prepare_json(self, original: Any, whitespace: str | None, permissive: bool | None,
+                      where: str = "") -> _PreparedJson:
+        """`original` checked, rewritten (exclusive `oneOf`, closed objects unless
+        permissive) and compiled, relaxed as far as needed; raises `GrammarError`, whose
+        message starts with `where` (which schema it is, when there are several)."""
         # Before anything recursive (schema checks, rewrites) walks the schema.
         problem = schema_shape_problem(original)
         if problem is not None:
@@ -118,21 +132,20 @@ class GrammarCompiler:
         # a wasm segment, has not had it); a boolean schema needs none.
         problem = check_json_schema(original) if isinstance(original, dict) else None
         if problem is not None:
-            raise GrammarError("invalid_schema", f"invalid JSON schema: {problem}")
+            raise GrammarError("invalid_schema", f"{where}invalid JSON schema: {problem}")
         # An empty registry: a `$ref` to a URL must never be fetched (jsonschema's default
         # would open it), it fails validation instead.
         validator = jsonschema.validators.validator_for(original)(
             original, registry=referencing.Registry())
         schema = exclusive_one_of(original)
-        permissive = constraint.permissive
         strict = self.strict_json if permissive is None else not permissive
         if strict:
             schema = close_objects(schema)
         errors: list[str] = []
         for note, extra in RELAXATIONS:
+            # A JsonCompileOptions dict.
+            options: Any = {**json_options(whitespace), **extra}
             try:
-                # A JsonCompileOptions dict.
-                options: Any = {**json_options(constraint.whitespace), **extra}
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     schema, overrides=options
                 )
@@ -142,8 +155,8 @@ class GrammarCompiler:
             matcher, error = self._matcher(grammar)
             if matcher is not None:
                 warnings = [f"schema relaxed: {note}"] if note else []
-                return CompiledGrammar(constraint, matcher, warnings, validator)
-            too_large = _limit_error("JSON schema", error)
+                return _PreparedJson(schema, options, matcher, warnings, validator)
+            too_large = _limit_error(f"{where}JSON schema", error)
             if too_large is not None:
                 raise too_large  # a relaxed schema is no smaller: retrying only costs time
             errors.append(tidy_error(error))
@@ -151,7 +164,41 @@ class GrammarCompiler:
         message = errors[0] if errors[-1] == errors[0] else (
             f"{errors[0]} (and with {RELAXATIONS[-1][0]}: {errors[-1]})"
         )
-        raise GrammarError("unsupported_schema", f"JSON schema not supported: {message}")
+        raise GrammarError("unsupported_schema", f"{where}JSON schema not supported: {message}")
+
+    def _compile_tools(self, constraint: Constraint) -> CompiledGrammar:
+        """The grammar of an output that calls the constraint's tools (`tool_calls.py`):
+        each tool's `parameters` prepared as a JSON schema of its own, then one grammar."""
+        spec = constraint.value
+        arguments: list[tuple[str, dict[str, Any]]] = []
+        validators: dict[str, Any] = {}
+        warnings: list[str] = []
+        for tool in spec["tools"]:
+            name = tool["name"]
+            prepared = self._prepare_json(tool["parameters"], None, constraint.permissive,
+                                          f"parameters of tool {name!r}: ")
+            # `parameters` is always an object (the input line's schema says so).
+            arguments.append((name, {**prepared.schema, "x-guidance": prepared.options}))
+            validators[name] = prepared.validator
+            warnings += [f"tool {name!r}: {w}" for w in prepared.warnings]
+        lark = tool_calls.lark_grammar(arguments, text=spec["text"], parallel=spec["parallel"])
+        compiled = self._compile_grammar(constraint, llguidance.LLMatcher.grammar_from_lark(lark),
+                                         "tool call grammar", "unsupported_schema")
+        compiled.warnings = warnings
+        compiled.tools = validators
+        return compiled
+
+
+@dataclass
+class _PreparedJson:
+    """A JSON schema ready for llguidance: as rewritten, the options it compiled with, its
+    template matcher, what was relaxed, and the validator of the schema as written."""
+
+    schema: Any
+    options: dict[str, Any]
+    matcher: llguidance.LLMatcher
+    warnings: list[str]
+    validator: Any
 
 
 def _cache_key(constraint: Constraint) -> str | None:

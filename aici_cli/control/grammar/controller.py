@@ -10,6 +10,7 @@ from typing import Any
 import llguidance
 import torch
 
+from aici_cli.control import tool_calls
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.grammar.closing import HORIZON, MARGIN, Closer, is_loop
 from aici_cli.control.grammar.compiler import CompiledGrammar
@@ -138,21 +139,46 @@ class GrammarController(ControllerBase):
         return True
 
     def report(self, text: str) -> dict[str, Any]:
+        warnings = list(self.grammar.warnings)
+        kind = self.grammar.constraint.kind
         fields: dict[str, Any] = {}
-        if self.grammar.warnings:
-            fields["warnings"] = list(self.grammar.warnings)
-        if self.grammar.constraint.kind != "json_schema":
-            return fields
+        if kind == "json_schema":
+            fields = self._report_json(text, warnings)
+        elif kind == "tool_calls":
+            fields = self._report_calls(text, warnings)
+        if warnings:
+            fields["warnings"] = warnings
+        return fields
+
+    def _report_json(self, text: str, warnings: list[str]) -> dict[str, Any]:
+        """`json` (the output parsed) and `valid` (against the schema as written)."""
         try:
             value = json.loads(text)
         except (ValueError, RecursionError):  # also output nested past Python's stack
-            fields.update(json=None, valid=False)
-            return fields
-        try:
-            valid = bool(self.grammar.validator.is_valid(value))
-        except Exception as e:  # e.g. a $ref jsonschema cannot resolve: not validated
-            valid = False
-            fields.setdefault("warnings", []).append(
-                f"output could not be validated: {type(e).__name__}: {str(e)[:200]}")
-        fields.update(json=value, valid=valid)
-        return fields
+            return {"json": None, "valid": False}
+        return {"json": value, "valid": _is_valid(self.grammar.validator, value, warnings)}
+
+    def _report_calls(self, text: str, warnings: list[str]) -> dict[str, Any]:
+        """`calls` (the ToolCalls read from the output; the result line gives them ids) and
+        `valid` (every call names a tool and its arguments validate against that tool's
+        `parameters`), for an output that calls tools; nothing for a text answer. An output
+        cut off inside its calls has no calls and is not valid."""
+        if not text.startswith(tool_calls.OPEN):
+            return {}
+        calls = tool_calls.parse_calls(text)
+        if calls is None:
+            return {"valid": False}
+        validators = self.grammar.tools
+        valid = all(c.name in validators and _is_valid(validators[c.name],
+                                                       json.loads(c.arguments), warnings)
+                    for c in calls)
+        return {"calls": calls, "valid": valid}
+
+
+def _is_valid(validator: Any, value: Any, warnings: list[str]) -> bool:
+    """Whether `value` validates; False, with a warning, when it cannot be validated."""
+    try:
+        return bool(validator.is_valid(value))
+    except Exception as e:  # e.g. a $ref jsonschema cannot resolve: not validated
+        warnings.append(f"output could not be validated: {type(e).__name__}: {str(e)[:200]}")
+        return False
