@@ -18,8 +18,11 @@ from typing import Any
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
+# OpenAI's and vLLM's sampling fields: the line fields of the same names (null: unset).
+_SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty",
+             "min_tokens", "stop_token_ids", "ignore_eos", "top_k", "min_p")
 # Request body fields mapped onto aici-batch's line fields (same meaning).
-_SAME = ("temperature", "top_p", "seed", "n")
+_SAME = ("temperature", "top_p", "seed", "n", *_SAMPLING)
 # Accepted and ignored: they do not change what is generated here.
 _IGNORED = ("model", "user", "metadata", "store", "service_tier")
 _KNOWN = {"messages", "prompt", "max_tokens", "max_completion_tokens", "stop",

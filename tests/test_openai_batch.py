@@ -51,8 +51,8 @@ def test_completion_request_and_json_object() -> None:
 
 
 @pytest.mark.parametrize(("req", "needle"), [
-    (request(messages=[], tools=[{}], logit_bias={}),
-     "unsupported body field(s): logit_bias, tools"),
+    (request(messages=[], tools=[{}], audio={}),
+     "unsupported body field(s): audio, tools"),
     ({**request(messages=[]), "extra": 1}, "unsupported request field(s): extra"),
     ({**request(messages=[]), "url": "/v1/embeddings"}, "url '/v1/embeddings' is not supported"),
     ({**request(messages=[]), "method": "GET"}, "method must be POST"),
