@@ -60,8 +60,8 @@ def single_token(lm: LoadedModel, text: str) -> int:
 
 # ------------------------------------------------------------------ the math, by hand
 
-def rules(vocab: int = 6, prompt: tuple[int, ...] = (0,), **kw: Any) -> LogitRules:
-    made = LogitRules.of(job(1, **kw), list(prompt), vocab, {5}, torch.device("cpu"))
+def rules(prompt: tuple[int, ...] = (0,), **kw: Any) -> LogitRules:
+    made = LogitRules.of(job(1, **kw), list(prompt), {5})
     assert made is not None
     return made
 
@@ -76,7 +76,7 @@ def test_bias_then_repetition_then_frequency_and_presence_by_hand() -> None:
     b = rules(prompt=(0, 1), repetition_penalty=0.5)  # below 1: repeats are favoured
     c = rules(frequency_penalty=1.0, min_tokens=3)
     c.sync([3])
-    apply_rules(logits, [a, b, c], [[], [], [3, 1]], [False, False, True])
+    apply_rules(logits, [0, 1, 2], [a, b, c], [[], [], [3, 1]], [False, False, True])
     # a: bias first (-1 + 1.5 = 0.5, so token 1 is not a repeat and stays 0.5); then
     # repetition on the tokens of prompt + output (0: 2 / 2, 2: 0.5 / 2, 4: 3 / 2); then
     # 4: 1.5 - 0.5 * 2 - 0.25 and 2: 0.25 - 0.5 * 1 - 0.25.
@@ -88,18 +88,22 @@ def test_bias_then_repetition_then_frequency_and_presence_by_hand() -> None:
 
 
 def test_counts_follow_backtracks() -> None:
-    r = rules(frequency_penalty=1.0)
+    r = rules(frequency_penalty=1.0, repetition_penalty=2.0)
     r.sync([4, 4, 2])
     r.truncate([4, 4, 2], 1)  # a backtrack of 2
     r.sync([4, 3])
-    assert r.counts is not None and r.counts.tolist() == [0, 0, 0, 1, 1, 0]
+    assert r.counts == {4: 1, 3: 1}
+    logits = torch.full((1, 6), 4.0)
+    apply_rules(logits, [0], [r], None, [False])
+    # 0 is in the prompt, 3 and 4 in the output; 2 was backtracked away.
+    assert logits[0].tolist() == [2.0, 4.0, 4.0, 1.0, 1.0, 4.0]
 
 
 def test_lines_without_rules_build_none() -> None:
-    assert LogitRules.of(job(1), [0], 6, {5}, torch.device("cpu")) is None
+    assert LogitRules.of(job(1), [0], {5}) is None
     # Sampling filters and stopping fields do not touch the logits before the mask.
     plain = job(1, top_k=3, min_p=0.1, ignore_eos=True, stop_token_ids=frozenset({2}))
-    assert LogitRules.of(plain, [0], 6, {5}, torch.device("cpu")) is None
+    assert LogitRules.of(plain, [0], {5}) is None
 
 
 def test_top_k_and_min_p_keep_only_their_tokens() -> None:

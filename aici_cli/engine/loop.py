@@ -331,8 +331,7 @@ class Engine:
         for i, controller in enumerate(controllers):
             gen = Generation(job, line.prompt, controller, row_generator(job.seed, i),
                              started=self.now(), group=group, sample=i)
-            gen.rules = LogitRules.of(job, line.prompt, self.vocab_size, self.eos,
-                                      self.lm.device)
+            gen.rules = LogitRules.of(job, line.prompt, self.eos)
             if self.config.step_stats:
                 gen.steps = []
             if job.logprobs is not None:

@@ -3,10 +3,12 @@ repetition, frequency and presence penalties (vLLM's order), and `min_tokens`' h
 the tokens that would end the line.
 
 Only rows whose line sets one of them pay anything: a step where no row does never
-enters this module. A penalised row keeps its output-token counts up to date
-incrementally (a step adds its new tokens, a backtrack subtracts what it removed), so a
-step costs a few elementwise passes over [rows, V] for the rows that use rules, not a
-pass over their history. The rules apply in float32.
+enters this module. The work is sparse: a penalty touches only the tokens the row's prompt
+or output holds, a bias only its tokens, so a step costs a gather and a scatter over those
+entries for all such rows at once, never a pass over [rows, V]. Each row keeps its output
+tokens' counts up to date incrementally (a step adds its new tokens, a backtrack subtracts
+what it removed). The rules apply in float32 (the step's logits are widened first when
+the model's dtype is narrower, as vLLM does).
 
 Drafts stay exact: a draft token is checked against the argmax of its position's logits
 under the same rules, with the counts of the output followed by the draft tokens before
@@ -16,9 +18,10 @@ it (`draft_picks`).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from aici_cli.jobs import Job
@@ -36,112 +39,124 @@ class LogitRules:
     repetition: float
     frequency: float
     presence: float
-    bias: tuple[torch.Tensor, torch.Tensor] | None  # token ids [nb] long, biases [nb] fp32
+    bias_tokens: np.ndarray  # [nb] int64, ascending
+    bias_values: np.ndarray  # [nb] float32
     min_tokens: int
-    held: list[int]  # what min_tokens holds back: end-of-sequence and stop_token_ids
-    # With a penalty only: each token's count in the output ([V] float32), the output
-    # tokens counted so far, and (repetition only) the prompt's tokens ([V] bool).
-    counts: torch.Tensor | None = None
-    counted: int = 0
-    prompt_seen: torch.Tensor | None = None
+    held: np.ndarray  # [nh] int64: what min_tokens holds back: end-of-sequence, stop ids
+    prompt_tokens: np.ndarray  # [np] int64: the prompt's distinct tokens (repetition only)
+    prompt_set: frozenset[int] = frozenset()
+    counts: dict[int, int] = field(default_factory=dict)  # output token -> occurrences
+    counted: int = 0  # output tokens in `counts`
+    # Repetition only: the output's tokens that the prompt lacks (keys; an ordered set).
+    fresh: dict[int, None] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, job: Job, prompt: Sequence[int], vocab_size: int, eos: Collection[int],
-           device: torch.device) -> LogitRules | None:
+    def of(cls, job: Job, prompt: Sequence[int], eos: Collection[int]) -> LogitRules | None:
         """The rules of `job`'s generations, or None when it sets none."""
         if not job.adjusts_logits:
             return None
-        bias = None
-        if job.logit_bias:
-            ids, values = zip(*job.logit_bias)
-            bias = (torch.tensor(ids, dtype=torch.long, device=device),
-                    torch.tensor(values, dtype=torch.float32, device=device))
-        rules = cls(job.repetition_penalty, job.frequency_penalty, job.presence_penalty,
-                    bias, job.min_tokens, sorted(set(eos) | job.stop_token_ids))
-        if rules.penalised:
-            rules.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        if rules.repetition != 1.0:
-            rules.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            rules.prompt_seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
-        return rules
+        bias = np.array(job.logit_bias, dtype=np.float64).reshape(-1, 2)
+        prompt_set = frozenset(prompt) if job.repetition_penalty != 1.0 else frozenset()
+        return cls(job.repetition_penalty, job.frequency_penalty, job.presence_penalty,
+                   bias[:, 0].astype(np.int64), bias[:, 1].astype(np.float32),
+                   job.min_tokens, np.array(sorted(set(eos) | job.stop_token_ids), np.int64),
+                   np.array(sorted(prompt_set), np.int64), prompt_set)
 
     @property
     def penalised(self) -> bool:
         return bool(self.frequency or self.presence or self.repetition != 1.0)
 
     def sync(self, output: Sequence[int]) -> None:
-        """Count the output tokens appended since the last call."""
-        if self.counts is None or self.counted == len(output):
+        """Count the output tokens appended since the last call (penalties only)."""
+        if not self.penalised:
             return
-        new = torch.tensor(output[self.counted :], dtype=torch.long, device=self.counts.device)
-        self.counts.index_add_(0, new, torch.ones_like(new, dtype=torch.float32))
+        counts, fresh, repeats = self.counts, self.fresh, self.repetition != 1.0
+        for token in output[self.counted :]:
+            counts[token] = counts.get(token, 0) + 1
+            if repeats and token not in self.prompt_set:
+                fresh[token] = None
         self.counted = len(output)
 
     def truncate(self, output: Sequence[int], keep: int) -> None:
         """The output is about to be cut to its first `keep` tokens (a backtrack)."""
-        if self.counts is None or self.counted <= keep:
-            self.counted = min(self.counted, keep)
+        if not self.penalised:
             return
-        gone = torch.tensor(output[keep : self.counted], dtype=torch.long,
-                            device=self.counts.device)
-        self.counts.index_add_(0, gone, torch.full_like(gone, -1, dtype=torch.float32))
-        self.counted = keep
+        counts = self.counts
+        for token in output[keep : self.counted]:
+            counts[token] -= 1
+            if not counts[token]:
+                del counts[token]
+                self.fresh.pop(token, None)
+        self.counted = min(self.counted, keep)
 
 
-def apply_rules(logits: torch.Tensor, rules: Sequence[LogitRules],
+class _Entries:
+    """Sparse (row, token, value) entries of one kind of rule, gathered across rows and
+    turned into tensors at once (numpy in between: a Python list of thousands of ints is
+    slow to convert)."""
+
+    def __init__(self) -> None:
+        self.rows: list[np.ndarray] = []
+        self.cols: list[np.ndarray] = []
+        self.values: list[np.ndarray] = []
+
+    def add(self, row: int, cols: np.ndarray, values: np.ndarray | float = 0.0) -> None:
+        self.rows.append(np.full(len(cols), row, dtype=np.int64))
+        self.cols.append(cols)
+        self.values.append(np.broadcast_to(np.asarray(values, dtype=np.float32), cols.shape))
+
+    def index(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.from_numpy(np.concatenate(self.rows)).to(device),
+                torch.from_numpy(np.concatenate(self.cols)).to(device))
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(self.values)).to(device)
+
+
+def apply_rules(logits: torch.Tensor, rows: Sequence[int], rules: Sequence[LogitRules],
                 extra: Sequence[Sequence[int]] | None, hold: Sequence[bool]) -> None:
-    """Apply each row's rules to `logits` [n, V] (float32) in place: row i under `rules[i]`
-    (synced), as if its output were followed by `extra[i]`, its ending tokens held back
-    where `hold[i]`."""
+    """Apply `rules[i]` (synced) to row `rows[i]` of `logits` [n, V] (float32) in place, as
+    if its output were followed by `extra[i]`, its ending tokens held back where
+    `hold[i]`."""
     device = logits.device
-    biased = [(i, r.bias) for i, r in enumerate(rules) if r.bias is not None]
-    if biased:
-        rows = torch.cat([torch.full_like(ids, i) for i, (ids, _) in biased])
-        cols = torch.cat([ids for _, (ids, _) in biased])
-        values = torch.cat([values for _, (_, values) in biased])
-        logits.index_put_((rows, cols), values, accumulate=True)
-    penalised = [i for i, r in enumerate(rules) if r.counts is not None]
-    if penalised:
-        _penalize(logits, [rules[i] for i in penalised], penalised,
-                  [extra[i] for i in penalised] if extra is not None else None)
-    held = [(i, t) for i, r in enumerate(rules) if hold[i] for t in r.held]
-    if held:
-        at = torch.tensor(held, device=device)  # [h, 2]: row, token
-        logits[at[:, 0], at[:, 1]] = float("-inf")
+    bias, repeated, penalty, held = _Entries(), _Entries(), _Entries(), _Entries()
+    for i, (row, r) in enumerate(zip(rows, rules)):
+        if len(r.bias_tokens):
+            bias.add(row, r.bias_tokens, r.bias_values)
+        counts, fresh = r.counts, r.fresh
+        if extra is not None and extra[i]:  # a draft position: the draft tokens before it
+            counts, fresh = dict(counts), dict(fresh)
+            for token in extra[i]:
+                counts[token] = counts.get(token, 0) + 1
+                if r.repetition != 1.0 and token not in r.prompt_set:
+                    fresh[token] = None
+        if r.repetition != 1.0:  # each token once: the prompt's, then the output's others
+            repeated.add(row, np.concatenate(
+                [r.prompt_tokens, np.fromiter(fresh, dtype=np.int64, count=len(fresh))]),
+                r.repetition)
+        if counts and (r.frequency or r.presence):
+            tokens = np.fromiter(counts, dtype=np.int64, count=len(counts))
+            times = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+            penalty.add(row, tokens, -(r.frequency * times + r.presence))
+        if hold[i]:
+            held.add(row, r.held)
+    if bias.rows:
+        logits.index_put_(bias.index(device), bias.tensor(device), accumulate=True)
+    if repeated.rows:
+        at = repeated.index(device)
+        value, factor = logits[at], repeated.tensor(device)
+        logits[at] = torch.where(value > 0, value / factor, value * factor)
+    if penalty.rows:
+        logits.index_put_(penalty.index(device), penalty.tensor(device), accumulate=True)
+    if held.rows:
+        logits[held.index(device)] = float("-inf")
 
 
-def _penalize(logits: torch.Tensor, rules: list[LogitRules], at: list[int],
-              extra: list[Sequence[int]] | None) -> None:
-    """Repetition, then frequency and presence penalties on rows `at` of `logits`."""
-    device = logits.device
-    counts = torch.stack([r.counts for r in rules if r.counts is not None])  # [p, V], a copy
-    if extra is not None and any(extra):
-        rows = [i for i, e in enumerate(extra) for _ in e]
-        cols = [t for e in extra for t in e]
-        counts.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                          torch.ones(len(cols), device=device), accumulate=True)
-    index = torch.tensor(at, device=device)
-    sub = logits.index_select(0, index)  # [p, V]
-    in_output = counts > 0
-    if any(r.repetition != 1.0 for r in rules):
-        seen = in_output.clone()
-        for i, r in enumerate(rules):
-            if r.prompt_seen is not None:
-                seen[i] |= r.prompt_seen
-        rep = torch.tensor([r.repetition for r in rules], device=device)[:, None]
-        scale = torch.where(sub > 0, 1.0 / rep, rep)
-        sub = torch.where(seen, sub * scale, sub)
-    frequency = torch.tensor([r.frequency for r in rules], device=device)[:, None]
-    presence = torch.tensor([r.presence for r in rules], device=device)[:, None]
-    sub -= frequency * counts + presence * in_output
-    logits.index_copy_(0, index, sub)
-
-
-def only_held_allowed(disallowed: torch.Tensor, held: Sequence[int]) -> bool:
+def only_held_allowed(disallowed: torch.Tensor, held: np.ndarray) -> bool:
     """Whether a row's mask ([V] bool, True: disallowed) allows nothing but `held` tokens:
     then the constraint's end ends the line, min_tokens or not."""
     allowed = ~disallowed
-    allowed[list(held)] = False
+    allowed[torch.from_numpy(held)] = False
     return not bool(allowed.any())
 
 
@@ -159,7 +174,7 @@ def draft_picks(logits: torch.Tensor, rules: Sequence[LogitRules],
             flat_rules.append(r)
             extra.append(d[: j + 1])
             hold.append(length + j + 1 < r.min_tokens)
-    apply_rules(logits, flat_rules, extra, hold)
+    apply_rules(logits, range(len(flat_rules)), flat_rules, extra, hold)
     return logits.argmax(dim=-1).tolist()
 
 
@@ -185,10 +200,7 @@ def rules_before_masks(logits: torch.Tensor, gens: Sequence[Generation | None],
     if not ks:
         return logits
     logits = logits.float()  # a copy from a narrower dtype; else in place, as masks are
-    index = torch.tensor(ks, device=logits.device)
-    sub = logits.index_select(0, index)
-    apply_rules(sub, rules, None, hold)
-    logits.index_copy_(0, index, sub)
+    apply_rules(logits, ks, rules, None, hold)
     return logits
 
 
