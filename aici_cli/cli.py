@@ -77,6 +77,27 @@ def main() -> None:
               show_default=True)
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
               help="Default per-line sampling seed.")
+@click.option("--top-k", type=click.IntRange(-1), default=0, show_default=True,
+              help="With a temperature, sample among the K most likely tokens; 0 or -1: off.")
+@click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="With a temperature, drop tokens less likely than P times the most "
+                   "likely one; 0: off.")
+@click.option("--frequency-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0,
+              show_default=True,
+              help="Subtracted from a token's logit per time it occurs in the output.")
+@click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0,
+              show_default=True,
+              help="Subtracted from the logit of every token the output holds.")
+@click.option("--repetition-penalty", type=click.FloatRange(0.0, min_open=True), default=1.0,
+              show_default=True,
+              help="Divides positive logits and multiplies negative ones of the tokens in the "
+                   "prompt or output; 1: off.")
+@click.option("--min-tokens", type=click.IntRange(0), default=0, show_default=True,
+              help="Tokens generated before end-of-sequence, a stop token id or a stop "
+                   "string may end a line.")
+@click.option("--ignore-eos", is_flag=True,
+              help="Generate past end-of-sequence up to max_tokens (a constraint's end still "
+                   "ends a line).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--n", "n", type=click.IntRange(1, 128), default=1, show_default=True,
               help="Samples per line (lines may set their own `n`); they share the "
@@ -124,8 +145,9 @@ def main() -> None:
 @click.option("--logprobs-mode", type=click.Choice(["raw", "masked"]), default="raw",
               show_default=True,
               help="raw: the model's own distribution (as OpenAI and vLLM report); masked: "
-                   "the distribution the constraint leaves, renormalized over the allowed "
-                   "tokens (a fast-forwarded token then has logprob 0).")
+                   "the distribution the line's penalties, logit_bias and constraint leave, "
+                   "renormalized over the allowed tokens (a fast-forwarded token then has "
+                   "logprob 0).")
 @click.option("--close-at-limit", is_flag=True,
               help="When max_tokens is about to cut a JSON value off, finish it with the "
                    "shortest completion the schema allows (`stats.closed_early`).")
@@ -149,8 +171,10 @@ def main() -> None:
                    "from the output file. A run that cannot start still exits 2.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors.")
 def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
-        max_tokens: int, temperature: float, top_p: float, seed: int, stop: tuple[str, ...],
-        n: int, input_format: str, json_schema: str | None, regex: str | None, choices: str | None,
+        max_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
+        frequency_penalty: float, presence_penalty: float, repetition_penalty: float,
+        min_tokens: int, ignore_eos: bool, stop: tuple[str, ...], n: int, input_format: str,
+        json_schema: str | None, regex: str | None, choices: str | None,
         score: bool,
         json_permissive: bool, controller: str | None, controller_arg: str,
         controller_timeout_ms: int, no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
@@ -197,7 +221,11 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, stop=tuple(stop),
                              constraint=_constraint(json_schema, regex, choices), n=n,
-                             score=score, logprobs=logprobs),
+                             score=score, logprobs=logprobs, top_k=top_k, min_p=min_p,
+                             frequency_penalty=frequency_penalty,
+                             presence_penalty=presence_penalty,
+                             repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                             ignore_eos=ignore_eos),
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
         resume=resume, exit_zero_on_line_errors=exit_zero_on_line_errors,

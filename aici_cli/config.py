@@ -57,6 +57,14 @@ class JobDefaults:
     n: int = 1
     score: bool = False  # rank a line's choices by log-likelihood instead of generating
     logprobs: int | None = None  # top alternatives per token for every line; None: off
+    # Penalties, min_tokens, ignore_eos and the sampling filters (see jobs.types.Job).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
     # A line's size in UTF-8 bytes, without its line ending; checked before decoding.
     max_line_bytes: int = 8 * MIB
     # A line's `json_schema`, `regex` or `choices` as compact JSON: the grammar compiler's

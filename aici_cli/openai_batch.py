@@ -30,8 +30,11 @@ from aici_cli.request_constraints import BODY_FIELDS, RequestError, constraint_f
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
+# OpenAI's and vLLM's sampling fields: the line fields of the same names (null: unset).
+_SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty",
+             "min_tokens", "stop_token_ids", "ignore_eos", "top_k", "min_p")
 # Request body fields mapped onto aici-batch's line fields (same meaning).
-_SAME = ("temperature", "top_p", "seed", "n")
+_SAME = ("temperature", "top_p", "seed", "n", *_SAMPLING)
 # The same, for chat requests only.
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 # Accepted and ignored: they do not change what is generated here.

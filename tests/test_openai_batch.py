@@ -57,8 +57,8 @@ def test_completion_request_and_json_object() -> None:
 
 
 @pytest.mark.parametrize(("req", "needle"), [
-    (request(messages=[], functions=[{}], logit_bias={}),
-     "unsupported body field(s): functions, logit_bias"),
+    (request(messages=[], functions=[{}], audio={}),
+     "unsupported body field(s): audio, functions"),
     ({**request(messages=[]), "extra": 1}, "unsupported request field(s): extra"),
     ({**request(messages=[]), "url": "/v1/embeddings"}, "url '/v1/embeddings' is not supported"),
     ({**request(messages=[]), "method": "GET"}, "method must be POST"),

@@ -62,7 +62,8 @@ def propose_drafts(gens: Sequence[Generation | None], k: int,
                    eos: Collection[int]) -> list[list[int]]:
     """A draft per row (empty: none) of up to `k` tokens: greedy rows past their prefill,
     trimmed to what their controller accepts (a wasm guest's next answer cannot be
-    predicted: it accepts none), to the token budget and to before any end-of-sequence."""
+    predicted: it accepts none), to the token budget and to before any end-of-sequence or
+    stop token id. A row with logit rules is checked under them (`penalties.draft_picks`)."""
     drafts: list[list[int]] = [[] for _ in gens]
     if k < 2:
         return drafts
@@ -75,8 +76,9 @@ def propose_drafts(gens: Sequence[Generation | None], k: int,
         if n < 2:
             continue
         draft = lookup(gen.prompt, gen.output, n)
+        stop_ids = gen.job.stop_token_ids
         for j, token in enumerate(draft):
-            if token in eos:
+            if token in eos or token in stop_ids:
                 del draft[j:]
                 break
         if gen.controller is not None and draft:
@@ -89,7 +91,8 @@ def propose_drafts(gens: Sequence[Generation | None], k: int,
 def accept_draft(gen: Generation, draft: Sequence[int], picked: int,
                  predicted: Sequence[int], take: Callable[[Generation, int], float]) -> float:
     """Take the draft's tokens after `picked` while each is what the model predicts after
-    the one before (`predicted[j]`: its unmasked argmax after draft[j]), so the output is
+    the one before (`predicted[j]`: its unmasked argmax after draft[j], under the line's
+    penalties and biases), so the output is
     what greedy decoding gives; stop at anything else the generation does: finishing,
     fast-forward tokens, a backtrack. `take` appends a token as if it had been sampled
     and returns the controller's ms; returns their sum."""

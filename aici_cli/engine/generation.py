@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from aici_cli.control.base import Controller, Directive
+from aici_cli.engine.penalties import LogitRules
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job
 from aici_cli.stats import LineStats, StepTimes
@@ -66,6 +67,9 @@ class Generation:
     # With logprobs: one record per output token so far (None where none could be read).
     logprobs: list[dict[str, Any] | None] | None = None
     closing: bool = False  # finished, and took one more pass to read its last logprobs
+    rules: LogitRules | None = None  # penalties, logit_bias, min_tokens (None: none)
+    ids_checked: int = 0  # output tokens already searched for stop_token_ids
+    stop_floor: int | None = None  # chars of the first min_tokens tokens' text (stop strings)
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
@@ -129,7 +133,12 @@ class Generation:
                 "bad_backtrack",
                 f"backtrack of {n} tokens reaches past the prompt ({len(self.output)} generated)",
             )
-        del self.output[len(self.output) - n :]
+        keep = len(self.output) - n
+        if self.rules is not None:
+            self.rules.truncate(self.output, keep)
+        del self.output[keep:]
+        self.ids_checked = min(self.ids_checked, keep)
+        self.stop_floor = None
         if self.logprobs is not None:
             del self.logprobs[len(self.output) :]
         self.text_checked = 0  # the rewritten tail must be searched for stop strings again

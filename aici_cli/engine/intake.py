@@ -25,6 +25,18 @@ Emit = Callable[[dict[str, Any]], None]
 T = TypeVar("T")
 
 
+def token_ids_problem(job: Job, vocab_size: int) -> str | None:
+    """What is wrong with the token ids a line names (`logit_bias`, `stop_token_ids`) for
+    this model, or None: each must be below the vocabulary size (as vLLM checks)."""
+    for field, ids in (("logit_bias", [t for t, _ in job.logit_bias]),
+                       ("stop_token_ids", sorted(job.stop_token_ids))):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            return (f"field '{field}' has token id(s) {outside[:5]} outside the model's "
+                    f"vocabulary (ids 0 to {vocab_size - 1})")
+    return None
+
+
 class LineIntake:
     def __init__(self, lm: LoadedModel, config: EngineConfig, max_positions: int,
                  controller_factory: ControllerFactory | None = None) -> None:
@@ -53,6 +65,11 @@ class LineIntake:
         tokenized, becomes that line's error result (and None)."""
         if isinstance(item, LineError):
             emit(error_result(item))
+            return None
+        outside = token_ids_problem(item, self.lm.vocab_size)
+        if outside is not None:
+            emit(error_result(LineError(item.index, item.id, "invalid_line",
+                                        f"line {item.index}: {outside}")))
             return None
         return self.guard(item, emit, lambda: Prepared.of(item, self.tokenize(item)))
 

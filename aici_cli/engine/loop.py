@@ -37,6 +37,7 @@ from aici_cli.engine.intake import ControllerFactory, Emit, LineIntake
 from aici_cli.engine.logprobs import entry, fed_offsets, fill_fed, log_softmax
 from aici_cli.engine.masks import MaskVerdict, TokenMasks, apply_masks, controller_fault
 from aici_cli.engine.passes import ModelPass, PassOutput
+from aici_cli.engine.penalties import LogitRules, checked_draft_picks, rules_before_masks
 from aici_cli.engine.result_line import combine_samples, generation_result, with_answer
 from aici_cli.engine.rows import Prepared, RowTable
 from aici_cli.engine.sampling import row_generator, sample
@@ -154,6 +155,7 @@ class Engine:
         clock.mark("masks_ready")
         logits = out.next_token_logits(len(gens))
         raw_logprobs = self._next_logprobs(logits, gens, masked=False)
+        logits = rules_before_masks(logits, gens, verdict)
         greedy = apply_masks(logits, verdict)  # the failed rows now include empty masks
         next_logprobs = self._next_logprobs(logits, gens, masked=True) or raw_logprobs
         clock.mark("masked")
@@ -235,10 +237,13 @@ class Engine:
     @staticmethod
     def _sample(logits: torch.Tensor, greedy: list[int], real: list[int],
                 gens: list[Generation | None]) -> list[int]:
-        """One token for each row in `real` (greedy, or seeded temperature / top-p)."""
+        """One token for each row in `real` (greedy, or seeded temperature with min-p,
+        top-k and top-p)."""
         chosen = [g for g in (gens[k] for k in real) if g is not None]
         return sample(logits, greedy, real, [g.job.temperature for g in chosen],
-                      [g.job.top_p for g in chosen], [g.generator for g in chosen])
+                      [g.job.top_p for g in chosen], [g.generator for g in chosen],
+                      top_ks=[g.job.top_k for g in chosen],
+                      min_ps=[g.job.min_p for g in chosen])
 
     def _hand_over(self, gens: list[Generation | None], real: list[int], picked: list[int],
                    drafts: list[list[int]], out: PassOutput,
@@ -248,12 +253,12 @@ class Engine:
         the rows whose controller answered with a directive that directive; returns the
         controllers' ms."""
         b = len(gens)
-        predicted = out.draft_picks(b) if any(drafts) else []
+        predicted = checked_draft_picks(out, gens, drafts, b) if any(drafts) else []
         controller_ms = 0.0
         for k, token in zip(real, picked):
             gen = gens[k]
             assert gen is not None
-            if k in next_logprobs and token not in self.eos:
+            if k in next_logprobs and not self._ends(gen, token):
                 self._record_logprob(gen, next_logprobs[k], token)
             controller_ms += self._commit(gen, token, times)
             if drafts[k]:
@@ -326,6 +331,7 @@ class Engine:
         for i, controller in enumerate(controllers):
             gen = Generation(job, line.prompt, controller, row_generator(job.seed, i),
                              started=self.now(), group=group, sample=i)
+            gen.rules = LogitRules.of(job, line.prompt, self.eos)
             if self.config.step_stats:
                 gen.steps = []
             if job.logprobs is not None:
@@ -395,12 +401,17 @@ class Engine:
         gen.stats.controller_ms += spent
         return changed, spent
 
+    def _ends(self, gen: Generation, token: int) -> bool:
+        """Whether sampling `token` ends the generation rather than appending it: EOS, but
+        with ignore_eos only where a controller takes it (a constraint's end)."""
+        return token in self.eos and not (gen.job.ignore_eos and gen.controller is None)
+
     def _take_token(self, gen: Generation, token: int) -> float:
         """`token` follows the generation's tokens (all in the cache): end at EOS (unless
         the controller takes it as a segment's end), or append it and ask the controller
         what follows. Returns the controller's ms."""
         controller = gen.controller
-        if token in self.eos:
+        if self._ends(gen, token):
             if controller is None:
                 gen.finish = Finish("stop")
                 return 0.0
@@ -436,7 +447,7 @@ class Engine:
             gen.stats.ttft_ms = ms(gen.started, self.now())
         ff_before = gen.stats.ff_tokens
         controller_ms = self._take_token(gen, token)
-        gen.record_step(times, sampled=0 if token in self.eos else 1,
+        gen.record_step(times, sampled=0 if self._ends(gen, token) else 1,
                           ff_tokens=gen.stats.ff_tokens - ff_before,
                           controller_ms=controller_ms)
         return controller_ms
@@ -457,12 +468,20 @@ class Engine:
                           controller_ms=0.0)
 
     def _check_limits(self, gen: Generation) -> bool:
-        """Finish on max_tokens or a stop string; True when the generation is finished."""
+        """Finish on a stop token id, a stop string or max_tokens; True when the
+        generation is finished."""
         if gen.finish is not None:
             return True
-        if gen.job.stop:
-            text = self.lm.tokenizer.decode(gen.output, skip_special_tokens=True)
-            hit = find_stop(text, gen.job.stop, gen.text_checked)
+        if gen.job.stop_token_ids and self._stop_token(gen):
+            return True
+        job = gen.job
+        if job.stop and len(gen.output) > job.min_tokens:
+            decode = self.lm.tokenizer.decode
+            text = decode(gen.output, skip_special_tokens=True)
+            if gen.stop_floor is None:  # no stop string may end within min_tokens' text
+                gen.stop_floor = len(decode(gen.output[: job.min_tokens],
+                                            skip_special_tokens=True)) if job.min_tokens else 0
+            hit = find_stop(text, job.stop, gen.text_checked, gen.stop_floor)
             gen.text_checked = len(text)
             if hit is not None:
                 gen.finish = Finish("stop", text_end=hit)
@@ -470,4 +489,19 @@ class Engine:
         if len(gen.output) >= gen.job.max_tokens:
             gen.finish = Finish("length")
             return True
+        return False
+
+    @staticmethod
+    def _stop_token(gen: Generation) -> bool:
+        """End at the first of the line's stop_token_ids in the output from min_tokens on,
+        sampled or fast-forwarded alike: it and what follows it are cut off (as vLLM
+        leaves a stop token out of the text). True when it ended."""
+        ids = gen.job.stop_token_ids
+        output = gen.output
+        for at in range(max(gen.ids_checked, gen.job.min_tokens), len(output)):
+            if output[at] in ids:
+                gen.backtrack(len(output) - at)
+                gen.finish = Finish("stop")
+                return True
+        gen.ids_checked = len(output)
         return False

@@ -1,4 +1,5 @@
-"""Token sampling: greedy at temperature 0, temperature/top-p otherwise.
+"""Token sampling: greedy at temperature 0; otherwise temperature, then min-p, top-k and
+top-p (vLLM's order), each filter only where a row sets it.
 
 Each row draws its uniform number from its own `torch.Generator`, seeded from the line,
 so a line's output does not depend on which other lines share its batch. The draw is
@@ -32,17 +33,24 @@ def sample(
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator],
+    top_ks: Sequence[int] | None = None,
+    min_ps: Sequence[float] | None = None,
 ) -> list[int]:
     """Pick one token for each of `rows` (indices into logits [b, V], already masked with
     -inf, in any float dtype). Greedy rows take `greedy[row]` (the argmax the caller already
-    has); rows with a temperature are sampled in fp32."""
+    has); rows with a temperature are sampled in fp32. `top_ks` (0: off) and `min_ps`
+    (0: off) are per row like `temperatures`."""
     out = [greedy[r] for r in rows]
     hot = [i for i, t in enumerate(temperatures) if t >= MIN_TEMPERATURE]
     if not hot:
         return out
     temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32)[:, None]
-    hot_logits = logits[[rows[i] for i in hot]].float().cpu()
-    probs = torch.softmax(hot_logits / temps, dim=-1)  # [h, V]
+    hot_logits = logits[[rows[i] for i in hot]].float().cpu() / temps  # [h, V]
+    if min_ps is not None and any(min_ps[i] > 0 for i in hot):
+        hot_logits = _min_p(hot_logits, torch.tensor([min_ps[i] for i in hot]))
+    if top_ks is not None and any(top_ks[i] > 0 for i in hot):
+        hot_logits = _top_k(hot_logits, [top_ks[i] for i in hot])
+    probs = torch.softmax(hot_logits, dim=-1)  # [h, V]
     top_p = torch.tensor([top_ps[i] for i in hot], dtype=torch.float32)[:, None]
     if bool((top_p < 1.0).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -61,3 +69,21 @@ def sample(
             tok = int((probs[k] > 0).nonzero()[-1])
         out[i] = tok
     return out
+
+
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop the tokens whose probability is below `min_p` [h] times the row's most likely
+    token's (at the sampling temperature)."""
+    probs = torch.softmax(logits, dim=-1)
+    floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def _top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+    """Keep each row's `top_k` most likely tokens (0: all; ties with the k-th stay)."""
+    vocab = logits.shape[-1]
+    ks = [min(k, vocab) if k > 0 else 0 for k in top_k]
+    on = torch.tensor([k > 0 for k in ks])[:, None]
+    values = logits.topk(max(ks), dim=-1).values  # [h, kmax], descending
+    kth = values.gather(-1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])
+    return logits.masked_fill(on & (logits < kth), float("-inf"))

@@ -127,6 +127,8 @@ def describe(error: ValidationError) -> str:
         return f"{field_} must be > {value}, got {show(inst)}"
     if kind == "exclusiveMaximum":
         return f"{field_} must be < {value}, got {show(inst)}"
+    if kind == "pattern" and "propertyNames" in error.schema_path:
+        return f"{field_} key {show(inst)} is not a token id (a string of at most 18 digits)"
     if kind in ("minLength", "pattern") and isinstance(inst, str) and not inst.strip():
         return f"{field_} must not be empty"
     if kind == "minLength":

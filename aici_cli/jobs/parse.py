@@ -174,6 +174,12 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
     if "logprobs" not in obj:
         logprobs = defaults.logprobs
 
+    max_tokens = int(obj.get("max_tokens", defaults.max_tokens))
+    min_tokens = int(obj.get("min_tokens", defaults.min_tokens))
+    if min_tokens > max_tokens:
+        return line_error(index, id_, "invalid_line", f"field 'min_tokens' must be at most "
+                          f"max_tokens ({max_tokens}), got {min_tokens}")
+
     extra: dict[str, Any] = {}
     if "controller_arg" in obj:
         extra["controller_arg"] = obj["controller_arg"]
@@ -186,7 +192,7 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
         prompt=obj.get("prompt"),
         messages=[dict(m) for m in messages] if messages is not None else None,
         tools=obj.get("tools"),
-        max_tokens=int(obj.get("max_tokens", defaults.max_tokens)),
+        max_tokens=max_tokens,
         temperature=float(obj.get("temperature", defaults.temperature)),
         top_p=float(obj.get("top_p", defaults.top_p)),
         seed=int(obj.get("seed", defaults.seed)),
@@ -197,7 +203,22 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
         score=score,
         answer=obj.get("answer"),
         logprobs=logprobs,
+        frequency_penalty=float(obj.get("frequency_penalty", defaults.frequency_penalty)),
+        presence_penalty=float(obj.get("presence_penalty", defaults.presence_penalty)),
+        repetition_penalty=float(obj.get("repetition_penalty", defaults.repetition_penalty)),
+        logit_bias=_logit_bias(obj.get("logit_bias", {})),
+        min_tokens=min_tokens,
+        stop_token_ids=frozenset(int(t) for t in obj.get("stop_token_ids", ())),
+        ignore_eos=bool(obj.get("ignore_eos", defaults.ignore_eos)),
+        top_k=max(0, int(obj.get("top_k", defaults.top_k))),  # -1 is off too (vLLM)
+        min_p=float(obj.get("min_p", defaults.min_p)),
     )
+
+
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs, ids ascending; "7" and "007" are one id (the last wins, as
+    in vLLM)."""
+    return tuple(sorted({int(t): float(b) for t, b in bias.items()}.items()))
 
 
 def _validation_error(obj: dict[str, Any], index: int, id_: str | None) -> LineError | None:

@@ -28,6 +28,24 @@ class Job:
     answer: str | None = None  # the expected text (an evaluation's gold answer)
     logprobs: int | None = None  # None: no logprobs; k: each token's and its top k
     tools: list[dict[str, Any]] | None = None  # shown to the model with `messages`
+    # Logit rules applied before the constraint's mask (engine/penalties.py), vLLM's
+    # semantics; the defaults leave the logits untouched.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are held back until then
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False  # end-of-sequence does not end an unconstrained line
+    # Sampling filters of a line with a temperature (greedy lines ignore them).
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a rule of `engine/penalties.py` changes this line's logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
 
 
 @dataclass(frozen=True)
