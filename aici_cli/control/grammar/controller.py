@@ -141,6 +141,8 @@ class GrammarController(ControllerBase):
         fields: dict[str, Any] = {}
         if self.grammar.warnings:
             fields["warnings"] = list(self.grammar.warnings)
+        if self.grammar.relaxed:  # `valid` below is still against the original schema
+            fields["relaxed"] = list(self.grammar.relaxed)
         if self.grammar.constraint.kind != "json_schema":
             return fields
         try:
