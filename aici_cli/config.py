@@ -31,6 +31,9 @@ class EngineConfig:
     # output that would have finished on its own.
     close_at_limit: bool = False
     loop_guard: bool = False
+    # Times a line generated with a relaxed schema (`--schema-fallback relax`) is generated
+    # again, with another seed, when its output does not validate (engine/retry.py).
+    schema_retries: int = 2
 
 
 MIB = 1024 * 1024
@@ -54,6 +57,7 @@ class JobDefaults:
     n: int = 1
     score: bool = False  # rank a line's choices by log-likelihood instead of generating
     logprobs: int | None = None  # top alternatives per token for every line; None: off
+    schema_fallback: str = "off"  # "relax": relax JSON schemas the grammar engine refuses
     # A line's size in UTF-8 bytes, without its line ending; checked before decoding.
     max_line_bytes: int = 8 * MIB
     # A line's `json_schema`, `regex` or `choices` as compact JSON: the grammar compiler's

@@ -66,6 +66,8 @@ class Generation:
     # With logprobs: one record per output token so far (None where none could be read).
     logprobs: list[dict[str, Any] | None] | None = None
     closing: bool = False  # finished, and took one more pass to read its last logprobs
+    # The results of the line's earlier attempts (a relaxed schema's retries, retry.py).
+    earlier: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)

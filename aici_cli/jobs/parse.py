@@ -185,6 +185,7 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
         score=score,
         answer=obj.get("answer"),
         logprobs=logprobs,
+        schema_fallback=str(obj.get("schema_fallback", defaults.schema_fallback)),
     )
 
 

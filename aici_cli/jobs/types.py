@@ -27,6 +27,10 @@ class Job:
     score: bool = False  # rank the choice constraint's options instead of generating
     answer: str | None = None  # the expected text (an evaluation's gold answer)
     logprobs: int | None = None  # None: no logprobs; k: each token's and its top k
+    # "relax": a JSON schema the grammar engine refuses is relaxed until it compiles
+    # (control/grammar/relax.py); "off": it is the line's error.
+    schema_fallback: str = "off"
+    attempt: int = 0  # 0, or which retry of a relaxed line this is (engine/retry.py)
 
 
 @dataclass(frozen=True)
