@@ -4,16 +4,19 @@ closest schema it enforces.
 Each step reads llguidance's error and changes only what that error names: it drops the
 keywords llguidance does not implement (`not`, `dependencies`, `if`/`then`/`else`, ...),
 formats it does not know, and `pattern`s its regex engine refuses (lookarounds,
-backreferences); it inlines a `$ref` that llguidance cannot merge with the keys beside it
-(exact), and drops that `$ref` when inlining it once did not help; for a property that
-cannot be satisfied it leaves objects open to undeclared keys, then leaves `oneOf` branches
-overlapping (both rewrites only ever narrow the schema, see `schema_rewrite.py`), then
-drops the property from `required`. When no rule applies, the smallest subschema whose
-replacement by `{}` lets the schema compile is replaced. Every step is recorded as a short
-string; the output is still validated against the original schema.
+backreferences); a recursive `$ref` that llguidance would have to merge with other keys is
+rewritten exactly where it can be, else the fewest such references that stop the error are
+dropped (`_circular_ref`); for a property that cannot be satisfied it leaves objects open
+to undeclared keys, then leaves `oneOf` branches overlapping (both rewrites only ever narrow
+the schema, see `schema_rewrite.py`), then drops the property from `required`. When no rule
+applies, the deepest subschema whose replacement by `{}` lets the schema compile is
+replaced. Every step is recorded as a short string; the output is still validated against
+the original schema.
 
 The rules work on the user's schema (a copy); the usual rewrites (`exclusive_one_of`,
-`close_objects`) are applied to it afresh before each compile.
+`close_objects`) are applied to it afresh before each compile. Searches compile the schema
+again and again (`Checks.probe`), so they are bounded (`MAX_SEARCH_PROBES`), as is the
+whole (`MAX_RELAX_STEPS`, and the compiler's `RELAX_SECONDS`).
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from urllib.parse import unquote
 
 from aici_cli.control.grammar.schema_rewrite import close_objects, exclusive_one_of
 
-# Steps before giving up. The 4,622 JSONSchemaBench dev schemas need at most 4.
+# Steps before giving up. Of the 4,622 JSONSchemaBench dev schemas, the 45 that need relaxing
+# take 3 steps (median), 11 at most (large recursive schemas).
 MAX_RELAX_STEPS = 16
 
-# Compiles the last-resort search may spend (each a few ms on real schemas).
+# Compiles one search may spend (each 1-100 ms on real schemas).
 MAX_SEARCH_PROBES = 64
 
 # Paths listed per step; the rest are counted.
@@ -71,6 +75,7 @@ class SchemaNode:
 
 
 def pointer(path: str) -> str:
+    """A JSON pointer as shown in a step: the root is "/"."""
     return path or "/"
 
 
