@@ -116,6 +116,16 @@ def main() -> None:
               help="Rank each line's choices by the log-probability the model gives them "
                    "after the prompt instead of generating (multiple-choice evals): `text` "
                    "is the best choice, `scores` has them all.")
+@click.option("--schema-fallback", type=click.Choice(["off", "relax"]), default="off",
+              show_default=True,
+              help="When the grammar engine cannot enforce a line's JSON schema: off, the line "
+                   "is an `unsupported_schema` error; relax, generate with the closest schema "
+                   "it can enforce (`relaxed` lists what was dropped), validate the output "
+                   "against the original (`valid`) and retry when it does not validate. "
+                   "Lines may set `schema_fallback` themselves.")
+@click.option("--schema-retries", type=click.IntRange(0, 100), default=2, show_default=True,
+              help="With relax: times a line is generated again, with the next seed (sampled "
+                   "at 0.7 if the line is greedy), while its output does not validate.")
 @click.option("--json-permissive", is_flag=True,
               help="Let objects carry keys their schema does not declare (JSON Schema's own "
                    "default). By default undeclared keys are disallowed where a schema is "
@@ -175,7 +185,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         frequency_penalty: float, presence_penalty: float, repetition_penalty: float,
         min_tokens: int, ignore_eos: bool, stop: tuple[str, ...], n: int, input_format: str,
         json_schema: str | None, regex: str | None, choices: str | None,
-        score: bool,
+        score: bool, schema_fallback: str, schema_retries: int,
         json_permissive: bool, controller: str | None, controller_arg: str,
         controller_timeout_ms: int, no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
         lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
@@ -217,6 +227,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                             prefix_cache=not no_prefix_cache, lookahead=lookahead,
                             logprobs_mode=logprobs_mode, close_at_limit=close_at_limit,
                             loop_guard=loop_guard, deterministic=deterministic,
+                            schema_retries=schema_retries,
                             strict_json=not json_permissive),
         defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, stop=tuple(stop),
@@ -225,7 +236,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                              frequency_penalty=frequency_penalty,
                              presence_penalty=presence_penalty,
                              repetition_penalty=repetition_penalty, min_tokens=min_tokens,
-                             ignore_eos=ignore_eos),
+                             ignore_eos=ignore_eos, schema_fallback=schema_fallback),
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
         resume=resume, exit_zero_on_line_errors=exit_zero_on_line_errors,

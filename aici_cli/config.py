@@ -34,6 +34,9 @@ class EngineConfig:
     # Batch-invariant forward passes (engine/invariant.py): a line's tokens do not depend
     # on its batch, row, drafts or prefix-cache hits. Off by default: it costs throughput.
     deterministic: bool = False
+    # Times a line generated with a relaxed schema (`--schema-fallback relax`) is generated
+    # again, with another seed, when its output does not validate (engine/retry.py).
+    schema_retries: int = 2
 
 
 MIB = 1024 * 1024
@@ -65,6 +68,7 @@ class JobDefaults:
     ignore_eos: bool = False
     top_k: int = 0
     min_p: float = 0.0
+    schema_fallback: str = "off"  # "relax": relax JSON schemas the grammar engine refuses
     # A line's size in UTF-8 bytes, without its line ending; checked before decoding.
     max_line_bytes: int = 8 * MIB
     # A line's `json_schema`, `regex` or `choices` as compact JSON: the grammar compiler's

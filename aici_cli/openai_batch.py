@@ -227,7 +227,8 @@ def _completion_logprobs(entries: list[dict[str, Any] | None]) -> dict[str, Any]
 
 def _aici(result: dict[str, Any]) -> dict[str, Any]:
     """aici-batch's own figures for the line (input line number, stats, validity)."""
-    keep = ("index", "input_sha256", "valid", "warnings", "stats", "outputs", "logs")
+    keep = ("index", "input_sha256", "valid", "relaxed", "attempts", "warnings", "stats",
+            "outputs", "logs")
     out = {k: result[k] for k in keep if k in result}
     if "choices" in result:
         out["choices"] = [{k: c[k] for k in ("index", "valid", "stats") if k in c}
@@ -345,7 +346,7 @@ def as_result(line: dict[str, Any]) -> dict[str, Any]:
     result["finish_reason"] = "error" if error else samples[0].get("finish_reason", "stop")
     if error:
         result["error"] = {"type": str(error.get("code")), "message": str(error.get("message"))}
-    for key in ("valid", "warnings", "outputs", "logs"):
+    for key in ("valid", "relaxed", "attempts", "warnings", "outputs", "logs"):
         if key in own:
             result[key] = own[key]
     result["stats"] = own.get("stats", {})

@@ -70,6 +70,8 @@ class Generation:
     rules: LogitRules | None = None  # penalties, logit_bias, min_tokens (None: none)
     ids_checked: int = 0  # output tokens already searched for stop_token_ids
     stop_floor: int | None = None  # chars of the first min_tokens tokens' text (stop strings)
+    # The results of the line's earlier attempts (a relaxed schema's retries, retry.py).
+    earlier: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)

@@ -129,8 +129,9 @@ class LineIntake:
                 return custom
         if job.constraint is None:
             return None
-        return GrammarController(self.compiler.compile(job.constraint), self.config.fast_forward,
-                                 self._closing(job))
+        relax = job.schema_fallback == "relax"
+        return GrammarController(self.compiler.compile(job.constraint, relax),
+                                 self.config.fast_forward, self._closing(job))
 
     def _closing(self, job: Job) -> Closing | None:
         """When a JSON line's value (or a tool call's arguments) may be finished early

@@ -39,6 +39,7 @@ from aici_cli.engine.masks import MaskVerdict, TokenMasks, apply_masks, controll
 from aici_cli.engine.passes import ModelPass, PassOutput
 from aici_cli.engine.penalties import LogitRules, checked_draft_picks, rules_before_masks
 from aici_cli.engine.result_line import combine_samples, generation_result, with_answer
+from aici_cli.engine.retry import next_attempt, with_attempts
 from aici_cli.engine.rows import Prepared, RowTable
 from aici_cli.engine.sampling import row_generator, sample
 from aici_cli.engine.scoring import (
@@ -330,7 +331,7 @@ class Engine:
         waiting = []
         for i, controller in enumerate(controllers):
             gen = Generation(job, line.prompt, controller, row_generator(job.seed, i),
-                             started=self.now(), group=group, sample=i)
+                             started=self.now(), group=group, sample=i, earlier=line.earlier)
             gen.rules = LogitRules.of(job, line.prompt, self.eos)
             if self.config.step_stats:
                 gen.steps = []
@@ -366,7 +367,7 @@ class Engine:
 
     def _finish(self, gen: Generation, emit: Emit) -> None:
         """Emit a finished generation's result, or, for a sample, the line's result once
-        its last sample finishes."""
+        its last sample finishes, or start the line's next attempt (retry.py)."""
         result = generation_result(gen, self.lm.tokenizer, self.now())
         if gen.score_from is not None and result["finish_reason"] != "error":
             result["score"] = score_fields(gen.choice, gen.logprob,
@@ -378,7 +379,20 @@ class Engine:
                 return
             combine = combine_scores if group.scoring else combine_samples
             result = combine([r for r in group.results if r is not None])
+        else:
+            retry = next_attempt(gen.job, result, self.config.schema_retries)
+            if retry is not None:
+                self._retry(Prepared.of(retry, gen.prompt, [*gen.earlier, result]), emit)
+                return
+            result = with_attempts(result, gen.earlier)
         emit(with_answer(gen.job, result))
+
+    def _retry(self, line: Prepared, emit: Emit) -> None:
+        """Admit a line again, as its next attempt: its generation waits for a row with the
+        samples of lines already started, ahead of new lines, and is admitted even after
+        an interrupt stops new lines (a started line must still get its result). Its row
+        still holds the prompt's keys (prefix cache)."""
+        self.rows.waiting.extend(self._launch(line, emit))
 
     # ------------------------------------------------------------------- controllers
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -48,10 +49,12 @@ class Prepared:
     job: Job
     prompt: list[int]
     tokens: np.ndarray  # the prompt, for prefix comparisons
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # results of past attempts
 
     @classmethod
-    def of(cls, job: Job, prompt: list[int]) -> Prepared:
-        return cls(job, prompt, np.asarray(prompt, dtype=np.int64))
+    def of(cls, job: Job, prompt: list[int],
+           earlier: list[dict[str, Any]] | None = None) -> Prepared:
+        return cls(job, prompt, np.asarray(prompt, dtype=np.int64), earlier or [])
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

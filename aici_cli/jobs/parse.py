@@ -212,6 +212,7 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
         ignore_eos=bool(obj.get("ignore_eos", defaults.ignore_eos)),
         top_k=max(0, int(obj.get("top_k", defaults.top_k))),  # -1 is off too (vLLM)
         min_p=float(obj.get("min_p", defaults.min_p)),
+        schema_fallback=str(obj.get("schema_fallback", defaults.schema_fallback)),
     )
 
 

@@ -46,6 +46,10 @@ class Job:
         """Whether a rule of `engine/penalties.py` changes this line's logits."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.min_tokens)
+    # "relax": a JSON schema the grammar engine refuses is relaxed until it compiles
+    # (control/grammar/relax.py); "off": it is the line's error.
+    schema_fallback: str = "off"
+    attempt: int = 0  # 0, or which retry of a relaxed line this is (engine/retry.py)
 
 
 @dataclass(frozen=True)

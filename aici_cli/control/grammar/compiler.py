@@ -17,11 +17,14 @@ from aici_cli.control import tool_calls
 from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar.limits import (
     GRAMMAR_LIMITS,
+    RELAX_SECONDS,
     is_limit_error,
     schema_shape_problem,
     tidy_error,
 )
+from aici_cli.control.grammar.relax import MAX_RELAX_STEPS, Checks, Relaxation, relax_step
 from aici_cli.control.grammar.schema_rewrite import (
+    JSON_OPTIONS,
     RELAXATIONS,
     choices_grammar,
     close_objects,
@@ -42,6 +45,7 @@ class CompiledGrammar:
     validator: Any = None  # jsonschema validator of the original schema, for `valid`
     # With tool calls: the validator of each tool's `parameters`, by tool name.
     tools: dict[str, Any] = field(default_factory=dict)
+    relaxed: list[str] = field(default_factory=list)  # what `relax` changed (relax.py)
 
 
 class GrammarCompiler:
@@ -57,15 +61,17 @@ class GrammarCompiler:
         self.strict_json = strict_json
         self._cache: dict[str, CompiledGrammar | GrammarError] = {}
         self.compile_ms: list[float] = []  # one entry per distinct constraint compiled
+        self._regex_problems: dict[str, str | None] = {}
 
-    def compile(self, constraint: Constraint) -> CompiledGrammar:
-        """Compile (or fetch from the run's cache); raises `GrammarError`."""
-        key = _cache_key(constraint)
+    def compile(self, constraint: Constraint, relax: bool = False) -> CompiledGrammar:
+        """Compile (or fetch from the run's cache); raises `GrammarError`. With `relax`, a
+        JSON schema that does not compile is relaxed until it does (`relax.py`)."""
+        key = _cache_key(constraint, relax)
         hit = self._cache.get(key) if key is not None else None
         if hit is None:
             t0 = time.perf_counter()
             try:
-                hit = self._compile(constraint)
+                hit = self._compile(constraint, relax)
             except GrammarError as e:
                 hit = e
             self.compile_ms.append((time.perf_counter() - t0) * 1000.0)
@@ -87,9 +93,9 @@ class GrammarCompiler:
             return None, matcher.get_error()
         return matcher, ""
 
-    def _compile(self, constraint: Constraint) -> CompiledGrammar:
+    def _compile(self, constraint: Constraint, relax: bool) -> CompiledGrammar:
         if constraint.kind == "json_schema":
-            return self._compile_json(constraint)
+            return self._compile_json(constraint, relax)
         if constraint.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(constraint.value)
             return self._compile_grammar(constraint, grammar, "regex", "invalid_regex")
@@ -113,17 +119,18 @@ class GrammarCompiler:
             )
         return CompiledGrammar(constraint, matcher)
 
-    def _compile_json(self, constraint: Constraint) -> CompiledGrammar:
+    def _compile_json(self, constraint: Constraint, relax: bool) -> CompiledGrammar:
         prepared = self._prepare_json(constraint.value, constraint.whitespace,
-                                      constraint.permissive)
+                                      constraint.permissive, relax=relax)
         return CompiledGrammar(constraint, prepared.matcher, prepared.warnings,
-                               prepared.validator)
+                               prepared.validator, relaxed=prepared.relaxed)
 
     def _prepare_json(self, original: Any, whitespace: str | None, permissive: bool | None,
-                      where: str = "") -> _PreparedJson:
+                      where: str = "", relax: bool = False) -> _PreparedJson:
         """`original` checked, rewritten (exclusive `oneOf`, closed objects unless
-        permissive) and compiled, relaxed as far as needed; raises `GrammarError`, whose
-        message starts with `where` (which schema it is, when there are several)."""
+        permissive) and compiled, relaxed as far as needed (with `relax`, step by step as
+        `relax.py` says, after the lenient options); raises `GrammarError`, whose message
+        starts with `where` (which schema it is, when there are several)."""
         # Before anything recursive (schema checks, rewrites) walks the schema.
         problem = schema_shape_problem(original)
         if problem is not None:
@@ -141,10 +148,26 @@ class GrammarCompiler:
         strict = self.strict_json if permissive is None else not permissive
         if strict:
             schema = close_objects(schema)
+        found, errors = self._json_matcher(schema, whitespace, where)
+        if found is not None:
+            matcher, note, options = found
+            warnings = [f"schema relaxed: {note}"] if note else []
+            return _PreparedJson(schema, options, matcher, warnings, validator)
+        if relax and isinstance(original, dict):
+            return self._relaxed(original, validator, errors, strict, whitespace, where)
+        raise GrammarError("unsupported_schema",
+                           f"{where}JSON schema not supported: {_reason(errors)}")
+
+    def _json_matcher(
+        self, schema: Any, whitespace: str | None, where: str = "",
+        relaxations: Sequence[tuple[str, dict[str, Any]]] = RELAXATIONS,
+    ) -> tuple[tuple[llguidance.LLMatcher, str, dict[str, Any]] | None, list[str]]:
+        """The template matcher of the first of `relaxations` under which `schema`
+        compiles, with that relaxation's note and the options it compiled with; else None
+        and each one's error. Raises `grammar_too_large` at a resource limit."""
         errors: list[str] = []
-        for note, extra in RELAXATIONS:
-            # A JsonCompileOptions dict.
-            options: Any = {**json_options(whitespace), **extra}
+        for note, extra in relaxations:
+            options: Any = {**json_options(whitespace), **extra}  # a JsonCompileOptions dict
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
                     schema, overrides=options
@@ -154,17 +177,69 @@ class GrammarCompiler:
                 continue
             matcher, error = self._matcher(grammar)
             if matcher is not None:
-                warnings = [f"schema relaxed: {note}"] if note else []
-                return _PreparedJson(schema, options, matcher, warnings, validator)
+                return (matcher, note, options), errors
             too_large = _limit_error(f"{where}JSON schema", error)
             if too_large is not None:
                 raise too_large  # a relaxed schema is no smaller: retrying only costs time
-            errors.append(tidy_error(error))
-        # The strict reason first; the last relaxation's reason when it differs.
-        message = errors[0] if errors[-1] == errors[0] else (
-            f"{errors[0]} (and with {RELAXATIONS[-1][0]}: {errors[-1]})"
+            errors.append(error)
+        return None, errors
+
+    def _relaxed(self, original: dict[str, Any], validator: Any, errors: list[str],
+                 strict: bool, whitespace: str | None, where: str) -> _PreparedJson:
+        """`--schema-fallback relax`: the closest schema that compiles, step by step
+        (`relax.py`), within `MAX_RELAX_STEPS` steps and `RELAX_SECONDS`."""
+        state = Relaxation.of(original)
+        deadline = time.perf_counter() + RELAX_SECONDS
+
+        def probe() -> str | None:
+            """Why `state.schema` as it stands does not compile under the most lenient
+            options; None when it does."""
+            if time.perf_counter() > deadline:
+                return "out of time"
+            try:
+                found, errs = self._json_matcher(state.prepared(strict), whitespace, where,
+                                                 RELAXATIONS[-1:])
+            except GrammarError as e:
+                return str(e)
+            return None if found is not None else errs[-1]
+
+        checks = Checks(self._regex_problem, probe, strict)
+        while len(state.steps) < MAX_RELAX_STEPS and time.perf_counter() < deadline:
+            if not relax_step(state, errors, checks):
+                break
+            schema = state.prepared(strict)
+            found, errors = self._json_matcher(schema, whitespace, where)
+            if found is not None:
+                matcher, note, options = found
+                relaxed = [*state.steps, note] if note else list(state.steps)
+                return _PreparedJson(schema, options, matcher, [], validator, relaxed)
+        raise GrammarError(
+            "unsupported_schema",
+            f"{where}JSON schema not supported, even relaxed ({len(state.steps)} steps): "
+            f"{_reason(errors)}",
         )
-        raise GrammarError("unsupported_schema", f"{where}JSON schema not supported: {message}")
+
+    def _regex_problem(self, pattern: str) -> str | None:
+        """Why llguidance refuses `pattern` as a JSON Schema `pattern`, in a few words;
+        None when it accepts it. Cached: a schema may repeat a pattern many times."""
+        if pattern not in self._regex_problems:
+            try:
+                options: Any = dict(JSON_OPTIONS)  # a JsonCompileOptions dict
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    {"type": "string", "pattern": pattern}, overrides=options)
+                _, error = self._matcher(grammar)
+            except ValueError as e:
+                error = str(e)
+            lowered = error.lower()
+            problem = None
+            if "look" in lowered:
+                problem = "lookaround"
+            elif "backreference" in lowered:
+                problem = "backreference"
+            elif error:
+                problem = tidy_error(error)[:80]
+            self._regex_problems[pattern] = problem
+        return self._regex_problems[pattern]
 
     def _compile_tools(self, constraint: Constraint) -> CompiledGrammar:
         """The grammar of an output that calls the constraint's tools (`tool_calls.py`):
@@ -199,14 +274,24 @@ class _PreparedJson:
     matcher: llguidance.LLMatcher
     warnings: list[str]
     validator: Any
+    relaxed: list[str] = field(default_factory=list)  # `relax` steps taken (relax.py)
 
 
-def _cache_key(constraint: Constraint) -> str | None:
+def _reason(errors: list[str]) -> str:
+    """llguidance's reason a schema did not compile: the strict one first, and the last
+    relaxation's when it differs."""
+    tidy = [tidy_error(e) for e in errors] or ["grammar rejected"]
+    if tidy[-1] == tidy[0]:
+        return tidy[0]
+    return f"{tidy[0]} (and with {RELAXATIONS[-1][0]}: {tidy[-1]})"
+
+
+def _cache_key(constraint: Constraint, relax: bool) -> str | None:
     """The compile cache's key; None for a value too deeply nested to serialize, which
     `schema_shape_problem` then refuses without caching."""
     try:
         return json.dumps([constraint.kind, constraint.value, constraint.whitespace,
-                           constraint.permissive], sort_keys=True)
+                           constraint.permissive, relax], sort_keys=True)
     except RecursionError:
         return None
 

@@ -148,6 +148,8 @@ class GrammarController(ControllerBase):
             fields = self._report_calls(text, warnings)
         if warnings:
             fields["warnings"] = warnings
+        if self.grammar.relaxed:  # `valid` is still against the original schema
+            fields["relaxed"] = list(self.grammar.relaxed)
         return fields
 
     def _report_json(self, text: str, warnings: list[str]) -> dict[str, Any]:

@@ -57,6 +57,12 @@ MAX_OBJECT_PROPERTIES = 1000
 # the branches (1,000 branches would add a million keys and take seconds to be refused).
 MAX_EXCLUSIVE_BRANCHES = 64
 
+# Time `--schema-fallback relax` may spend relaxing one schema (each step compiles it again,
+# and a step may search by compiling, see relax.py). Of the 4,622 JSONSchemaBench schemas
+# the slowest to relax (large, recursive) takes about 4 s here; most take milliseconds.
+# A schema not relaxed in time stays unsupported.
+RELAX_SECONDS = 10.0
+
 # Longest llguidance message kept in an error: some quote the whole grammar or regex.
 _MAX_MESSAGE_CHARS = 300
 
