@@ -434,7 +434,8 @@ def test_every_field_through_the_cli_in_the_openai_format(lm: LoadedModel,
         for i in range(len(values)):
             line = results[f"bad {name} {i}"]
             assert line["response"] is None, (name, values[i])
-            assert f"field '{name}" in line["error"]["message"], line["error"]
+            # The request's own field is named, under `body`.
+            assert f"field 'body.{name}" in line["error"]["message"], line["error"]
 
 
 def test_run_options_are_defaults_for_lines(lm: LoadedModel, tiny_model_dir: Path,
