@@ -2,8 +2,8 @@
 tokens and the same raw logprobs, bit for bit, at batch sizes 1, 3, 8 and 16, with drafts
 on and off, in bf16 and fp32, and across a SIGKILL and `--resume` in the middle.
 
-Marked `real_model` (a few minutes on 2 CPU cores: every run prefills 16 prompts of a few
-hundred tokens one attention call per token).
+Marked `real_model` (a few minutes on 2 CPU cores: every pass makes one attention call per
+token and layer).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from aici_cli.jobs import Job, read_jobs
 pytestmark = pytest.mark.real_model
 
 GLAIVE = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench" / "Glaiveai2K"
-MAX_TOKENS = 48
+MAX_TOKENS = 24
 
 
 def short_request(stem: str) -> str:
@@ -79,7 +79,9 @@ def test_glaive_outputs_are_identical_in_every_batch(dtype: str, tmp_path: Path)
     lines = write_input(tmp_path / "in.jsonl")
     reference = engine_run(lm, lines, batch_size=1, draft_tokens=0)
     assert sum(len(t) for t in reference.values()) > 16 * 8
-    for batch_size, drafts in [(3, 4), (8, 4), (8, 0), (16, 4)]:
+    # Drafts alternate on and off (tests/test_deterministic.py runs the full matrix on the
+    # tiny model, prefix-cache hits included).
+    for batch_size, drafts in [(3, 4), (8, 0), (16, 4)]:
         got = engine_run(lm, lines, batch_size=batch_size, draft_tokens=drafts)
         assert_same(got, reference, f"{dtype}, batch {batch_size}, drafts {drafts}")
     if dtype != "bfloat16":
