@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from engine_runs import output_ids, run
 
-from aici_cli.config import EngineConfig
 from aici_cli.control.constraint import Constraint
-from aici_cli.engine.loop import Engine
 from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel, load_model
 
@@ -30,16 +29,6 @@ def job(index: int, prompt: str, **kw: Any) -> Job:
         temperature=0.0, top_p=1.0, seed=index, logprobs=3)
     fields.update(kw)
     return Job(**fields)
-
-
-def run(lm: LoadedModel, jobs: list[Job], **config: Any) -> dict[int, dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    Engine(lm, EngineConfig(**config)).run(jobs, results.append)
-    return {r["index"]: r for r in results}
-
-
-def output_ids(result: dict[str, Any]) -> list[int]:
-    return [e["id"] for e in result["logprobs"]]
 
 
 def reference(lm: LoadedModel, prompt: str, output: list[int]) -> torch.Tensor:

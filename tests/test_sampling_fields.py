@@ -14,12 +14,11 @@ import jsonschema
 import pytest
 import torch
 from click.testing import CliRunner
+from engine_runs import output_ids, run
 
 from aici_cli.cli import main
-from aici_cli.config import EngineConfig
 from aici_cli.control.constraint import Constraint
 from aici_cli.engine import loop
-from aici_cli.engine.loop import Engine
 from aici_cli.engine.penalties import LogitRules, apply_rules
 from aici_cli.engine.sampling import row_generator, sample
 from aici_cli.jobs import Job, load_schema
@@ -41,16 +40,6 @@ def job(index: int, prompt: str = "the quick brown fox the quick brown fox the q
                                   logprobs=0)
     fields.update(kw)
     return Job(**fields)
-
-
-def run(lm: LoadedModel, jobs: list[Job], **config: Any) -> dict[int, dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    Engine(lm, EngineConfig(**config)).run(jobs, results.append)
-    return {r["index"]: r for r in results}
-
-
-def output_ids(result: dict[str, Any]) -> list[int]:
-    return [e["id"] for e in result["logprobs"]]
 
 
 def single_token(lm: LoadedModel, text: str) -> int:
