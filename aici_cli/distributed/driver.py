@@ -41,6 +41,7 @@ from aici_cli.distributed.placement import (
     start_workers,
     stop_workers,
 )
+from aici_cli.distributed.worker import Delivery, Figures
 from aici_cli.engine.intake import Emit
 from aici_cli.errors import ClusterError
 from aici_cli.jobs import Job, LineError
@@ -52,7 +53,8 @@ LINE_LOSSES = 3  # worker deaths a line may be in flight at before it is `worker
 ALONE_AFTER = 2  # from this many, the line runs alone, so that a death is its own
 WAIT_S = 0.5  # longest wait for a result: how often the loop checks for Ctrl-C
 PREFIX_CHARS = 256  # of a prompt (or its first message), for choosing a worker
-REPORT_TIMEOUT_S = 60.0
+PROBES = 3  # `ready` calls to a lost worker that fail in a row before it counts as gone
+REPROBE_S = 0.5  # between `ready` calls to a restarting worker
 
 
 @dataclass
@@ -80,12 +82,14 @@ class RayBackend:
         self.chunk_lines = config.ray.chunk_lines or config.engine.batch_size
         self.chunks: dict[Any, Chunk] = {}  # by its ObjectRefGenerator
         self.probes: dict[Any, Worker] = {}  # `ready` calls to restarting workers
+        self.reprobe: dict[str, float] = {}  # by worker: when to ask again (monotonic)
         self.open: dict[str, list[Job]] = {w.name: [] for w in workers}  # filling chunks
         self.retry: deque[Job] = deque()  # lost once: handed out again as usual
         self.alone: deque[Job] = deque()  # lost `ALONE_AFTER` times: one at a time
         self.losses: dict[int, int] = {}  # by index, lines lost at least once
         self.reassigned = 0
         self.delivery_ms: list[float] = []  # per line: worker's yield to written
+        self.figures: list[Figures] = []  # the workers' step times etc., per chunk
         self.next_chunk = 0
         self.emit: Emit = lambda result: None
         self.note: Callable[[str], None] = lambda message: None
@@ -131,10 +135,14 @@ class RayBackend:
                 self.alone.clear()
                 for lines in self.open.values():
                     lines.clear()
+            self._probe_again()
             waitables = [*self.chunks, *self.probes]
             if not waitables:
                 if not admitting or not self._waiting(source):
                     return
+                if self.reprobe:
+                    time.sleep(REPROBE_S)
+                    continue
                 if all(w.dead for w in self.workers):
                     raise ClusterError(
                         "every Ray worker died for good (no restarts left); the results "
@@ -230,13 +238,18 @@ class RayBackend:
         """The next result of a chunk (or its end, or its worker's death)."""
         chunk = self.chunks[gen]
         try:
-            result, sent = ray.get(next(gen))
+            delivery: Delivery = ray.get(next(gen))
         except StopIteration:
             self._finished(gen, chunk)
             return
         except ray.exceptions.RayError as e:
             self._lost(gen, chunk, e)
             return
+        if delivery.figures is not None:
+            self.figures.append(delivery.figures)
+            return
+        result = delivery.result
+        assert result is not None
         job = chunk.lines.pop(result["index"], None)
         if job is None:  # not a line this chunk still owes: never written twice
             return
@@ -245,7 +258,7 @@ class RayBackend:
         worker = chunk.worker
         worker.lines += 1
         worker.output_tokens += int(result.get("stats", {}).get("output_tokens", 0))
-        self.delivery_ms.append((time.time() - sent) * 1000)
+        self.delivery_ms.append((time.time() - delivery.sent_at) * 1000)
 
     def _finished(self, gen: Any, chunk: Chunk) -> None:
         del self.chunks[gen]
@@ -285,13 +298,34 @@ class RayBackend:
         else:
             self.retry.append(job)
 
+    def _probe_again(self) -> None:
+        """Ask the restarting workers that are due whether they are up."""
+        now = time.monotonic()
+        for worker in self.workers:
+            due = self.reprobe.get(worker.name)
+            if due is not None and due <= now:
+                del self.reprobe[worker.name]
+                self.probes[worker.actor.ready.remote()] = worker
+
     def _probe_answered(self, ref: Any) -> None:
         """A lost worker's `ready`: restarted (back in service), or gone for good."""
         worker = self.probes.pop(ref)
         try:
             info = ray.get(ref)
-        except ray.exceptions.RayError:
-            info = {"error": ("gone", "no restarts left")}
+        except ray.exceptions.ActorUnavailableError:
+            # Restarting (a new process loading the model): Ray refuses calls until it
+            # is up, so ask again a little later.
+            self.reprobe[worker.name] = time.monotonic() + REPROBE_S
+            return
+        except ray.exceptions.RayError as e:
+            # A call that reached the dying process fails too; only a run of failures
+            # means that no restart comes (Ray's restarts are used up).
+            worker.probe_failures += 1
+            if worker.probe_failures < PROBES:
+                self.reprobe[worker.name] = time.monotonic() + REPROBE_S
+                return
+            info = {"error": ("gone", f"no restart ({_reason(e)})")}
+        worker.probe_failures = 0
         if "error" in info:
             worker.dead = True
             worker.reserved = False
@@ -299,7 +333,7 @@ class RayBackend:
             self.open[worker.name].clear()
             self.note(f"Ray worker {worker.name} is gone for good: {info['error'][1]}")
             return
-        worker.info = {**worker.info, **info}
+        worker.info = {**info, **worker.info}  # the first life's controller compile stays
         worker.up = True
 
     # -------------------------------------------------------------------- summary
@@ -308,16 +342,10 @@ class RayBackend:
         steps: list[StepTimes] = []
         compiled: list[float] = []
         calls: list[float] = []
-        for worker in self.workers:
-            if worker.dead:
-                continue
-            try:  # a worker restarted during the run has only its new life's figures
-                report = ray.get(worker.actor.report.remote(), timeout=REPORT_TIMEOUT_S)
-            except (ray.exceptions.RayError, TimeoutError):
-                continue
-            steps += report["steps"]
-            compiled += report["compile_ms"]
-            calls += report["call_times"]
+        for figures in self.figures:  # a lost chunk's figures are lost with it
+            steps += figures.steps
+            compiled += figures.compile_ms
+            calls += figures.call_times
         info = self.workers[0].info
         model = {k: str(info[k]) for k in ("model", "device", "dtype")}
         summary = summarize(config, tally, steps, wall, model, compiled, calls)
@@ -331,11 +359,14 @@ class RayBackend:
         def rate(n: int) -> float:
             return round(n / wall, 3) if wall > 0 else 0.0
 
-        workers = [{
-            "worker": w.name, "node": str(w.info.get("node", "")), "lines": w.lines,
-            "output_tokens": w.output_tokens, "lines_per_s": rate(w.lines),
-            "tokens_per_s": rate(w.output_tokens), "losses": w.losses,
-        } for w in self.workers]
+        workers = []
+        for w in self.workers:
+            entry = {"worker": w.name, "node": str(w.info.get("node", "")), "lines": w.lines,
+                     "output_tokens": w.output_tokens, "lines_per_s": rate(w.lines),
+                     "tokens_per_s": rate(w.output_tokens), "losses": w.losses}
+            if "controller" in w.info:
+                entry["controller"] = w.info["controller"]
+            workers.append(entry)
         delivery = self.delivery_ms
         return {
             "workers": workers,

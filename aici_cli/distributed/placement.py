@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,7 @@ class Worker:
     epoch: int = 0  # +1 per loss, so that one death's many failed chunks count once
     reserved: bool = False  # kept free for (or running) a line that runs alone
     losses: int = 0
+    probe_failures: int = 0
     lines: int = 0
     output_tokens: int = 0
 
@@ -50,12 +53,25 @@ def connect(options: RayOptions, quiet: bool) -> bool:
     if ray.is_initialized():
         return False
     address = None if options.address == "auto" else options.address
+    # ray.init sets a SIGTERM handler that exits at once; the run's own (`Interrupts`:
+    # finish the lines in flight, then exit 143) must stay.
+    handlers = _signal_handlers()
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=not quiet,
                  logging_level=logging.WARNING if quiet else logging.INFO)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise UsageError(f"--ray {options.address}: cannot connect: {_first_line(e)}") from None
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return True
+
+
+def _signal_handlers() -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(sig) is not None}
 
 
 def check_resources(options: RayOptions) -> None:
@@ -93,7 +109,7 @@ def start_workers(config: RunConfig, wasm: bytes | None) -> list[Worker]:
             # No task retries: the driver gives a lost chunk's unfinished lines to any
             # worker, and never runs a line again once its result is written.
             max_task_retries=0,
-            # Its chunks in flight at once, plus `ready`/`pid`/`report`.
+            # Its chunks in flight at once, plus `ready` and `pid`.
             max_concurrency=options.chunks_in_flight + 2,
             scheduling_strategy="SPREAD",
         ).remote(name, config, wasm_ref)

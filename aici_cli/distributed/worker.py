@@ -18,12 +18,14 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aici_cli.config import RunConfig
 from aici_cli.errors import ModelError, UsageError
 from aici_cli.jobs import Job
+from aici_cli.stats import StepTimes
 
 # Fault injection for the test suite only: a worker whose process environment names a
 # line id here kills its own process (SIGKILL) when that line reaches its engine, as a
@@ -31,9 +33,27 @@ from aici_cli.jobs import Job
 # does nothing.
 CRASH_ON_ID_ENV = "AICI_BATCH_TEST_CRASH_ON_ID"
 
-# What a chunk yields per line: the result, and when it left the worker (time.time(), for
-# the driver's per-line overhead; comparable where driver and worker share a clock).
-Delivery = tuple[dict[str, Any], float]
+
+
+@dataclass
+class Figures:
+    """The engine's own figures since the last `Figures` sent, for the run summary:
+    sent with each chunk's end, so a worker's death loses only its unfinished chunks'."""
+
+    steps: list[StepTimes]
+    compile_ms: list[float]
+    call_times: list[float]  # ms of each wasm guest call
+
+
+@dataclass
+class Delivery:
+    """What a chunk yields: one line's result, with when it left the worker (time.time(),
+    for the driver's cost per line; comparable where driver and worker share a clock),
+    or, last, the figures."""
+
+    result: dict[str, Any] | None = None
+    sent_at: float = 0.0
+    figures: Figures | None = None
 
 
 class EngineWorker:
@@ -49,6 +69,7 @@ class EngineWorker:
         self.call_times: list[float] = []
         self.feed: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self.outboxes: dict[int, queue.SimpleQueue[Delivery]] = {}  # by chunk id
+        self.reported = (0, 0, 0)  # figures sent so far: steps, compile times, calls
         self.chunk_of: dict[int, int] = {}  # line index -> chunk id, lines in flight
         self.lock = threading.Lock()
         self.crash_on = os.environ.get(CRASH_ON_ID_ENV)
@@ -96,7 +117,8 @@ class EngineWorker:
 
     def run_chunk(self, chunk: int, jobs: list[Job]) -> Iterator[Delivery]:
         """Feed `jobs` to the engine and yield each one's result as it finishes (in
-        finishing order, not input order)."""
+        finishing order, not input order), then the engine's figures since the last
+        chunk ended."""
         outbox: queue.SimpleQueue[Delivery] = queue.SimpleQueue()
         with self.lock:
             self.outboxes[chunk] = outbox
@@ -108,13 +130,17 @@ class EngineWorker:
             yield outbox.get()
         with self.lock:
             del self.outboxes[chunk]
+            figures = self._figures()
+        yield Delivery(figures=figures)
 
-    def report(self) -> dict[str, Any]:
-        """The engine's own figures, for the run summary: its step times, grammar
-        compile times and guest call times (copies, taken while the engine idles)."""
-        return {"steps": list(self.engine.step_times),
-                "compile_ms": list(self.engine.compile_ms),
-                "call_times": list(self.call_times)}
+    def _figures(self) -> Figures:
+        """The figures since the last call (the engine thread only appends to them)."""
+        steps, compiled, calls = (self.engine.step_times, self.engine.compile_ms,
+                                  self.call_times)
+        a, b, c = self.reported
+        self.reported = (len(steps), len(compiled), len(calls))
+        return Figures(steps[a:self.reported[0]], compiled[b:self.reported[1]],
+                       calls[c:self.reported[2]])
 
     # ---------------------------------------------------------------------- engine
 
@@ -150,7 +176,7 @@ class EngineWorker:
             chunk = self.chunk_of.pop(result["index"], None)
             outbox = self.outboxes.get(chunk) if chunk is not None else None
         if outbox is not None:  # else a line handed here twice: its other result went out
-            outbox.put((result, time.time()))
+            outbox.put(Delivery(result, time.time()))
 
 
 def _component(config: RunConfig, wasm: bytes) -> Any:
