@@ -218,6 +218,24 @@ def test_a_killed_worker_loses_and_duplicates_nothing(reference: tuple[Path, Pat
     assert sum(w["lines"] for w in summary["workers"]) == 30
 
 
+def test_without_streaming_calls_as_through_ray_client(reference: tuple[Path, Path],
+                                                       tiny_model_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray Client (`--ray ray://...`) has no streaming calls: a chunk's results come
+    whole, and a killed worker's chunks run again, still once per line."""
+    from aici_cli.distributed import driver
+
+    monkeypatch.setattr(driver, "client_mode", lambda: True)
+    src, local_out = reference
+    out, stats = tmp_path / "ray.jsonl", tmp_path / "stats.json"
+    outcome = run(src, out, tiny_model_dir, on_result=kill_after(2, kill_9), stats=stats)
+    assert outcome.exit_code == 1 and outcome.interrupted is None
+    assert without_stats(results_in(out)) == without_stats(results_in(local_out))
+    summary = json.loads(stats.read_text())
+    assert summary["ray"]["worker_losses"] == 1
+    assert summary["forward_passes"] > 0
+
+
 def test_a_line_that_kills_its_worker_ends_as_worker_lost(ray_instance: tuple[str, Path],
                                                           tiny_model_dir: Path,
                                                           tmp_path: Path) -> None:

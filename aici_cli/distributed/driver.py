@@ -78,9 +78,12 @@ class RayBackend:
         self.owns = owns  # this run connected to Ray, so it disconnects (a local
         # instance it started stops with it)
         self.model_name = str(workers[0].info["model"])
+        # Each result as its line finishes; Ray Client has no streaming calls, so
+        # there a chunk's results come when it ends (a death then costs the chunk).
+        self.streaming = not client_mode()
         self.cap = config.ray.chunks_in_flight
         self.chunk_lines = config.ray.chunk_lines or config.engine.batch_size
-        self.chunks: dict[Any, Chunk] = {}  # by its ObjectRefGenerator
+        self.chunks: dict[Any, Chunk] = {}  # by its call (ObjectRefGenerator or ObjectRef)
         self.probes: dict[Any, Worker] = {}  # `ready` calls to restarting workers
         self.reprobe: dict[str, float] = {}  # by worker: when to ask again (monotonic)
         self.open: dict[str, list[Job]] = {w.name: [] for w in workers}  # filling chunks
@@ -225,26 +228,36 @@ class RayBackend:
 
     def _submit(self, worker: Worker, jobs: list[Job], alone: bool = False) -> None:
         self.next_chunk += 1
-        gen = worker.actor.run_chunk.options(num_returns="streaming").remote(
-            self.next_chunk, list(jobs))
-        self.chunks[gen] = Chunk(self.next_chunk, worker, worker.epoch,
-                                 {job.index: job for job in jobs}, alone)
+        if self.streaming:
+            call = worker.actor.run_chunk.options(num_returns="streaming").remote(
+                self.next_chunk, list(jobs))
+        else:
+            call = worker.actor.run_chunk_whole.remote(self.next_chunk, list(jobs))
+        self.chunks[call] = Chunk(self.next_chunk, worker, worker.epoch,
+                                  {job.index: job for job in jobs}, alone)
         worker.in_flight += 1
         jobs.clear()
 
     # -------------------------------------------------------------------- results
 
-    def _take(self, gen: Any) -> None:
-        """The next result of a chunk (or its end, or its worker's death)."""
-        chunk = self.chunks[gen]
+    def _take(self, call: Any) -> None:
+        """The next result of a chunk (or its end, or its worker's death); all of
+        them at once without streaming."""
+        chunk = self.chunks[call]
         try:
-            delivery: Delivery = ray.get(next(gen))
+            deliveries = [ray.get(next(call))] if self.streaming else ray.get(call)
         except StopIteration:
-            self._finished(gen, chunk)
+            self._finished(call, chunk)
             return
         except ray.exceptions.RayError as e:
-            self._lost(gen, chunk, e)
+            self._lost(call, chunk, e)
             return
+        for delivery in deliveries:
+            self._deliver(chunk, delivery)
+        if not self.streaming:
+            self._finished(call, chunk)
+
+    def _deliver(self, chunk: Chunk, delivery: Delivery) -> None:
         if delivery.figures is not None:
             self.figures.append(delivery.figures)
             return
@@ -378,6 +391,11 @@ class RayBackend:
                 "mean": round(sum(delivery) / len(delivery), 3) if delivery else 0.0,
             },
         }
+
+
+def client_mode() -> bool:
+    """Whether this process reaches Ray through Ray Client (`--ray ray://...`)."""
+    return bool(ray.util.client.ray.is_connected())
 
 
 def _affinity(job: Job) -> int:

@@ -133,6 +133,14 @@ class EngineWorker:
             figures = self._figures()
         yield Delivery(figures=figures)
 
+    def run_chunk_whole(self, chunk: int, jobs: list[Job]) -> list[Delivery]:
+        """`run_chunk` in one answer, for Ray Client, which has no streaming calls."""
+        deliveries = list(self.run_chunk(chunk, jobs))
+        now = time.time()
+        for delivery in deliveries:
+            delivery.sent_at = now
+        return deliveries
+
     def _figures(self) -> Figures:
         """The figures since the last call (the engine thread only appends to them)."""
         steps, compiled, calls = (self.engine.step_times, self.engine.compile_ms,
