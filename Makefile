@@ -41,6 +41,7 @@ bench: setup
 	$(BIN)/python bench/coverage_run.py --per-subset 20 --max-tokens 512
 	$(BIN)/python bench/step_profile.py --models default --batch-sizes 1,8,32
 	$(BIN)/python bench/scaling.py
+	$(BIN)/python bench/ray_scaling.py
 	$(BIN)/python bench/controller_costs.py
 	$(BIN)/python bench/peers.py --repeats 2
 

@@ -45,7 +45,8 @@ def ray_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     workers (and this process) use. The Ray processes inherit this environment, which
     also names the line id the test-only crash hook acts on."""
     cache = tmp_path_factory.mktemp("cache")
-    env = {"AICI_BATCH_CACHE": str(cache), CRASH_ON_ID_ENV: POISON_ID}
+    env = {"AICI_BATCH_CACHE": str(cache), CRASH_ON_ID_ENV: POISON_ID,
+           "RAY_USAGE_STATS_ENABLED": "0"}  # offline: nothing to report to
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
