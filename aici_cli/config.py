@@ -81,6 +81,21 @@ class JobDefaults:
 
 
 @dataclass(frozen=True)
+class RayOptions:
+    """`--ray`: run the lines on Ray actors, one model and one engine each
+    (aici_cli/distributed)."""
+
+    address: str = "auto"  # "auto": RAY_ADDRESS, a running local cluster, or a new one
+    workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0  # Ray's num_cpus, and the worker's torch threads
+    # Lines per chunk handed to a worker (None: the batch size), and chunks each worker
+    # may hold at once: together they bound the lines in flight (backpressure).
+    chunk_lines: int | None = None
+    chunks_in_flight: int = 4
+
+
+@dataclass(frozen=True)
 class RunConfig:
     input: str  # path or "-"
     output: str = "-"  # path or "-"
@@ -97,3 +112,4 @@ class RunConfig:
     resume: bool = False  # skip lines whose result is already in `output`, append the rest
     input_format: str = "auto"  # "aici", "openai" (batch requests), or "auto": by the lines
     exit_zero_on_line_errors: bool = False  # exit 0 though some lines ended in an error
+    ray: RayOptions | None = None  # None: run in this process

@@ -52,3 +52,8 @@ class ControllerError(LineFailure):
 
 class GrammarError(LineFailure):
     """A constraint that cannot be compiled; `type` is the result line's error type."""
+
+
+class ClusterError(Exception):
+    """Ray workers cannot run the lines: none could start, or every one died for good
+    (the CLI exits with 2). Results already written stay; `--resume` runs the rest."""

@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from aici_cli.config import RunConfig
-from aici_cli.engine.intake import ControllerFactory
+from aici_cli.engine.intake import ControllerFactory, Emit
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
@@ -28,8 +28,11 @@ from aici_cli.models.load import load_model
 from aici_cli.openai_batch import BatchFormat, line_format, refuse_requests
 from aici_cli.results import ResultWriter
 from aici_cli.resume import InputLines, OutputFile, ResumePlan
-from aici_cli.stats import RunTally, percentile
+from aici_cli.stats import RunTally, StepTimes, percentile
 from aici_cli.ui import RunDisplay
+
+if TYPE_CHECKING:
+    from aici_cli.control.wasm import ControllerComponent
 
 # fsync the output at most this often: an fsync costs milliseconds, more than a short
 # result takes to produce, and a process crash loses nothing without one (see ResultWriter).
@@ -54,25 +57,24 @@ class RunOutcome:
         return 1 if failed and not self.line_errors_ok else 0
 
 
-def wasm_factory(config: RunConfig, engine: Engine,
-                 call_times: list[float]) -> ControllerFactory:
-    """A factory giving every job its own runner of the `--controller` component."""
-    from aici_cli.control.wasm import (
-        ComponentError,
-        ControllerComponent,
-        Limits,
-        TokenizerServices,
-        WasmController,
-    )
-    from aici_cli.errors import ControllerError
+def load_controller(config: RunConfig) -> ControllerComponent:
+    """The `--controller` component, compiled (or loaded from the compile cache)."""
+    from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
 
     assert config.controller is not None
     try:
-        component = ControllerComponent.load(
-            config.controller, Limits(call_ms=config.controller_call_ms)
-        )
+        return ControllerComponent.load(config.controller,
+                                        Limits(call_ms=config.controller_call_ms))
     except ComponentError as e:
         raise UsageError(str(e)) from None
+
+
+def wasm_factory(config: RunConfig, engine: Engine, call_times: list[float],
+                 component: ControllerComponent) -> ControllerFactory:
+    """A factory giving every job its own runner of the `--controller` component."""
+    from aici_cli.control.wasm import TokenizerServices, WasmController
+    from aici_cli.errors import ControllerError
+
     lm = engine.lm
     services = TokenizerServices(
         lm.tokenizer, lm.vocab_size, min(lm.eos_token_ids), engine.compiler.tokenizer
@@ -141,20 +143,81 @@ def _run(config: RunConfig, stderr: IO[str],
          output: OutputFile | None, interrupts: Interrupts | None) -> RunOutcome:
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
-    lm = load_model(config.model, config.device, config.dtype)
-    if output is not None:
-        output.prepare(plan)
-    out = output.stream() if output is not None else sys.stdout
-    peeked, input_format, why = _detect_format(source, config.input_format)
-    batch_format = BatchFormat(lm.name, why) if input_format == "openai" else None
-    lines = InputLines(itertools.chain(peeked, source),
-                       skip=plan.done if plan is not None else None)
-    display = RunDisplay(stderr, total=total, quiet=config.quiet)
-    if plan is not None:
-        _announce_resume(display, config, plan)
-    translate = batch_format.translate if batch_format is not None else refuse_requests(why)
-    return _drive(config, lm, out, lines, display, interrupts, on_result, plan, batch_format,
-                  translate)
+    backend = _start_backend(config)
+    try:
+        if output is not None:
+            output.prepare(plan)
+        out = output.stream() if output is not None else sys.stdout
+        peeked, input_format, why = _detect_format(source, config.input_format)
+        batch_format = BatchFormat(backend.model_name, why) if input_format == "openai" else None
+        lines = InputLines(itertools.chain(peeked, source),
+                           skip=plan.done if plan is not None else None)
+        display = RunDisplay(stderr, total=total, quiet=config.quiet)
+        if plan is not None:
+            _announce_resume(display, config, plan)
+        translate = (batch_format.translate if batch_format is not None
+                     else refuse_requests(why))
+        return _drive(config, backend, out, lines, display, interrupts, on_result, plan,
+                      batch_format, translate)
+    finally:
+        backend.close()
+
+
+class Backend(Protocol):
+    """Where the lines run: this process's engine (`LocalEngine`) or Ray workers
+    (`aici_cli.distributed.driver.RayBackend`). Started before the output is touched, so
+    that a model or controller that cannot load leaves it as it was."""
+
+    model_name: str
+
+    def run(self, items: Iterator[Job | LineError], emit: Emit,
+            should_admit: Callable[[], bool], note: Callable[[str], None]) -> None:
+        """Every item to exactly one `emit`ted result, as `Engine.run` does."""
+
+    def in_flight(self) -> int:
+        """Lines started and not yet finished."""
+        ...
+
+    def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
+        """The run summary (`--stats-out`, `schemas/stats.schema.json`)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalEngine:
+    """The `Backend` of a run in this process: one loaded model and one `Engine`."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.lm = load_model(config.model, config.device, config.dtype)
+        self.model_name = self.lm.name
+        self.engine = Engine(self.lm, config.engine)
+        self.call_times: list[float] = []  # ms of every wasm guest call in the run
+        if config.controller is not None:
+            self.engine.intake.controller_factory = wasm_factory(
+                config, self.engine, self.call_times, load_controller(config))
+
+    def run(self, items: Iterator[Job | LineError], emit: Emit,
+            should_admit: Callable[[], bool], note: Callable[[str], None]) -> None:
+        self.engine.run(items, emit, should_admit)
+
+    def in_flight(self) -> int:
+        return self.engine.rows.live()
+
+    def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
+        return summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
+                         self.engine.compile_ms, self.call_times)
+
+    def close(self) -> None:
+        pass
+
+
+def _start_backend(config: RunConfig) -> Backend:
+    if config.ray is None:
+        return LocalEngine(config)
+    from aici_cli.distributed import start_ray_backend  # checks that Ray is installed
+
+    return start_ray_backend(config)
 
 
 # How far `--format auto` reads for a line that decides the format: lines (not counting
@@ -238,23 +301,19 @@ class ResultSink:
         self.after()
 
 
-def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display: RunDisplay,
-           interrupts: Interrupts | None,
+def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
+           display: RunDisplay, interrupts: Interrupts | None,
            on_result: Callable[[dict[str, Any]], None] | None,
            plan: ResumePlan | None, batch_format: BatchFormat | None = None,
            translate: Translate | None = None) -> RunOutcome:
-    """Run the engine over `lines`, writing each result as it finishes (as an OpenAI
+    """Run `lines` on the backend, writing each result as it finishes (as an OpenAI
     batch output line with `batch_format`)."""
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
-    engine = Engine(lm, config.engine)
-    call_times: list[float] = []  # ms of every wasm guest call in the run
-    if config.controller is not None:
-        engine.intake.controller_factory = wasm_factory(config, engine, call_times)
 
     def announce() -> None:
         signum = interrupts.take_news() if interrupts is not None else None
         if signum is not None and not config.quiet:
-            in_flight = engine.rows.live()
+            in_flight = backend.in_flight()
             finishing = f", finishing the {_lines(in_flight)} in flight" if in_flight else ""
             _note(display, f"{signal_name(signum)}: starting no new lines{finishing} "
                            "(again to stop at once)")
@@ -271,10 +330,11 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
     try:
         with display:
             jobs = read_jobs(lines, config.defaults, translate)
-            engine.run(_not_done(jobs, lines), sink, should_admit)
+            backend.run(_not_done(jobs, lines), sink, should_admit,
+                        lambda message: None if config.quiet else _note(display, message))
     finally:
         writer.sync()
-    summary = _summary(config, lm, engine, sink.tally, call_times, time.perf_counter() - t0)
+    summary = backend.summary(config, sink.tally, time.perf_counter() - t0)
     if config.stats_out:
         Path(config.stats_out).write_text(json.dumps(summary, indent=2) + "\n")
     display.summary(summary)
@@ -289,17 +349,19 @@ def _drive(config: RunConfig, lm: Any, out: IO[str], lines: InputLines, display:
     return outcome
 
 
-def _summary(config: RunConfig, lm: Any, engine: Engine, tally: RunTally,
-             call_times: list[float], wall: float) -> dict[str, Any]:
-    """The run summary (`--stats-out`, `schemas/stats.schema.json`)."""
-    meta = {
-        "model": lm.name,
-        "device": str(lm.device),
-        "dtype": str(lm.dtype).removeprefix("torch."),
-        "batch_size": config.engine.batch_size,
-    }
-    summary = tally.run_summary(engine.step_times, wall, meta)
-    compiled = engine.compile_ms
+def model_meta(lm: Any) -> dict[str, str]:
+    """What the summary says of the model a run used."""
+    return {"model": lm.name, "device": str(lm.device),
+            "dtype": str(lm.dtype).removeprefix("torch.")}
+
+
+def summarize(config: RunConfig, tally: RunTally, steps: list[StepTimes], wall: float,
+              model: dict[str, str], compiled: list[float],
+              call_times: list[float]) -> dict[str, Any]:
+    """The run summary (`--stats-out`, `schemas/stats.schema.json`) from the results'
+    tally and the engines' step times, grammar compile times and guest call times."""
+    meta = {**model, "batch_size": config.engine.batch_size}
+    summary = tally.run_summary(steps, wall, meta)
     if compiled:
         summary["grammar_compile_ms"] = {
             "grammars": len(compiled),

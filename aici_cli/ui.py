@@ -101,6 +101,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
     if "guest_call_ms" in summary:
         g = summary["guest_call_ms"]
         rows.append(("controller call p50 / p99", f"{g['p50']:.3f} / {g['p99']:.3f} ms"))
+    for worker in summary.get("ray", {}).get("workers", []):
+        rows.append((f"worker {worker['worker']} ({worker['node']})",
+                     f"{worker['lines_per_s']:.2f} lines/s, {worker['tokens_per_s']:.1f} tok/s"))
     for name, value in rows:
         table.add_row(name, value)
     steps = summary.get("steps", {})

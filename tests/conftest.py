@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny random model per test session, and the `real_model` marker."""
+"""Shared fixtures: one tiny random model per test session; the `real_model` and `ray`
+markers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "real_model: uses the default SmolLM2 model (first run converts its GGUF, ~25 s)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "ray: starts a local Ray instance (the `ray` extra); `pytest -m ray` runs these alone",
     )
 
 

@@ -226,3 +226,35 @@ def test_light_commands_do_not_import_torch(args: list[str]) -> None:
     code = ("from aici_cli.cli import main\n"
             f"try:\n    main({args!r})\nexcept SystemExit:\n    pass")
     assert heavy_modules_after(code) == []
+
+
+def test_a_local_run_does_not_import_ray(model_args: list[str], tmp_path: Path) -> None:
+    """Ray is optional: a run without --ray never imports it."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(jsonl(GOOD[:1]))
+    code = ("import sys\nfrom aici_cli.cli import main\n"
+            f"try:\n    main(['run', {str(src)!r}, *{model_args!r}, '-q'])\n"
+            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "print('ray' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.stderr.strip().splitlines()[-1] == "False", done.stderr
+
+
+def test_ray_without_ray_installed_is_a_one_line_usage_error(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_text(jsonl(GOOD[:1]))
+    code = ("import sys\nsys.modules['ray'] = None  # as if not installed\n"
+            "from aici_cli.cli import main\n"
+            f"main(['run', {str(src)!r}, '--ray', 'auto', '--workers', '2'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("Error: --ray needs Ray, which is not installed: "
+                                   "pip install 'aici-batch[ray]'")
+
+
+def test_workers_need_ray(tmp_path: Path) -> None:
+    res = invoke(["run", "-", "--workers", "2"], jsonl(GOOD[:1]))
+    assert res.exit_code == 2
+    assert "--workers needs --ray" in res.output

@@ -53,7 +53,10 @@ from aici_cli.jobs import Job, LineError
 from aici_cli.models.load import LoadedModel
 from aici_cli.stats import StepTimes
 
-Source = Iterator[Job | LineError]
+# A source may yield None: a live feed (a Ray worker's, aici_cli/distributed/worker.py) with
+# nothing ready now, that is not exhausted; the run asks it again after its next step.
+Source = Iterator[Job | LineError | None]
+_END = object()
 
 
 class Engine:
@@ -98,11 +101,13 @@ class Engine:
     # ----------------------------------------------------------------------------- run
 
     @torch.inference_mode()
-    def run(self, items: Iterable[Job | LineError], emit: Emit,
+    def run(self, items: Iterable[Job | LineError | None], emit: Emit,
             should_admit: Callable[[], bool] = lambda: True) -> None:
         """Drive every item to exactly one `emit`ted result; returns when all are done,
         or, once `should_admit` turns False, when every line already started is done
-        (lines read ahead but not started then have no result)."""
+        (lines read ahead but not started then have no result). A None item means
+        "nothing ready yet" (see `Source`): with such a source the run only ends on
+        `should_admit`."""
         source: Source | None = iter(items)
         launch = functools.partial(self._launch, emit=emit)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
@@ -127,9 +132,12 @@ class Engine:
         """Read lines until `lookahead` wait for a row; returns the source, or None once
         it is exhausted. Bad lines are answered at once (they need no row)."""
         while self.rows.wants_more():
-            item = next(source, None)
-            if item is None:
+            item = next(source, _END)
+            if item is _END:
                 return None
+            if item is None:  # a live source with nothing ready now
+                break
+            assert isinstance(item, (Job, LineError))
             prepared = self.intake.prepare(item, emit)
             if prepared is not None:
                 self.rows.ahead.append(prepared)

@@ -76,7 +76,15 @@ class ControllerComponent:
         Cold compile of an 18 MB componentize-py component: 6-18 s; cached: 20-40 ms.
         """
         path = Path(path)
-        wasm = read_wasm(path)
+        return cls.from_bytes(path, read_wasm(path), limits, cache_dir)
+
+    @classmethod
+    def from_bytes(
+        cls, path: Path, wasm: bytes, limits: Limits = DEFAULT_LIMITS,
+        cache_dir: Path | None = None,
+    ) -> ControllerComponent:
+        """`load` for a component's binary read elsewhere (by `read_wasm`; a Ray
+        worker gets it through the object store); `path` names it in messages."""
         shared = shared_engine()
         t0 = time.perf_counter()
         try:

@@ -1,0 +1,171 @@
+"""Connecting to Ray and starting the workers: one actor per worker, each with its share
+of the cluster (`num_cpus`, `num_gpus`), restarted by Ray when its process dies."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from aici_cli.config import RayOptions, RunConfig
+from aici_cli.errors import ClusterError, ModelError, UsageError
+
+# Restarts Ray grants one worker. A line that kills its worker costs at most
+# driver.LINE_LOSSES of them before it ends as `worker_lost`; the rest cover crashes of
+# the node or process that no line caused.
+WORKER_RESTARTS = 8
+
+
+@dataclass
+class Worker:
+    """The driver's view of one actor."""
+
+    name: str
+    actor: Any  # ray.actor.ActorHandle
+    info: dict[str, Any] = field(default_factory=dict)  # EngineWorker.ready()
+    in_flight: int = 0  # chunks handed to it and not finished
+    up: bool = True  # False from a loss until Ray's restart answers `ready`
+    dead: bool = False  # out of restarts: never used again
+    epoch: int = 0  # +1 per loss, so that one death's many failed chunks count once
+    reserved: bool = False  # kept free for (or running) a line that runs alone
+    losses: int = 0
+    probe_failures: int = 0
+    lines: int = 0
+    output_tokens: int = 0
+
+    def takes(self, cap: int) -> bool:
+        """Whether an ordinary chunk may go to this worker now."""
+        return self.up and not self.dead and not self.reserved and self.in_flight < cap
+
+
+def connect(options: RayOptions, quiet: bool) -> bool:
+    """Connect to Ray (`auto`: RAY_ADDRESS, a running local cluster, or a new local
+    instance; `ray://host:port`: Ray Client; `host:port`: a cluster's GCS). Returns
+    whether this call connected (and so should disconnect); a process already connected
+    (a test, a notebook) keeps its connection."""
+    if ray.is_initialized():
+        return False
+    address = None if options.address == "auto" else options.address
+    # ray.init sets a SIGTERM handler that exits at once; the run's own (`Interrupts`:
+    # finish the lines in flight, then exit 143) must stay.
+    handlers = _signal_handlers()
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=not quiet,
+                 logging_level=logging.WARNING if quiet else logging.INFO)
+    except (ConnectionError, ValueError, RuntimeError) as e:
+        raise UsageError(f"--ray {options.address}: cannot connect: {_first_line(e)}") from None
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return True
+
+
+def _signal_handlers() -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(sig) is not None}
+
+
+def check_resources(options: RayOptions) -> None:
+    """Refuse a request the cluster cannot place at all (the actors would wait forever)."""
+    total = ray.cluster_resources()
+    for what, each, flag in (("CPU", options.cpus_per_worker, "--cpus-per-worker"),
+                             ("GPU", options.gpus_per_worker, "--gpus-per-worker")):
+        need = options.workers * each
+        have = float(total.get(what, 0.0))
+        if need > have + 1e-9:
+            raise UsageError(
+                f"--workers {options.workers} with {flag} {each:g} needs {need:g} {what}s; "
+                f"the Ray cluster has {have:g} (use fewer workers or a smaller {flag})")
+
+
+def start_workers(config: RunConfig, wasm: bytes | None) -> list[Worker]:
+    """Start the workers and wait until each has loaded the model (and compiled the
+    controller). A model or controller that cannot load raises the local run's error."""
+    from aici_cli.distributed.worker import EngineWorker
+
+    options = config.ray
+    assert options is not None
+    run = uuid.uuid4().hex[:8]
+    actor_class = ray.remote(EngineWorker)
+    # The component's bytes go to the object store once; each node pulls them once.
+    wasm_ref = ray.put(wasm) if wasm is not None else None
+    workers = []
+    for i in range(options.workers):
+        name = f"aici-batch-{run}-w{i}"
+        actor = actor_class.options(
+            name=name,
+            num_cpus=options.cpus_per_worker,
+            num_gpus=options.gpus_per_worker,
+            max_restarts=WORKER_RESTARTS,
+            # No task retries: the driver gives a lost chunk's unfinished lines to any
+            # worker, and never runs a line again once its result is written.
+            max_task_retries=0,
+            # Its chunks in flight at once, plus `ready` and `pid`.
+            max_concurrency=options.chunks_in_flight + 2,
+            scheduling_strategy="SPREAD",
+        ).remote(name, config, wasm_ref)
+        workers.append(Worker(name, actor))
+    try:
+        _wait_ready(workers)
+    except BaseException:  # a load error, or Ctrl-C while the models load
+        stop_workers(workers, disconnect=False)
+        raise
+    return workers
+
+
+def _wait_ready(workers: list[Worker]) -> None:
+    try:
+        infos = ray.get([w.actor.ready.remote() for w in workers])
+    except ray.exceptions.RayError as e:  # the actor itself failed (aici-batch missing?)
+        raise ClusterError(f"a Ray worker could not start: {_first_line(e)}") from None
+    for worker, info in zip(workers, infos):
+        _raise_load_error(info)
+        worker.info = info
+
+
+def _raise_load_error(info: dict[str, Any]) -> None:
+    """The error a worker kept from loading, raised as the local run would raise it."""
+    error = info.get("error")
+    if error is None:
+        return
+    kind, message = error
+    if kind == "usage":
+        raise UsageError(message)
+    if kind == "model":
+        raise ModelError(message)
+    raise ClusterError(f"a Ray worker could not start: {message}")
+
+
+def component_bytes(config: RunConfig) -> bytes | None:
+    """The `--controller` component's binary, read here (its errors are the local run's)
+    and shipped to the workers: their nodes need no copy of the file."""
+    if config.controller is None:
+        return None
+    from aici_cli.control.wasm.component_file import ComponentError, read_wasm
+
+    try:
+        return read_wasm(Path(config.controller))
+    except ComponentError as e:
+        raise UsageError(str(e)) from None
+
+
+def stop_workers(workers: list[Worker], disconnect: bool) -> None:
+    for worker in workers:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(worker.actor, no_restart=True)
+    if disconnect:
+        ray.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
