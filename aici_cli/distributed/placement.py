@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import uuid
@@ -53,6 +54,9 @@ def connect(options: RayOptions, quiet: bool) -> bool:
     if ray.is_initialized():
         return False
     address = None if options.address == "auto" else options.address
+    client = address is not None and address.startswith("ray://")
+    if client:
+        _client_token_auth()
     # ray.init sets a SIGTERM handler that exits at once; the run's own (`Interrupts`:
     # finish the lines in flight, then exit 143) must stay.
     handlers = _signal_handlers()
@@ -60,11 +64,42 @@ def connect(options: RayOptions, quiet: bool) -> bool:
         ray.init(address=address, include_dashboard=False, log_to_driver=not quiet,
                  logging_level=logging.WARNING if quiet else logging.INFO)
     except (ConnectionError, ValueError, RuntimeError) as e:
-        raise UsageError(f"--ray {options.address}: cannot connect: {_first_line(e)}") from None
+        hint = ""
+        if client and os.environ.get(AUTH_MODE) != "token":
+            hint = (f" (a cluster that requires Ray's token authentication needs {AUTH_MODE}=token "
+                    "and its token in ~/.ray/auth_token or RAY_AUTH_TOKEN)")
+        raise UsageError(
+            f"--ray {options.address}: cannot connect: {_first_line(e)}{hint}") from None
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return True
+
+
+AUTH_MODE = "RAY_AUTH_MODE"
+
+
+def _client_token_auth() -> None:
+    """Turn Ray's token authentication on for a Ray Client connection when a token is at
+    hand and the mode is not set. `ray.init` does this itself for a GCS address, but not
+    for `ray://`, whose server then refuses the unauthenticated client with a bare
+    timeout; clusters Ray starts require the token by default."""
+    if AUTH_MODE in os.environ:
+        return  # the user's explicit choice
+    try:  # Ray's own switch: the variable, and its config cache refreshed
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    # It says so with a logging warning; a run reports errors only.
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        logger.setLevel(level)
 
 
 def _signal_handlers() -> dict[int, Any]:
