@@ -71,6 +71,35 @@ def test_close_objects_keeps_required_keys_it_does_not_declare(lm: LoadedModel) 
     compiler.compile(Constraint("json_schema", schema))  # was: unsatisfiable
 
 
+def test_close_objects_keeps_definitions_that_allof_merges_open(lm: LoadedModel) -> None:
+    # Definitions written before the `allOf` that merges them, one reached through another
+    # `$ref`, and one that stays closed because nothing merges it.
+    schema = {
+        "definitions": {
+            "Named": {"type": "object", "properties": {"name": {"type": "string"}},
+                      "required": ["name"]},
+            "Aged": {"$ref": "#/definitions/Age"},
+            "Age": {"type": "object", "properties": {"age": {"type": "integer"}},
+                    "required": ["age"]},
+            "Alone": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+        "type": "object",
+        "properties": {"person": {"allOf": [{"$ref": "#/definitions/Named"},
+                                            {"$ref": "#/definitions/Aged"}]},
+                       "other": {"$ref": "#/definitions/Alone"}},
+    }
+    closed = close_objects(schema)
+    defs = closed["definitions"]
+    assert "additionalProperties" not in defs["Named"]
+    assert "additionalProperties" not in defs["Age"]
+    assert defs["Alone"]["additionalProperties"] is False
+    person = {"person": {"name": "Ann", "age": 3}, "other": {"x": 1}}
+    assert jsonschema.Draft7Validator(closed).is_valid(person)  # was: no value could pass
+    assert not jsonschema.Draft7Validator(closed).is_valid({"other": {"x": 1, "y": 2}})
+    compiler = GrammarCompiler(lm.tokenizer, lm.vocab_size, sorted(lm.eos_token_ids))
+    compiler.compile(Constraint("json_schema", schema))
+
+
 def test_close_objects_never_widens_one_of_or_not() -> None:
     # Closing oneOf branches would let {"dog": "x"} through as matching one closed branch,
     # while under the original schema it matches both open branches and fails oneOf.

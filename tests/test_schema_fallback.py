@@ -131,9 +131,12 @@ def test_circular_ref_with_sibling_keys(compiler: GrammarCompiler) -> None:
 
 def test_unsatisfiable_required_opens_objects_first(compiler: GrammarCompiler) -> None:
     # Closed by strict JSON, A and B each forbid the other's key: their allOf cannot hold.
-    schema = {"type": "object", "required": ["v"],
-              "properties": {"v": {"allOf": [{"$ref": "#/definitions/A"},
-                                             {"$ref": "#/definitions/B"}]}},
+    # (Strict JSON leaves definitions that a local `#/...` reference merges open; these
+    # references name the document by its `$id`, which it does not follow.)
+    root = "http://example.com/root.json"
+    schema = {"$id": root, "type": "object", "required": ["v"],
+              "properties": {"v": {"allOf": [{"$ref": f"{root}#/definitions/A"},
+                                             {"$ref": f"{root}#/definitions/B"}]}},
               "definitions": {
                   "A": {"type": "object", "properties": {"a": {"type": "string"}},
                         "required": ["a"]},

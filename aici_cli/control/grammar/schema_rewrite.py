@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote
 
 from aici_cli.control.grammar.limits import MAX_EXCLUSIVE_BRANCHES
 
@@ -60,24 +61,36 @@ def close_objects(schema: Any) -> Any:
     itself (closing one would reject the keys declared beside it), members of `oneOf`
     (a closed branch can fail where its open original matched, letting an output match
     another branch alone under the closed schema but two under the original), and anything
-    under `not` (narrowing there widens the whole).
+    under `not` (narrowing there widens the whole). The same holds through local `$ref`s:
+    a definition that some such member (or a `$ref` beside declared keys) refers to stays
+    open too, wherever it is written (`allOf: [{$ref: A}, {$ref: B}]` with A and B closed
+    could not be satisfied at all).
     """
+    merged_refs: set[str] = set()  # local `$ref` targets that must stay open
 
-    def walk(node: Any, in_all_of: bool) -> Any:
+    def walk(node: Any, in_all_of: bool, path: str) -> Any:
         if isinstance(node, list):
-            return [walk(x, in_all_of) for x in node]
+            return [walk(x, in_all_of, f"{path}/{i}") for i, x in enumerate(node)]
         if not isinstance(node, dict):
             return node
+        in_all_of = in_all_of or path in merged_refs
         parent_keys = "properties" in node or "required" in node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and (in_all_of or parent_keys):
+            merged_refs.add(unquote(ref[1:]))  # a URI fragment: percent-encoded
         out = {}
         for key, value in node.items():
+            where = f"{path}/{_pointer_token(key)}"
             if key in ("enum", "const", "default", "examples", "not"):
                 out[key] = value  # data, or (`not`) a schema that must stay as written
             elif key == "properties" and isinstance(value, dict):
-                out[key] = {k: walk(v, False) for k, v in value.items()}
+                out[key] = {k: walk(v, False, f"{where}/{_pointer_token(k)}")
+                            for k, v in value.items()}
             else:
-                merged = key in ("allOf", "oneOf") or (key == "anyOf" and parent_keys)
-                out[key] = walk(value, merged)
+                # A member of a merged node merges with what is merged beside it, too.
+                merged = key in ("allOf", "oneOf") or (
+                    key == "anyOf" and (parent_keys or in_all_of))
+                out[key] = walk(value, merged, where)
         open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
         combined = any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
         if (
@@ -97,7 +110,18 @@ def close_objects(schema: Any) -> Any:
                     out["properties"] = {**out["properties"], **{k: {} for k in missing}}
         return out
 
-    return walk(schema, False)
+    # A definition may be written before the `$ref` that merges it is seen: walk again
+    # until no new target turns up (each pass only adds targets; a schema has finitely many).
+    while True:
+        seen = len(merged_refs)
+        closed = walk(schema, False, "")
+        if len(merged_refs) == seen:
+            return closed
+
+
+def _pointer_token(key: str) -> str:
+    """`key` as one JSON Pointer reference token (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def exclusive_one_of(schema: Any) -> Any:
