@@ -25,11 +25,12 @@ from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
 from aici_cli.jobs import Job, LineError, Translate, open_input, read_jobs
 from aici_cli.models.load import load_model
+from aici_cli.models.progress import reporting_to
 from aici_cli.openai_batch import BatchFormat, line_format, refuse_requests
 from aici_cli.results import ResultWriter
 from aici_cli.resume import InputLines, OutputFile, ResumePlan
 from aici_cli.stats import RunTally, StepTimes, percentile
-from aici_cli.ui import RunDisplay
+from aici_cli.ui import RunDisplay, load_progress
 
 if TYPE_CHECKING:
     from aici_cli.control.wasm import ControllerComponent
@@ -143,7 +144,8 @@ def _run(config: RunConfig, stderr: IO[str],
          output: OutputFile | None, interrupts: Interrupts | None) -> RunOutcome:
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
-    backend = _start_backend(config)
+    with reporting_to(load_progress(stderr, config.quiet)):
+        backend = _start_backend(config)
     try:
         if output is not None:
             output.prepare(plan)

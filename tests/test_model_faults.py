@@ -290,7 +290,8 @@ def test_incomplete_cache_entry_is_replaced_not_trusted(
     assert resolve_model(str(gguf)) == target
 
     assert stub_conversion == [gguf.resolve()]
-    assert sorted(p.name for p in target.iterdir()) == ["config.json"]
+    # The conversion's files and its record of what it holds; the partial file is gone.
+    assert sorted(p.name for p in target.iterdir()) == ["aici-batch-source.json", "config.json"]
     assert cache_entries(private_cache) == [target.name]
 
 
