@@ -232,11 +232,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     """
     # (Long because this docstring is the --help text; the body only builds the config.)
     ray = _ray_options(ray_address, workers, gpus_per_worker, cpus_per_worker, device)
-    try:
-        from aici_cli.config import RunConfig
-        from aici_cli.runner import run_batch  # heavy imports (torch) only here
-    except KeyboardInterrupt:
-        _exit_interrupted(signal.SIGINT)
+    from aici_cli.config import RunConfig
 
     config = RunConfig(
         input=input, output=output, model=model, device=device, dtype=dtype,
@@ -261,6 +257,17 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     )
     if controller is not None and config.defaults.constraint is not None:
         raise FatalError("--controller cannot be combined with --json-schema/--regex/--choices")
+    try:
+        # Before anything loads: a bad default would be every line's error otherwise.
+        from aici_cli.jobs.defaults import defaults_problem
+
+        problem = defaults_problem(config.defaults, config.engine.strict_json, json_schema)
+        if problem is not None:
+            raise FatalError(problem)
+        from aici_cli.runner import run_batch  # heavy imports (torch) only here
+    except KeyboardInterrupt:
+        _exit_interrupted(signal.SIGINT)
+
     try:
         outcome = run_batch(config, handle_signals=True)
     except (UsageError, ModelError, ClusterError) as e:

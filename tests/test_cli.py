@@ -120,6 +120,75 @@ def test_usage_errors_exit_two_with_one_line(args: list[str], needle: str) -> No
     assert "Traceback" not in res.output
 
 
+def aici_batch() -> list[str]:
+    exe = Path(sys.executable).with_name("aici-batch")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "aici_cli"]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--json-schema", "{schema}"],
+         "--json-schema {schema} is not a valid JSON Schema: at 'type': 'objekt' is not valid "
+         "under any of the given schemas"),
+        (["--regex", "a("],
+         "--regex is not a valid regular expression: missing ), unterminated subpattern at "
+         "position 1"),
+        (["--regex", "(?=a)b"], "--regex: regex not supported: "),
+        (["--stop", "end", "--stop", ""], "--stop #2 must not be empty"),
+        (["--min-tokens", "300"], "--min-tokens must be at most --max-tokens (256), got 300"),
+        (["--temperature", "50"], "--temperature must be <= 10, got 50.0"),
+        (["--seed", str(2**64)], "--seed must be <= 9223372036854775807"),
+    ],
+)
+def test_a_bad_run_level_default_exits_two_before_the_model_loads(
+    option: list[str], message: str, tmp_path: Path
+) -> None:
+    schema = tmp_path / "bad.schema.json"
+    schema.write_text('{"type": "objekt"}')
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(jsonl([{"prompt": "a"}, {"prompt": "b"}]))
+    args = [a.format(schema=schema) for a in option]
+    # A model that does not exist: the option must be refused before the model is looked for.
+    done = subprocess.run([*aici_batch(), "run", str(src), "-o", str(out), "--model",
+                           str(tmp_path / "no-model"), *args], capture_output=True, text=True,
+                          timeout=120)
+
+    assert done.returncode == 2
+    assert done.stderr.startswith("Error: " + message.format(schema=schema))
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not out.exists()  # nothing was written, not even an empty output
+
+
+def test_an_unsupported_cli_schema_is_refused_unless_relaxed(model_args: list[str],
+                                                            tmp_path: Path) -> None:
+    schema = tmp_path / "lookahead.schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(?=x)a"}}, "required": ["a"]}))
+    refused = invoke(["run", "-", *model_args, "--json-schema", str(schema)], jsonl(GOOD[:1]))
+    assert refused.exit_code == 2
+    assert "JSON schema not supported" in refused.stderr
+    assert "--schema-fallback relax" in refused.stderr
+
+    relaxed = invoke(["run", "-", *model_args, "-q", "--json-schema", str(schema),
+                      "--schema-fallback", "relax", "--max-tokens", "4"],
+                     jsonl([{"prompt": "a"}]))
+    assert relaxed.exit_code in (0, 1), relaxed.output
+    [result] = results_of(relaxed.stdout)
+    assert result["relaxed"]  # ran, with the closest schema the engine enforces
+
+
+def test_a_lines_own_bad_constraint_stays_that_lines_error(model_args: list[str]) -> None:
+    lines = [{"prompt": "a", "regex": "a("}, {"prompt": "b", "json_schema": {"type": "x"}},
+             {"prompt": "c"}]
+    res = invoke(["run", "-", *model_args, "-q", "--regex", "[ab]"], jsonl(lines))
+    assert res.exit_code == 1
+    results = {r["index"]: r for r in results_of(res.stdout)}
+    assert results[1]["error"]["type"] == "invalid_regex"
+    assert results[2]["error"]["type"] == "invalid_schema"
+    assert results[3]["finish_reason"] != "error" and set(results[3]["text"]) <= {"a", "b"}
+
+
 def test_summary_table_goes_to_stderr_only(model_args: list[str]) -> None:
     res = invoke(["run", "-", *model_args], jsonl(GOOD[:1]))
     assert res.exit_code == 0
