@@ -285,6 +285,7 @@ class ResultSink:
                  on_result: Callable[[dict[str, Any]], None] | None,
                  after: Callable[[], None]) -> None:
         self.lines = lines
+        self.schema_lines: set[int] = set()  # lines in flight that ask for a JSON schema
         self.writer = writer
         self.display = display
         self.batch_format = batch_format
@@ -294,6 +295,10 @@ class ResultSink:
 
     def __call__(self, result: dict[str, Any]) -> None:
         result = self.lines.tag(result)
+        if result.get("index") in self.schema_lines:
+            self.schema_lines.discard(result["index"])
+            if result.get("finish_reason") == "error":
+                result = _schema_error(result)
         fmt = self.batch_format
         self.writer.write(fmt.output(result) if fmt is not None else result)
         self.tally.add(result)
@@ -332,7 +337,7 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
     try:
         with display:
             jobs = read_jobs(lines, config.defaults, translate)
-            backend.run(_not_done(jobs, lines), sink, should_admit,
+            backend.run(_not_done(jobs, lines, sink.schema_lines), sink, should_admit,
                         lambda message: None if config.quiet else _note(display, message))
     finally:
         writer.sync()
@@ -391,10 +396,32 @@ def _interrupted_note(config: RunConfig, outcome: RunOutcome, plan: ResumePlan |
             "--resume to run the rest")
 
 
-def _not_done(items: Iterator[Job | LineError], lines: InputLines) -> Iterator[Job | LineError]:
-    """Drop items of lines that already have a result. `InputLines` hands those on as
-    blank lines, which `read_jobs` skips; this keeps that true whatever it does with them."""
-    return (item for item in items if item.index not in lines.skip)
+def _not_done(items: Iterator[Job | LineError], lines: InputLines,
+              schema_lines: set[int]) -> Iterator[Job | LineError]:
+    """Drop items of lines that already have a result (`InputLines` hands those on as
+    blank lines, which `read_jobs` skips; this keeps that true whatever it does with
+    them), noting in `schema_lines` the lines that ask for JSON under a schema."""
+    for item in items:
+        if item.index in lines.skip:
+            continue
+        if item.json_schema if isinstance(item, LineError) else (
+                item.constraint is not None and item.constraint.kind == "json_schema"):
+            schema_lines.add(item.index)
+        yield item
+
+
+def _schema_error(result: dict[str, Any]) -> dict[str, Any]:
+    """An error result of a line that asked for JSON under a schema, with `valid: false`
+    (no valid output came), so compliance over every schema line counts it."""
+    if "valid" in result:
+        return result
+    out: dict[str, Any] = {}
+    for key, value in result.items():
+        if key == "error":
+            out["valid"] = False
+        out[key] = value
+    out.setdefault("valid", False)
+    return out
 
 
 def _lines(n: int) -> str:

@@ -22,7 +22,7 @@ from rich.progress import (
 from rich.table import Table
 
 from aici_cli.models.progress import LoadProgress, SilentProgress
-from aici_cli.stats import STEP_FIELDS
+from aici_cli.stats import STEP_FIELDS, compliance_rows
 
 T = TypeVar("T")
 
@@ -130,8 +130,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
     ]
     if summary.get("answered"):
         rows.append(("accuracy", f"{summary['accuracy']:.1%} of {summary['answered']}"))
-    if summary.get("schema_lines"):
-        rows.append(("schema outputs valid", f"{summary['valid']}/{summary['schema_lines']}"))
+    rows += compliance_rows(summary)
     if "guest_call_ms" in summary:
         g = summary["guest_call_ms"]
         rows.append(("controller call p50 / p99", f"{g['p50']:.3f} / {g['p99']:.3f} ms"))

@@ -216,6 +216,41 @@ def test_report_summarizes_a_finished_run(model_args: list[str], tmp_path: Path)
     assert missing.exit_code == 2 and "nope.jsonl" in missing.stderr
 
 
+def test_report_counts_compliance_over_all_schema_lines_and_over_those_that_ran(
+    model_args: list[str], tmp_path: Path
+) -> None:
+    boolean = {"type": "boolean"}
+    lookahead = {"type": "string", "pattern": "(?=x)a"}  # no grammar engine takes it
+    lines = [{"prompt": "a", "json_schema": boolean, "max_tokens": 8},
+             {"prompt": "b", "json_schema": boolean, "max_tokens": 8},
+             {"prompt": "c", "json_schema": lookahead},  # unsupported_schema when compiled
+             {"prompt": "d", "json_schema": {"type": "nonsense"}},  # invalid_schema when read
+             {"prompt": "e", "max_tokens": 2}]  # no schema
+    src, out, stats = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
+    src.write_text(jsonl(lines))
+    done = subprocess.run([*aici_batch(), "run", str(src), "-o", str(out), *model_args,
+                           "--stats-out", str(stats)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stderr
+    results = {r["index"]: r for r in results_of(out.read_text())}
+    assert [results[i].get("valid") for i in range(1, 6)] == [True, True, False, False, None]
+    assert results[3]["error"]["type"] == "unsupported_schema"
+    assert results[4]["error"]["type"] == "invalid_schema"
+    assert "of all schema lines" in done.stderr and "2/4 (50.0%)" in done.stderr
+    assert "of those that ran" in done.stderr and "2/2 (100.0%)" in done.stderr
+    assert json.loads(stats.read_text())["schema_errors"] == 2
+
+    rep = subprocess.run([*aici_batch(), "report", str(out), "--json"], capture_output=True,
+                         text=True, timeout=120)
+    summary = json.loads(rep.stdout)
+    assert (summary["schema_lines"], summary["valid"], summary["schema_errors"]) == (2, 2, 2)
+    assert summary["compliance"] == 0.5  # JSONSchemaBench's: over every schema line
+    assert summary["compliance_ran"] == 1.0
+    table = subprocess.run([*aici_batch(), "report", str(out)], capture_output=True, text=True,
+                           timeout=120).stdout
+    assert "2/4 (50.0%)" in table and "2/2 (100.0%)" in table
+
+
 def test_n_samples_per_line_and_from_the_cli(model_args: list[str], tmp_path: Path) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
     rows = [{"id": "one", "prompt": "Hello", "max_tokens": 6},

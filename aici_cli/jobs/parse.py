@@ -92,7 +92,20 @@ def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults,
     obj = _line_object(text, index, defaults, translate)
     if isinstance(obj, LineError):
         return obj
-    return _job(obj, index, defaults)
+    job = _job(obj, index, defaults)
+    if isinstance(job, LineError) and _asks_for_schema(obj, defaults):
+        return dataclasses.replace(job, json_schema=True)
+    return job
+
+
+def _asks_for_schema(obj: dict[str, Any], defaults: JobDefaults) -> bool:
+    """Whether the line's constraint is a JSON schema: its own, or --json-schema where
+    it names no other."""
+    if "json_schema" in obj:
+        return True
+    own = any(field in obj for field in _KIND_FIELDS.values())
+    return not own and defaults.constraint is not None and (
+        defaults.constraint.kind == "json_schema")
 
 
 def _line_text(raw: str | bytes, index: int, defaults: JobDefaults) -> str | LineError | None:
