@@ -195,9 +195,10 @@ def summarize_results(lines: Iterable[str]) -> dict[str, Any]:
 
     Keys follow the run summary (`schemas/stats.schema.json`) plus `compliance` (valid
     over every schema line, errors included: JSONSchemaBench's), `compliance_ran` (over
-    the schema lines that ran to the end), `error_types`, `finish_reasons`, `step_source` and `notes`. Run-level figures
-    (`forward_passes`, `wall_s`, `tokens_per_s`, `model`, `device`, `dtype`,
-    `batch_size`) are None: they cannot be derived from results (see `report`).
+    the schema lines that ran to the end), `error_types`, `finish_reasons`, `step_source`
+    and `notes`. Run-level figures (`forward_passes`, `wall_s`, `tokens_per_s`, `model`,
+    `device`, `dtype`, `batch_size`) are None: they cannot be derived from results (see
+    `report`).
     `steps` holds p50/p99/mean of forward/mask/controller/sample ms per sequence-step,
     from `steps` records when every sequence that ran has them ("steps"), else from
     stats.X_ms / stats.forward_passes per sequence ("per-sequence"); {} and None when

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import stat
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO
@@ -296,9 +297,12 @@ class InputLines:
     def __iter__(self) -> Iterator[bytes]:
         it = iter(self.source)
         index = 0
+        # A signal handler runs on the main thread, so it may cut into a read only there;
+        # read on another thread (`live_input`), a blocked read just ends the run later.
+        on_main = threading.current_thread() is threading.main_thread()
         while not self.stop:
             try:
-                self.reading = True
+                self.reading = on_main
                 raw = next(it, None)
                 self.reading = False
             except Interrupted:

@@ -24,6 +24,7 @@ from aici_cli.engine.loop import Engine
 from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
 from aici_cli.jobs import Job, LineError, Translate, open_input, read_jobs
+from aici_cli.live_input import LiveInput, may_block
 from aici_cli.models.load import load_model
 from aici_cli.models.progress import reporting_to
 from aici_cli.openai_batch import BatchFormat, line_format, refuse_requests
@@ -122,6 +123,12 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     stderr = stderr or sys.stderr
     _check_resume(config)
     source = open_input(config.input)
+    # An input that may wait on its producer is read on a thread of its own, so running
+    # lines keep decoding meanwhile (the Ray driver reads on its own thread: its workers
+    # decode in their own processes).
+    live: LiveInput[Job | LineError] | None = (
+        LiveInput(config.engine.lookahead) if config.ray is None and may_block(source)
+        else None)
     output: OutputFile | None = None
     try:
         # Opened (and locked) early, so that a second run on the same file is refused before
@@ -131,17 +138,22 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
             raise UsageError(f"the output {config.output} is the input file")
         interrupts = Interrupts() if handle_signals else None
         with interrupts or contextlib.nullcontext():
-            return _run(config, stderr, on_result, source, output, interrupts)
+            return _run(config, stderr, on_result, source, output, interrupts, live)
     finally:
         if output is not None:
             output.close()
-        if source is not sys.stdin.buffer:
+        if live is not None:
+            live.close()
+        # A reader still blocked in a read of it (after an interrupt) keeps it open: closing
+        # would wait for that read. The process's exit closes it.
+        if source is not sys.stdin.buffer and (live is None or not live.reading):
             source.close()
 
 
 def _run(config: RunConfig, stderr: IO[str],
          on_result: Callable[[dict[str, Any]], None] | None, source: BinaryIO,
-         output: OutputFile | None, interrupts: Interrupts | None) -> RunOutcome:
+         output: OutputFile | None, interrupts: Interrupts | None,
+         live: LiveInput[Job | LineError] | None = None) -> RunOutcome:
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
     with reporting_to(load_progress(stderr, config.quiet)):
@@ -160,7 +172,7 @@ def _run(config: RunConfig, stderr: IO[str],
         translate = (batch_format.translate if batch_format is not None
                      else refuse_requests(why))
         return _drive(config, backend, out, lines, display, interrupts, on_result, plan,
-                      batch_format, translate)
+                      batch_format, translate, live)
     finally:
         backend.close()
 
@@ -199,12 +211,18 @@ class LocalEngine:
             self.engine.intake.controller_factory = wasm_factory(
                 config, self.engine, self.call_times, load_controller(config))
 
-    def run(self, items: Iterator[Job | LineError], emit: Emit,
+    def run(self, items: Iterator[Job | LineError | None], emit: Emit,
             should_admit: Callable[[], bool], note: Callable[[str], None]) -> None:
+        """As `Backend.run`; a None item (a live input) means "nothing ready yet"."""
         self.engine.run(items, emit, should_admit)
 
     def in_flight(self) -> int:
         return self.engine.rows.live()
+
+    def idle(self) -> bool:
+        """No row has work and no line waits for one: waiting for input costs nothing."""
+        rows = self.engine.rows
+        return not (rows.busy() or rows.ahead or rows.waiting)
 
     def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
         return summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
@@ -312,9 +330,10 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
            display: RunDisplay, interrupts: Interrupts | None,
            on_result: Callable[[dict[str, Any]], None] | None,
            plan: ResumePlan | None, batch_format: BatchFormat | None = None,
-           translate: Translate | None = None) -> RunOutcome:
+           translate: Translate | None = None,
+           live: LiveInput[Job | LineError] | None = None) -> RunOutcome:
     """Run `lines` on the backend, writing each result as it finishes (as an OpenAI
-    batch output line with `batch_format`)."""
+    batch output line with `batch_format`), reading them on `live`'s thread if given."""
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
 
     def announce() -> None:
@@ -336,9 +355,18 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
     t0 = time.perf_counter()
     try:
         with display:
-            jobs = read_jobs(lines, config.defaults, translate)
-            backend.run(_not_done(jobs, lines, sink.schema_lines), sink, should_admit,
-                        lambda message: None if config.quiet else _note(display, message))
+            jobs = _not_done(read_jobs(lines, config.defaults, translate), lines,
+                             sink.schema_lines)
+
+            def note(message: str) -> None:
+                if not config.quiet:
+                    _note(display, message)
+
+            if live is not None and isinstance(backend, LocalEngine):
+                live.start(jobs)
+                backend.run(live.items(backend.idle), sink, should_admit, note)
+            else:
+                backend.run(jobs, sink, should_admit, note)
     finally:
         writer.sync()
     summary = backend.summary(config, sink.tally, time.perf_counter() - t0)

@@ -7,7 +7,9 @@ caller writes as an error result, so every input line ends as exactly one result
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import os
 import re
 import sys
 import warnings
@@ -58,9 +60,15 @@ def read_jobs(lines: Iterable[str | bytes], defaults: JobDefaults,
 
 def open_input(path: str) -> BinaryIO:
     """Open the JSONL input in binary so bad UTF-8 becomes a per-line error, not a crash
-    of the whole run; "-" means stdin."""
+    of the whole run; "-" means stdin, read through a file of its own over a copy of its
+    descriptor: a thread may be blocked reading it when the run ends (`live_input`), and
+    the interpreter aborts at exit if that is `sys.stdin`'s own buffer. The caller owns
+    and closes what it gets, except `sys.stdin.buffer` (stdin without a descriptor)."""
     if path == "-":
-        return sys.stdin.buffer
+        try:
+            return open(os.dup(sys.stdin.fileno()), "rb")  # noqa: SIM115
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return sys.stdin.buffer
     try:
         return open(path, "rb")  # the caller owns and closes it
     except OSError as exc:
