@@ -174,7 +174,12 @@ def main() -> None:
 @click.option("--resume", is_flag=True,
               help="Skip the lines whose result is already in the -o file and append the "
                    "rest (after an interrupted or killed run). A torn last line is cut off; "
-                   "results from a different input are refused.")
+                   "results from a different input, or made with another --model or other "
+                   "line options (--max-tokens, a constraint, --controller, ...), are "
+                   "refused.")
+@click.option("--resume-mixed", is_flag=True,
+              help="With --resume: keep results made with another model or other options "
+                   "and add this run's beside them (each result's `made_with` says which).")
 @click.option("--exit-zero-on-line-errors", is_flag=True,
               help="Exit 0 even when some lines ended in an error (each has its error result "
                    "in the output), as `vllm run-batch` does: for pipelines that read errors "
@@ -205,7 +210,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
         loop_guard: bool, deterministic: bool, step_stats: bool,
         stats_out: str | None,
-        resume: bool, exit_zero_on_line_errors: bool, ray_address: str | None,
+        resume: bool, resume_mixed: bool, exit_zero_on_line_errors: bool,
+        ray_address: str | None,
         workers: int | None, gpus_per_worker: float, cpus_per_worker: float,
         quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
@@ -253,8 +259,11 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                              ignore_eos=ignore_eos, schema_fallback=schema_fallback),
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
-        resume=resume, exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray,
+        resume=resume, resume_mixed=resume_mixed,
+        exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray,
     )
+    if resume_mixed and not resume:
+        raise FatalError("--resume-mixed goes with --resume")
     if controller is not None and config.defaults.constraint is not None:
         raise FatalError("--controller cannot be combined with --json-schema/--regex/--choices")
     try:

@@ -25,11 +25,12 @@ from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
 from aici_cli.jobs import Job, LineError, Translate, open_input, read_jobs
 from aici_cli.live_input import LiveInput, may_block
+from aici_cli.made_with import OPTION_KEYS, digest, run_record
 from aici_cli.models.load import load_model
 from aici_cli.models.progress import reporting_to
 from aici_cli.openai_batch import BatchFormat, line_format, refuse_requests
 from aici_cli.results import ResultWriter
-from aici_cli.resume import InputLines, OutputFile, ResumePlan
+from aici_cli.resume import InputLines, OutputFile, ResumeError, ResumePlan
 from aici_cli.stats import RunTally, StepTimes, percentile
 from aici_cli.ui import RunDisplay, load_progress
 
@@ -156,9 +157,16 @@ def _run(config: RunConfig, stderr: IO[str],
          live: LiveInput[Job | LineError] | None = None) -> RunOutcome:
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
+    controller = controller_digest(config)
+    mixed: list[str] = []  # with --resume-mixed: how earlier results were made otherwise
+    if plan is not None:  # the options before the model loads, the model once it has
+        _check_made_with(config, plan, run_record(config, "", controller), OPTION_KEYS, mixed)
     with reporting_to(load_progress(stderr, config.quiet)):
         backend = _start_backend(config)
     try:
+        record = run_record(config, backend.model_name, controller)
+        if plan is not None:
+            _check_made_with(config, plan, record, {"model"}, mixed)
         if output is not None:
             output.prepare(plan)
         out = output.stream() if output is not None else sys.stdout
@@ -168,11 +176,11 @@ def _run(config: RunConfig, stderr: IO[str],
                            skip=plan.done if plan is not None else None)
         display = RunDisplay(stderr, total=total, quiet=config.quiet)
         if plan is not None:
-            _announce_resume(display, config, plan)
+            _announce_resume(display, config, plan, mixed)
         translate = (batch_format.translate if batch_format is not None
                      else refuse_requests(why))
         return _drive(config, backend, out, lines, display, interrupts, on_result, plan,
-                      batch_format, translate, live)
+                      batch_format, translate, live, record)
     finally:
         backend.close()
 
@@ -276,7 +284,33 @@ def _line_format(raw: bytes) -> str | None:
     return line_format(obj)
 
 
-def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan) -> None:
+def controller_digest(config: RunConfig) -> str | None:
+    """The digest of the `--controller` file, for `made_with` (None: no controller, or a
+    file that cannot be read, which loading it reports)."""
+    if config.controller is None:
+        return None
+    try:
+        return digest(Path(config.controller).read_bytes())
+    except OSError:
+        return None
+
+
+def _check_made_with(config: RunConfig, plan: ResumePlan, record: dict[str, Any],
+                     keys: set[str], mixed: list[str]) -> None:
+    """Refuse to resume onto results made with other options (only `keys` of `record`),
+    unless `--resume-mixed`, which notes them in `mixed` instead."""
+    diff = plan.made_otherwise(record, keys)
+    if diff is None:
+        return
+    if not config.resume_mixed:
+        raise ResumeError(f"--resume: {config.output} holds results made with {diff}; run "
+                          "with the same options, or add --resume-mixed to mix them in one "
+                          "file")
+    mixed.append(diff)
+
+
+def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan,
+                     mixed: list[str]) -> None:
     if config.quiet:
         return
     scan = plan.scan
@@ -284,6 +318,13 @@ def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan) -
         _note(display, f"{config.output}: cut off its incomplete last line (line "
                        f"{scan.torn_line}, {scan.torn_bytes} bytes) left by an interrupted "
                        "run; that input line runs again")
+    for diff in mixed:
+        _note(display, f"--resume-mixed: {config.output} holds results made with {diff}; "
+                       "the new results are added beside them")
+    if plan.unrecorded:
+        _note(display, f"{config.output}: {_lines(plan.unrecorded)} of results say nothing "
+                       "of the model and options that made them (an older aici-batch wrote "
+                       "them): they are kept as if made with this run's")
     _note(display, f"resuming: {len(plan.done)} of {plan.total} lines of {config.input} "
                    f"already have results in {config.output}; running the other "
                    f"{plan.remaining}")
@@ -301,8 +342,9 @@ class ResultSink:
     def __init__(self, lines: InputLines, writer: ResultWriter, display: RunDisplay,
                  batch_format: BatchFormat | None,
                  on_result: Callable[[dict[str, Any]], None] | None,
-                 after: Callable[[], None]) -> None:
+                 after: Callable[[], None], made_with: dict[str, Any] | None = None) -> None:
         self.lines = lines
+        self.made_with = made_with  # what made every result (`aici_cli.made_with`)
         self.schema_lines: set[int] = set()  # lines in flight that ask for a JSON schema
         self.writer = writer
         self.display = display
@@ -312,7 +354,7 @@ class ResultSink:
         self.tally = RunTally()
 
     def __call__(self, result: dict[str, Any]) -> None:
-        result = self.lines.tag(result)
+        result = self.lines.tag(result, self.made_with)
         if result.get("index") in self.schema_lines:
             self.schema_lines.discard(result["index"])
             if result.get("finish_reason") == "error":
@@ -331,7 +373,8 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
            on_result: Callable[[dict[str, Any]], None] | None,
            plan: ResumePlan | None, batch_format: BatchFormat | None = None,
            translate: Translate | None = None,
-           live: LiveInput[Job | LineError] | None = None) -> RunOutcome:
+           live: LiveInput[Job | LineError] | None = None,
+           made_with: dict[str, Any] | None = None) -> RunOutcome:
     """Run `lines` on the backend, writing each result as it finishes (as an OpenAI
     batch output line with `batch_format`), reading them on `live`'s thread if given."""
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
@@ -348,7 +391,7 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
         announce()
         return interrupts is None or interrupts.should_admit()
 
-    sink = ResultSink(lines, writer, display, batch_format, on_result, announce)
+    sink = ResultSink(lines, writer, display, batch_format, on_result, announce, made_with)
     if interrupts is not None:
         interrupts.lines = lines
         interrupts.engine_started = True
