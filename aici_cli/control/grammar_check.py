@@ -76,11 +76,12 @@ def support_problem(constraint: Constraint, strict_json: bool) -> str | None:
     For a run-level constraint (`--json-schema`, `--regex`, `--choices`), which every line
     would otherwise fail with alike after the model loaded. Tokenizer-free validation
     agreed with a compile for a model's tokenizer on all of 1,540 JSONSchemaBench dev
-    schemas (16 refused by both). Imports llguidance and the grammar package (torch).
+    schemas (16 refused by both). Bound a schema's size first (`schema_shape_problem`), as
+    the compiler does. Imports llguidance and the grammar package (torch).
     """
     from llguidance import LLMatcher
 
-    from aici_cli.control.grammar.limits import GRAMMAR_LIMITS, tidy_error
+    from aici_cli.control.grammar.limits import GRAMMAR_LIMITS, is_limit_error, tidy_error
     from aici_cli.control.grammar.schema_rewrite import (
         RELAXATIONS,
         choices_grammar,
@@ -112,5 +113,8 @@ def support_problem(constraint: Constraint, strict_json: bool) -> str | None:
         error = LLMatcher.validate_grammar(grammar, limits=GRAMMAR_LIMITS)
         if not error:
             return None
+        if is_limit_error(error):  # a relaxed grammar is no smaller
+            return (f"{label} too large or complex to compile within the grammar limits: "
+                    f"{tidy_error(error)}")
         errors.append(error)
     return f"{label} not supported: {tidy_error(errors[-1]) if errors else 'grammar rejected'}"

@@ -41,8 +41,8 @@ def defaults_problem(defaults: JobDefaults, strict_json: bool,
     """Why the run's defaults cannot be used, as one line naming the option, or None.
 
     `schema_file` is the `--json-schema` file, named in the message. A JSON schema the
-    grammar engine refuses is left to the lines under `--schema-fallback relax`, which
-    generates with the closest schema it can enforce.
+    grammar engine refuses (but not one too large to compile) is left to the lines under
+    `--schema-fallback relax`, which generates with the closest schema it can enforce.
     """
     line = json.dumps(_as_line(defaults))
     item = next(read_jobs([line], dataclasses.replace(defaults, constraint=None)), None)
@@ -52,10 +52,17 @@ def defaults_problem(defaults: JobDefaults, strict_json: bool,
         problem = problem.replace("at most max_tokens", "at most --max-tokens")
         return _FIELD.sub(lambda m: _option(m, shown), problem)
     constraint = defaults.constraint
-    if constraint is None or constraint.kind not in _FIELDS or (
-            constraint.kind == "json_schema" and defaults.schema_fallback == "relax"):
+    if constraint is None or constraint.kind not in _FIELDS:
         return None
+    from aici_cli.control.grammar.limits import schema_shape_problem
     from aici_cli.control.grammar_check import support_problem
+
+    if constraint.kind == "json_schema":
+        too_large = schema_shape_problem(constraint.value)  # relaxing makes it no smaller
+        if too_large is not None:
+            return f"{shown['json_schema']}: {too_large}"
+        if defaults.schema_fallback == "relax":
+            return None
 
     unsupported = support_problem(constraint, strict_json)
     if unsupported is None:
