@@ -332,6 +332,16 @@ def test_light_commands_do_not_import_torch(args: list[str]) -> None:
     assert heavy_modules_after(code) == []
 
 
+@pytest.mark.parametrize("args", [["models"], ["models", "--prune", "--dry-run"]], ids=" ".join)
+def test_models_does_not_import_torch(args: list[str], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`models` reads transformers' version (the conversion cache's key), not torch."""
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
+    code = ("from aici_cli.cli import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass")
+    assert "torch" not in heavy_modules_after(code)
+
+
 def test_a_local_run_does_not_import_ray(model_args: list[str], tmp_path: Path) -> None:
     """Ray is optional: a run without --ray never imports it."""
     src = tmp_path / "in.jsonl"
