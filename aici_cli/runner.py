@@ -125,8 +125,8 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     _check_resume(config)
     source = open_input(config.input)
     # An input that may wait on its producer is read on a thread of its own, so running
-    # lines keep decoding meanwhile (the Ray driver reads on its own thread: its workers
-    # decode in their own processes).
+    # lines keep decoding meanwhile. The Ray driver reads in place: its workers decode in
+    # processes of their own while it waits.
     live: LiveInput[Job | LineError] | None = (
         LiveInput(config.engine.lookahead) if config.ray is None and may_block(source)
         else None)
@@ -322,9 +322,10 @@ def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan,
         _note(display, f"--resume-mixed: {config.output} holds results made with {diff}; "
                        "the new results are added beside them")
     if plan.unrecorded:
-        _note(display, f"{config.output}: {_lines(plan.unrecorded)} of results say nothing "
-                       "of the model and options that made them (an older aici-batch wrote "
-                       "them): they are kept as if made with this run's")
+        n = plan.unrecorded
+        _note(display, f"{config.output}: {n} {'result says' if n == 1 else 'results say'} "
+                       "nothing of the model and options that made them (an older "
+                       "aici-batch wrote them): they are kept as if made with this run's")
     _note(display, f"resuming: {len(plan.done)} of {plan.total} lines of {config.input} "
                    f"already have results in {config.output}; running the other "
                    f"{plan.remaining}")

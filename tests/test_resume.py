@@ -563,8 +563,8 @@ def test_results_without_a_record_are_taken_as_made_with_this_runs_options(
     res = invoke(["run", str(src), "-o", str(out), *model_args, "--resume", "--max-tokens", "5"])
 
     assert res.exit_code == 1, res.output
-    assert (f"{out}: 10 lines of results say nothing of the model and options that made them "
-            "(an older aici-batch wrote them): they are kept as if made with this run's"
+    assert (f"{out}: 10 results say nothing of the model and options that made them (an "
+            "older aici-batch wrote them): they are kept as if made with this run's"
             ) in res.stderr
     assert len(results_in(out)) == N_LINES - 1
 
