@@ -174,7 +174,12 @@ def main() -> None:
 @click.option("--resume", is_flag=True,
               help="Skip the lines whose result is already in the -o file and append the "
                    "rest (after an interrupted or killed run). A torn last line is cut off; "
-                   "results from a different input are refused.")
+                   "results from a different input, or made with another --model or other "
+                   "line options (--max-tokens, a constraint, --controller, ...), are "
+                   "refused.")
+@click.option("--resume-mixed", is_flag=True,
+              help="With --resume: keep results made with another model or other options "
+                   "and add this run's beside them (each result's `made_with` says which).")
 @click.option("--exit-zero-on-line-errors", is_flag=True,
               help="Exit 0 even when some lines ended in an error (each has its error result "
                    "in the output), as `vllm run-batch` does: for pipelines that read errors "
@@ -205,7 +210,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
         loop_guard: bool, deterministic: bool, step_stats: bool,
         stats_out: str | None,
-        resume: bool, exit_zero_on_line_errors: bool, ray_address: str | None,
+        resume: bool, resume_mixed: bool, exit_zero_on_line_errors: bool,
+        ray_address: str | None,
         workers: int | None, gpus_per_worker: float, cpus_per_worker: float,
         quiet: bool) -> None:
     """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
@@ -232,11 +238,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     """
     # (Long because this docstring is the --help text; the body only builds the config.)
     ray = _ray_options(ray_address, workers, gpus_per_worker, cpus_per_worker, device)
-    try:
-        from aici_cli.config import RunConfig
-        from aici_cli.runner import run_batch  # heavy imports (torch) only here
-    except KeyboardInterrupt:
-        _exit_interrupted(signal.SIGINT)
+    from aici_cli.config import RunConfig
 
     config = RunConfig(
         input=input, output=output, model=model, device=device, dtype=dtype,
@@ -257,10 +259,24 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                              ignore_eos=ignore_eos, schema_fallback=schema_fallback),
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
-        resume=resume, exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray,
+        resume=resume, resume_mixed=resume_mixed,
+        exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray,
     )
+    if resume_mixed and not resume:
+        raise FatalError("--resume-mixed goes with --resume")
     if controller is not None and config.defaults.constraint is not None:
         raise FatalError("--controller cannot be combined with --json-schema/--regex/--choices")
+    try:
+        # Before anything loads: a bad default would be every line's error otherwise.
+        from aici_cli.jobs.defaults import defaults_problem
+
+        problem = defaults_problem(config.defaults, config.engine.strict_json, json_schema)
+        if problem is not None:
+            raise FatalError(problem)
+        from aici_cli.runner import run_batch  # heavy imports (torch) only here
+    except KeyboardInterrupt:
+        _exit_interrupted(signal.SIGINT)
+
     try:
         outcome = run_batch(config, handle_signals=True)
     except (UsageError, ModelError, ClusterError) as e:
@@ -373,19 +389,31 @@ def report(results: str, stats_file: str | None, plot_file: str | None, as_json:
 
 @main.command("models")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON instead.")
-def models_command(as_json: bool) -> None:
+@click.option("--prune", is_flag=True,
+              help="Remove the converted models nothing uses any more (older copies made "
+                   "per path, conversions for another transformers version, of files that "
+                   "are gone or changed, or left by a conversion that died), saying why.")
+@click.option("--dry-run", is_flag=True,
+              help="With --prune: list what would be removed, and remove nothing.")
+def models_command(as_json: bool, prune: bool, dry_run: bool) -> None:
     """List the models --model can name on this machine: the short names of models that
     pip packages ship (installed or not, and the default), the GGUF conversions in
-    aici-batch's cache, and the models in the Hugging Face hub cache. Nothing is
-    downloaded or converted.
+    aici-batch's cache (with their sizes), and the models in the Hugging Face hub cache.
+    Nothing is downloaded or converted.
 
     \b
     Examples:
       aici-batch models
       aici-batch models --json
+      aici-batch models --prune --dry-run     # what --prune would remove
       aici-batch run prompts.jsonl --model gemma-3-270m
       aici-batch run prompts.jsonl --model HuggingFaceTB/SmolLM2-360M-Instruct
     """
+    if dry_run and not prune:
+        raise FatalError("--dry-run goes with --prune")
+    if prune:
+        _prune(as_json, dry_run)
+        return
     from aici_cli.models.listing import available_models
 
     listing = available_models()
@@ -396,11 +424,34 @@ def models_command(as_json: bool) -> None:
         click.echo(line)
 
 
+def _prune(as_json: bool, dry_run: bool) -> None:
+    """`aici-batch models --prune [--dry-run]`."""
+    from aici_cli.models.cache_entries import prune
+
+    removed = prune(dry_run=dry_run)
+    freed = sum(e.size_bytes for e in removed)
+    if as_json:
+        click.echo(json.dumps({
+            "dry_run": dry_run, "bytes": freed,
+            "entries": [{"name": e.path.name, "path": str(e.path), "size_bytes": e.size_bytes,
+                         "unused": e.unused} for e in removed],
+        }, indent=2))
+        return
+    verb = "would remove" if dry_run else "removed"
+    width = max((len(e.path.name) for e in removed), default=0)
+    for e in removed:
+        click.echo(f"{verb} {e.path.name:<{width}}  {_size(e.size_bytes):>8}  ({e.unused})")
+    total = f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'}, {_size(freed)}"
+    click.echo(f"{'would free' if dry_run else 'freed'} {total}" if removed
+               else "nothing to prune: every converted model is in use")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
 def _models_text(listing: dict[str, Any]) -> list[str]:
     """The `aici-batch models` listing as aligned text, one section per source."""
-    def size(n: int) -> str:
-        return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
-
     names = listing["short_names"]
     rows = [
         (("* " if m["default"] else "  ") + m["name"],
@@ -415,20 +466,28 @@ def _models_text(listing: dict[str, Any]) -> list[str]:
                  "missing: pip install the package)")
 
     converted = listing["converted"]
-    lines += ["", f"Converted GGUF models in {converted['cache_dir']}:"]
+    lines += ["", f"Converted GGUF models in {converted['cache_dir']} "
+                  f"({_size(converted['total_bytes'])}):"]
     width = max((len(m["name"]) for m in converted["models"]), default=0)
     for m in converted["models"]:
         serves = f"  ({m['short_name']})" if m["short_name"] else ""
-        lines.append(f"  {m['name']:<{width}}  {size(m['size_bytes']):>8}{serves}")
+        if m["unused"]:
+            serves += f"  unused: {m['unused']}"
+        elif m["origin"] and m["origin"] != "file":
+            serves += f"  from {m['origin']}"
+        lines.append(f"  {m['name']:<{width}}  {_size(m['size_bytes']):>8}{serves}")
     if not converted["models"]:
         lines.append("  none")
+    elif any(m["unused"] for m in converted["models"]):
+        lines.append("  (`aici-batch models --prune` removes the unused ones; "
+                     "--dry-run lists them first)")
 
     hub = listing["hub"]
     lines += ["", f"Hugging Face hub cache {hub['cache_dir']} (--model ORG/NAME[@REVISION]):"]
     width = max((len(m["name"]) for m in hub["models"]), default=0)
     for m in hub["models"]:
         usable = "" if m["loadable"] else "  (no config.json or .gguf in its main snapshot)"
-        lines.append(f"  {m['name']:<{width}}  {size(m['size_bytes']):>8}{usable}")
+        lines.append(f"  {m['name']:<{width}}  {_size(m['size_bytes']):>8}{usable}")
     if not hub["models"]:
         lines.append("  none (`hf download ORG/NAME` fetches one where there is network)")
     return lines

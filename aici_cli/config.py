@@ -110,6 +110,8 @@ class RunConfig:
     controller_arg: str = ""  # its argument, for lines without their own `controller_arg`
     controller_call_ms: int = 50  # deadline per guest call
     resume: bool = False  # skip lines whose result is already in `output`, append the rest
+    # With `resume`: keep results made with other options (`made_with`) instead of refusing.
+    resume_mixed: bool = False
     input_format: str = "auto"  # "aici", "openai" (batch requests), or "auto": by the lines
     exit_zero_on_line_errors: bool = False  # exit 0 though some lines ended in an error
     ray: RayOptions | None = None  # None: run in this process

@@ -227,8 +227,8 @@ def _completion_logprobs(entries: list[dict[str, Any] | None]) -> dict[str, Any]
 
 def _aici(result: dict[str, Any]) -> dict[str, Any]:
     """aici-batch's own figures for the line (input line number, stats, validity)."""
-    keep = ("index", "input_sha256", "valid", "relaxed", "attempts", "warnings", "stats",
-            "outputs", "logs")
+    keep = ("index", "input_sha256", "made_with", "valid", "relaxed", "attempts", "warnings",
+            "stats", "outputs", "logs")
     out = {k: result[k] for k in keep if k in result}
     if "choices" in result:
         out["choices"] = [{k: c[k] for k in ("index", "valid", "stats") if k in c}
@@ -339,8 +339,9 @@ def as_result(line: dict[str, Any]) -> dict[str, Any]:
 
     result: dict[str, Any] = {"id": line.get("custom_id") or str(own.get("index")),
                               "index": own.get("index")}
-    if "input_sha256" in own:
-        result["input_sha256"] = own["input_sha256"]
+    for key in ("input_sha256", "made_with"):
+        if key in own:
+            result[key] = own[key]
     error = line.get("error")
     result["text"] = text_of(samples[0])
     result["finish_reason"] = "error" if error else samples[0].get("finish_reason", "stop")

@@ -30,7 +30,7 @@ from aici_cli.errors import ReportError
 from aici_cli.formats import schema_validator
 from aici_cli.openai_batch import as_result
 from aici_cli.report_plot import plot, pyplot_figure
-from aici_cli.stats import TIMING_FIELDS, RunTally, percentile
+from aici_cli.stats import TIMING_FIELDS, RunTally, compliance, compliance_rows, percentile
 
 #: Figures only the run summary knows exactly; taken from a stats file when given.
 RUN_LEVEL_FIELDS = (
@@ -170,9 +170,7 @@ class _Tally(RunTally):
             "forward_passes": None,
             "wall_s": None,
             "tokens_per_s": None,
-            "compliance": (
-                round(self.valid / self.schema_lines, 4) if self.schema_lines else None
-            ),
+            **compliance(self.valid, self.schema_lines, self.schema_errors),
             "error_types": dict(sorted(self.error_types.items(), key=lambda kv: -kv[1])),
             "finish_reasons": dict(sorted(self.finish_reasons.items(), key=lambda kv: -kv[1])),
             "steps": self.steps(),
@@ -195,10 +193,12 @@ def _tally(lines: Iterable[str]) -> _Tally:
 def summarize_results(lines: Iterable[str]) -> dict[str, Any]:
     """Summarize result lines (JSONL text, one line per item) from results alone.
 
-    Keys follow the run summary (`schemas/stats.schema.json`) plus `compliance`,
-    `error_types`, `finish_reasons`, `step_source` and `notes`. Run-level figures
-    (`forward_passes`, `wall_s`, `tokens_per_s`, `model`, `device`, `dtype`,
-    `batch_size`) are None: they cannot be derived from results (see `report`).
+    Keys follow the run summary (`schemas/stats.schema.json`) plus `compliance` (valid
+    over every schema line, errors included: JSONSchemaBench's), `compliance_ran` (over
+    the schema lines that ran to the end), `error_types`, `finish_reasons`, `step_source`
+    and `notes`. Run-level figures (`forward_passes`, `wall_s`, `tokens_per_s`, `model`,
+    `device`, `dtype`, `batch_size`) are None: they cannot be derived from results (see
+    `report`).
     `steps` holds p50/p99/mean of forward/mask/controller/sample ms per sequence-step,
     from `steps` records when every sequence that ran has them ("steps"), else from
     stats.X_ms / stats.forward_passes per sequence ("per-sequence"); {} and None when
@@ -324,17 +324,7 @@ def report_table(summary: dict[str, Any]) -> Table:
     ]
     if summary.get("answered"):
         rows.append(("accuracy", f"{summary['accuracy']:.1%} of {summary['answered']} lines"))
-    schema_lines = summary.get("schema_lines", 0)
-    if schema_lines:
-        compliance = summary.get("compliance")
-        if compliance is None:
-            compliance = summary["valid"] / schema_lines
-        rows.append((
-            "schema outputs valid",
-            f"{summary['valid']}/{schema_lines} ({compliance * 100:.1f}%)",
-        ))
-    else:
-        rows.append(("schema outputs valid", "- (no schema lines)"))
+    rows += compliance_rows(summary) or [("schema outputs valid", "- (no schema lines)")]
     for key in ("model", "device", "dtype", "batch_size"):
         if summary.get(key) is not None:
             rows.append((key.replace("_", " "), str(summary[key])))

@@ -14,11 +14,14 @@ import hashlib
 import json
 import os
 import stat
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO
 
 from aici_cli.errors import UsageError
+from aici_cli.made_with import FIELD as MADE_WITH
+from aici_cli.made_with import mismatch
 from aici_cli.openai_batch import as_result
 
 try:  # POSIX only; elsewhere two runs on one output are not kept apart
@@ -44,15 +47,21 @@ def line_digest(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()[:DIGEST_CHARS]
 
 
-def with_digest(result: Mapping[str, Any], digest: str) -> dict[str, Any]:
+def with_digest(result: Mapping[str, Any], digest: str,
+                made_with: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`result` with `input_sha256` placed right after `index`, beside the other keys that
-    say which input line a result belongs to."""
+    say which input line a result belongs to, and `made_with` (what made it: see
+    `aici_cli.made_with`) after it when given."""
     out: dict[str, Any] = {}
     for key, value in result.items():
         out[key] = value
         if key == "index":
             out[DIGEST_FIELD] = digest
+            if made_with is not None:
+                out[MADE_WITH] = dict(made_with)
     out.setdefault(DIGEST_FIELD, digest)
+    if made_with is not None:
+        out.setdefault(MADE_WITH, dict(made_with))
     return out
 
 
@@ -68,6 +77,8 @@ class Done:
     digest: str
     error: bool
     out_line: int  # where it sits in the output file (1-based), for messages
+    # What made it (`aici_cli.made_with`); None from an aici-batch that did not record it.
+    made_with: dict[str, Any] | None = None
 
 
 @dataclass
@@ -144,6 +155,7 @@ def _add_done(scan: OutputScan, obj: dict[str, Any], number: int, name: str) -> 
         digest=digest,
         error=obj.get("finish_reason") == "error",
         out_line=number,
+        made_with=obj[MADE_WITH] if isinstance(obj.get(MADE_WITH), dict) else None,
     )
 
 
@@ -190,6 +202,29 @@ class ResumePlan:
     @property
     def remaining(self) -> int:
         return self.total - len(self.scan.done)
+
+    @property
+    def unrecorded(self) -> int:
+        """Results that do not say what made them (written by an older aici-batch)."""
+        return sum(d.made_with is None for d in self.scan.done.values())
+
+    def made_otherwise(self, record: Mapping[str, Any], keys: set[str] | None = None
+                       ) -> str | None:
+        """"--max-tokens 64 (result line 3), this run has --max-tokens 128" for the first
+        result (in file order) made with other options than `record` (only `keys` of it
+        when given); None when every result that says what made it agrees."""
+        seen: set[str] = set()
+        for done in sorted(self.scan.done.values(), key=lambda d: d.out_line):
+            if done.made_with is None:
+                continue
+            key = json.dumps(done.made_with, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            diff = mismatch(done.made_with, dict(record), keys)
+            if diff is not None:
+                return f"{diff[0]} (result line {done.out_line}), this run has {diff[1]}"
+        return None
 
 
 class OutputFile:
@@ -296,9 +331,12 @@ class InputLines:
     def __iter__(self) -> Iterator[bytes]:
         it = iter(self.source)
         index = 0
+        # A signal handler runs on the main thread, so it may cut into a read only there;
+        # read on another thread (`live_input`), a blocked read just ends the run later.
+        on_main = threading.current_thread() is threading.main_thread()
         while not self.stop:
             try:
-                self.reading = True
+                self.reading = on_main
                 raw = next(it, None)
                 self.reading = False
             except Interrupted:
@@ -323,7 +361,9 @@ class InputLines:
         """Every line was read and has its result (none waits, read ahead, for a row)."""
         return self.exhausted and not self.digests
 
-    def tag(self, result: dict[str, Any]) -> dict[str, Any]:
-        """`result` with the digest of its input line, which is forgotten from here on."""
+    def tag(self, result: dict[str, Any],
+            made_with: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """`result` with the digest of its input line, which is forgotten from here on,
+        and what made it."""
         digest = self.digests.pop(result.get("index", 0), None)
-        return with_digest(result, digest) if digest is not None else result
+        return with_digest(result, digest, made_with) if digest is not None else result

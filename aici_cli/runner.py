@@ -24,12 +24,15 @@ from aici_cli.engine.loop import Engine
 from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
 from aici_cli.jobs import Job, LineError, Translate, open_input, read_jobs
+from aici_cli.live_input import LiveInput, may_block
+from aici_cli.made_with import OPTION_KEYS, digest, run_record
 from aici_cli.models.load import load_model
+from aici_cli.models.progress import reporting_to
 from aici_cli.openai_batch import BatchFormat, line_format, refuse_requests
 from aici_cli.results import ResultWriter
-from aici_cli.resume import InputLines, OutputFile, ResumePlan
+from aici_cli.resume import InputLines, OutputFile, ResumeError, ResumePlan
 from aici_cli.stats import RunTally, StepTimes, percentile
-from aici_cli.ui import RunDisplay
+from aici_cli.ui import RunDisplay, load_progress
 
 if TYPE_CHECKING:
     from aici_cli.control.wasm import ControllerComponent
@@ -121,6 +124,12 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     stderr = stderr or sys.stderr
     _check_resume(config)
     source = open_input(config.input)
+    # An input that may wait on its producer is read on a thread of its own, so running
+    # lines keep decoding meanwhile. The Ray driver reads in place: its workers decode in
+    # processes of their own while it waits.
+    live: LiveInput[Job | LineError] | None = (
+        LiveInput(config.engine.lookahead) if config.ray is None and may_block(source)
+        else None)
     output: OutputFile | None = None
     try:
         # Opened (and locked) early, so that a second run on the same file is refused before
@@ -130,21 +139,34 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
             raise UsageError(f"the output {config.output} is the input file")
         interrupts = Interrupts() if handle_signals else None
         with interrupts or contextlib.nullcontext():
-            return _run(config, stderr, on_result, source, output, interrupts)
+            return _run(config, stderr, on_result, source, output, interrupts, live)
     finally:
         if output is not None:
             output.close()
-        if source is not sys.stdin.buffer:
+        if live is not None:
+            live.close()
+        # A reader still blocked in a read of it (after an interrupt) keeps it open: closing
+        # would wait for that read. The process's exit closes it.
+        if source is not sys.stdin.buffer and (live is None or not live.reading):
             source.close()
 
 
 def _run(config: RunConfig, stderr: IO[str],
          on_result: Callable[[dict[str, Any]], None] | None, source: BinaryIO,
-         output: OutputFile | None, interrupts: Interrupts | None) -> RunOutcome:
+         output: OutputFile | None, interrupts: Interrupts | None,
+         live: LiveInput[Job | LineError] | None = None) -> RunOutcome:
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
-    backend = _start_backend(config)
+    controller = controller_digest(config)
+    mixed: list[str] = []  # with --resume-mixed: how earlier results were made otherwise
+    if plan is not None:  # the options before the model loads, the model once it has
+        _check_made_with(config, plan, run_record(config, "", controller), OPTION_KEYS, mixed)
+    with reporting_to(load_progress(stderr, config.quiet)):
+        backend = _start_backend(config)
     try:
+        record = run_record(config, backend.model_name, controller)
+        if plan is not None:
+            _check_made_with(config, plan, record, {"model"}, mixed)
         if output is not None:
             output.prepare(plan)
         out = output.stream() if output is not None else sys.stdout
@@ -154,11 +176,11 @@ def _run(config: RunConfig, stderr: IO[str],
                            skip=plan.done if plan is not None else None)
         display = RunDisplay(stderr, total=total, quiet=config.quiet)
         if plan is not None:
-            _announce_resume(display, config, plan)
+            _announce_resume(display, config, plan, mixed)
         translate = (batch_format.translate if batch_format is not None
                      else refuse_requests(why))
         return _drive(config, backend, out, lines, display, interrupts, on_result, plan,
-                      batch_format, translate)
+                      batch_format, translate, live, record)
     finally:
         backend.close()
 
@@ -197,12 +219,18 @@ class LocalEngine:
             self.engine.intake.controller_factory = wasm_factory(
                 config, self.engine, self.call_times, load_controller(config))
 
-    def run(self, items: Iterator[Job | LineError], emit: Emit,
+    def run(self, items: Iterator[Job | LineError | None], emit: Emit,
             should_admit: Callable[[], bool], note: Callable[[str], None]) -> None:
+        """As `Backend.run`; a None item (a live input) means "nothing ready yet"."""
         self.engine.run(items, emit, should_admit)
 
     def in_flight(self) -> int:
         return self.engine.rows.live()
+
+    def idle(self) -> bool:
+        """No row has work and no line waits for one: waiting for input costs nothing."""
+        rows = self.engine.rows
+        return not (rows.busy() or rows.ahead or rows.waiting)
 
     def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
         return summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
@@ -256,7 +284,33 @@ def _line_format(raw: bytes) -> str | None:
     return line_format(obj)
 
 
-def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan) -> None:
+def controller_digest(config: RunConfig) -> str | None:
+    """The digest of the `--controller` file, for `made_with` (None: no controller, or a
+    file that cannot be read, which loading it reports)."""
+    if config.controller is None:
+        return None
+    try:
+        return digest(Path(config.controller).read_bytes())
+    except OSError:
+        return None
+
+
+def _check_made_with(config: RunConfig, plan: ResumePlan, record: dict[str, Any],
+                     keys: set[str], mixed: list[str]) -> None:
+    """Refuse to resume onto results made with other options (only `keys` of `record`),
+    unless `--resume-mixed`, which notes them in `mixed` instead."""
+    diff = plan.made_otherwise(record, keys)
+    if diff is None:
+        return
+    if not config.resume_mixed:
+        raise ResumeError(f"--resume: {config.output} holds results made with {diff}; run "
+                          "with the same options, or add --resume-mixed to mix them in one "
+                          "file")
+    mixed.append(diff)
+
+
+def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan,
+                     mixed: list[str]) -> None:
     if config.quiet:
         return
     scan = plan.scan
@@ -264,6 +318,14 @@ def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan) -
         _note(display, f"{config.output}: cut off its incomplete last line (line "
                        f"{scan.torn_line}, {scan.torn_bytes} bytes) left by an interrupted "
                        "run; that input line runs again")
+    for diff in mixed:
+        _note(display, f"--resume-mixed: {config.output} holds results made with {diff}; "
+                       "the new results are added beside them")
+    if plan.unrecorded:
+        n = plan.unrecorded
+        _note(display, f"{config.output}: {n} {'result says' if n == 1 else 'results say'} "
+                       "nothing of the model and options that made them (an older "
+                       "aici-batch wrote them): they are kept as if made with this run's")
     _note(display, f"resuming: {len(plan.done)} of {plan.total} lines of {config.input} "
                    f"already have results in {config.output}; running the other "
                    f"{plan.remaining}")
@@ -281,8 +343,10 @@ class ResultSink:
     def __init__(self, lines: InputLines, writer: ResultWriter, display: RunDisplay,
                  batch_format: BatchFormat | None,
                  on_result: Callable[[dict[str, Any]], None] | None,
-                 after: Callable[[], None]) -> None:
+                 after: Callable[[], None], made_with: dict[str, Any] | None = None) -> None:
         self.lines = lines
+        self.made_with = made_with  # what made every result (`aici_cli.made_with`)
+        self.schema_lines: set[int] = set()  # lines in flight that ask for a JSON schema
         self.writer = writer
         self.display = display
         self.batch_format = batch_format
@@ -291,7 +355,11 @@ class ResultSink:
         self.tally = RunTally()
 
     def __call__(self, result: dict[str, Any]) -> None:
-        result = self.lines.tag(result)
+        result = self.lines.tag(result, self.made_with)
+        if result.get("index") in self.schema_lines:
+            self.schema_lines.discard(result["index"])
+            if result.get("finish_reason") == "error":
+                result = _schema_error(result)
         fmt = self.batch_format
         self.writer.write(fmt.output(result) if fmt is not None else result)
         self.tally.add(result)
@@ -305,9 +373,11 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
            display: RunDisplay, interrupts: Interrupts | None,
            on_result: Callable[[dict[str, Any]], None] | None,
            plan: ResumePlan | None, batch_format: BatchFormat | None = None,
-           translate: Translate | None = None) -> RunOutcome:
+           translate: Translate | None = None,
+           live: LiveInput[Job | LineError] | None = None,
+           made_with: dict[str, Any] | None = None) -> RunOutcome:
     """Run `lines` on the backend, writing each result as it finishes (as an OpenAI
-    batch output line with `batch_format`)."""
+    batch output line with `batch_format`), reading them on `live`'s thread if given."""
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
 
     def announce() -> None:
@@ -322,16 +392,25 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
         announce()
         return interrupts is None or interrupts.should_admit()
 
-    sink = ResultSink(lines, writer, display, batch_format, on_result, announce)
+    sink = ResultSink(lines, writer, display, batch_format, on_result, announce, made_with)
     if interrupts is not None:
         interrupts.lines = lines
         interrupts.engine_started = True
     t0 = time.perf_counter()
     try:
         with display:
-            jobs = read_jobs(lines, config.defaults, translate)
-            backend.run(_not_done(jobs, lines), sink, should_admit,
-                        lambda message: None if config.quiet else _note(display, message))
+            jobs = _not_done(read_jobs(lines, config.defaults, translate), lines,
+                             sink.schema_lines)
+
+            def note(message: str) -> None:
+                if not config.quiet:
+                    _note(display, message)
+
+            if live is not None and isinstance(backend, LocalEngine):
+                live.start(jobs)
+                backend.run(live.items(backend.idle), sink, should_admit, note)
+            else:
+                backend.run(jobs, sink, should_admit, note)
     finally:
         writer.sync()
     summary = backend.summary(config, sink.tally, time.perf_counter() - t0)
@@ -389,10 +468,32 @@ def _interrupted_note(config: RunConfig, outcome: RunOutcome, plan: ResumePlan |
             "--resume to run the rest")
 
 
-def _not_done(items: Iterator[Job | LineError], lines: InputLines) -> Iterator[Job | LineError]:
-    """Drop items of lines that already have a result. `InputLines` hands those on as
-    blank lines, which `read_jobs` skips; this keeps that true whatever it does with them."""
-    return (item for item in items if item.index not in lines.skip)
+def _not_done(items: Iterator[Job | LineError], lines: InputLines,
+              schema_lines: set[int]) -> Iterator[Job | LineError]:
+    """Drop items of lines that already have a result (`InputLines` hands those on as
+    blank lines, which `read_jobs` skips; this keeps that true whatever it does with
+    them), noting in `schema_lines` the lines that ask for JSON under a schema."""
+    for item in items:
+        if item.index in lines.skip:
+            continue
+        if item.json_schema if isinstance(item, LineError) else (
+                item.constraint is not None and item.constraint.kind == "json_schema"):
+            schema_lines.add(item.index)
+        yield item
+
+
+def _schema_error(result: dict[str, Any]) -> dict[str, Any]:
+    """An error result of a line that asked for JSON under a schema, with `valid: false`
+    (no valid output came), so compliance over every schema line counts it."""
+    if "valid" in result:
+        return result
+    out: dict[str, Any] = {}
+    for key, value in result.items():
+        if key == "error":
+            out["valid"] = False
+        out[key] = value
+    out.setdefault("valid", False)
+    return out
 
 
 def _lines(n: int) -> str:

@@ -103,8 +103,9 @@ class RunTally:
     output_tokens: int = 0
     ff_tokens: int = 0
     row_forward_passes: int = 0  # sum over sequences: each gives at most one sampled token
-    schema_lines: int = 0
-    valid: int = 0
+    schema_lines: int = 0  # JSON-schema outputs of lines that ran to the end
+    valid: int = 0  # of those, the ones valid under their schema
+    schema_errors: int = 0  # JSON-schema outputs that never came: the line's error
     answered: int = 0  # lines with an expected `answer`
     correct: int = 0
     error_types: dict[str, int] = field(default_factory=dict)
@@ -124,6 +125,11 @@ class RunTally:
             self.errors += 1
             etype = result.get("error", {}).get("type", "error")
             self.error_types[etype] = self.error_types.get(etype, 0) + 1
+            # A schema line's error carries `valid: false`: JSONSchemaBench's compliance
+            # counts it against the engine, compliance among the lines that ran does not.
+            samples = result.get("choices", [result])
+            if "valid" in result or any("valid" in sample for sample in samples):
+                self.schema_errors += len(samples)
         else:
             # A line with n samples counts each sample's output for compliance.
             for sample in result.get("choices", [result]):
@@ -154,6 +160,7 @@ class RunTally:
             ),
             "schema_lines": self.schema_lines,
             "valid": self.valid,
+            "schema_errors": self.schema_errors,
             "answered": self.answered,
             "accuracy": round(self.correct / self.answered, 4) if self.answered else None,
         }
@@ -169,3 +176,26 @@ class RunTally:
             "steps": step_summary(steps),
             **meta,
         }
+
+
+def compliance(valid: int, ran: int, errors: int) -> dict[str, float | None]:
+    """Schema compliance both ways: `compliance` over every line with a JSON schema
+    (JSONSchemaBench's: a schema the engine refuses, or a line that failed, counts as
+    not valid), and `compliance_ran` over the lines that ran to the end."""
+    every = ran + errors
+    return {"compliance": round(valid / every, 4) if every else None,
+            "compliance_ran": round(valid / ran, 4) if ran else None}
+
+
+def compliance_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary tables' rows for schema compliance (none without schema lines)."""
+    valid, ran = summary.get("valid", 0), summary.get("schema_lines", 0)
+    every = ran + summary.get("schema_errors", 0)
+    if not every:
+        return []
+
+    def share(total: int) -> str:
+        return f"{valid}/{total} ({valid / total:.1%})" if total else f"{valid}/0"
+
+    return [("schema outputs valid, of all schema lines", share(every)),
+            ("schema outputs valid, of those that ran", share(ran))]

@@ -6,9 +6,11 @@ through the CLI).
 
 from __future__ import annotations
 
-from typing import IO, Any
+from collections.abc import Iterable, Iterator
+from typing import IO, Any, TypeVar
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,7 +21,39 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from aici_cli.stats import STEP_FIELDS
+from aici_cli.models.progress import LoadProgress, SilentProgress
+from aici_cli.stats import STEP_FIELDS, compliance_rows
+
+T = TypeVar("T")
+
+
+def load_progress(stream: IO[str], quiet: bool) -> LoadProgress:
+    """How getting the model ready shows on stderr: nothing with `quiet`."""
+    return SilentProgress() if quiet else ConsoleProgress(Console(file=stream, stderr=True))
+
+
+class ConsoleProgress(LoadProgress):
+    """The slow steps of getting a model ready (a GGUF conversion, once per model and
+    machine) in the run's own style: a line saying what starts, and on a terminal one bar
+    while it goes (a CI log gets the line only)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def note(self, message: str) -> None:
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    def steps(self, items: Iterable[T], total: int, description: str) -> Iterator[T]:
+        if not self.console.is_terminal:
+            yield from items
+            return
+        with Progress(TextColumn("[bold]aici-batch"), TextColumn(escape(description)),
+                      BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=self.console, transient=True) as bar:
+            task = bar.add_task("load", total=total or None)
+            for item in items:
+                yield item
+                bar.advance(task)
 
 
 class RunDisplay:
@@ -96,8 +130,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
     ]
     if summary.get("answered"):
         rows.append(("accuracy", f"{summary['accuracy']:.1%} of {summary['answered']}"))
-    if summary.get("schema_lines"):
-        rows.append(("schema outputs valid", f"{summary['valid']}/{summary['schema_lines']}"))
+    rows += compliance_rows(summary)
     if "guest_call_ms" in summary:
         g = summary["guest_call_ms"]
         rows.append(("controller call p50 / p99", f"{g['p50']:.3f} / {g['p99']:.3f} ms"))

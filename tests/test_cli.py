@@ -120,6 +120,75 @@ def test_usage_errors_exit_two_with_one_line(args: list[str], needle: str) -> No
     assert "Traceback" not in res.output
 
 
+def aici_batch() -> list[str]:
+    exe = Path(sys.executable).with_name("aici-batch")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "aici_cli"]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--json-schema", "{schema}"],
+         "--json-schema {schema} is not a valid JSON Schema: at 'type': 'objekt' is not valid "
+         "under any of the given schemas"),
+        (["--regex", "a("],
+         "--regex is not a valid regular expression: missing ), unterminated subpattern at "
+         "position 1"),
+        (["--regex", "(?=a)b"], "--regex: regex not supported: "),
+        (["--stop", "end", "--stop", ""], "--stop #2 must not be empty"),
+        (["--min-tokens", "300"], "--min-tokens must be at most --max-tokens (256), got 300"),
+        (["--temperature", "50"], "--temperature must be <= 10, got 50.0"),
+        (["--seed", str(2**64)], "--seed must be <= 9223372036854775807"),
+    ],
+)
+def test_a_bad_run_level_default_exits_two_before_the_model_loads(
+    option: list[str], message: str, tmp_path: Path
+) -> None:
+    schema = tmp_path / "bad.schema.json"
+    schema.write_text('{"type": "objekt"}')
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(jsonl([{"prompt": "a"}, {"prompt": "b"}]))
+    args = [a.format(schema=schema) for a in option]
+    # A model that does not exist: the option must be refused before the model is looked for.
+    done = subprocess.run([*aici_batch(), "run", str(src), "-o", str(out), "--model",
+                           str(tmp_path / "no-model"), *args], capture_output=True, text=True,
+                          timeout=120)
+
+    assert done.returncode == 2
+    assert done.stderr.startswith("Error: " + message.format(schema=schema))
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not out.exists()  # nothing was written, not even an empty output
+
+
+def test_an_unsupported_cli_schema_is_refused_unless_relaxed(model_args: list[str],
+                                                            tmp_path: Path) -> None:
+    schema = tmp_path / "lookahead.schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "(?=x)a"}}, "required": ["a"]}))
+    refused = invoke(["run", "-", *model_args, "--json-schema", str(schema)], jsonl(GOOD[:1]))
+    assert refused.exit_code == 2
+    assert "JSON schema not supported" in refused.stderr
+    assert "--schema-fallback relax" in refused.stderr
+
+    relaxed = invoke(["run", "-", *model_args, "-q", "--json-schema", str(schema),
+                      "--schema-fallback", "relax", "--max-tokens", "4"],
+                     jsonl([{"prompt": "a"}]))
+    assert relaxed.exit_code in (0, 1), relaxed.output
+    [result] = results_of(relaxed.stdout)
+    assert result["relaxed"]  # ran, with the closest schema the engine enforces
+
+
+def test_a_lines_own_bad_constraint_stays_that_lines_error(model_args: list[str]) -> None:
+    lines = [{"prompt": "a", "regex": "a("}, {"prompt": "b", "json_schema": {"type": "x"}},
+             {"prompt": "c"}]
+    res = invoke(["run", "-", *model_args, "-q", "--regex", "[ab]"], jsonl(lines))
+    assert res.exit_code == 1
+    results = {r["index"]: r for r in results_of(res.stdout)}
+    assert results[1]["error"]["type"] == "invalid_regex"
+    assert results[2]["error"]["type"] == "invalid_schema"
+    assert results[3]["finish_reason"] != "error" and set(results[3]["text"]) <= {"a", "b"}
+
+
 def test_summary_table_goes_to_stderr_only(model_args: list[str]) -> None:
     res = invoke(["run", "-", *model_args], jsonl(GOOD[:1]))
     assert res.exit_code == 0
@@ -145,6 +214,41 @@ def test_report_summarizes_a_finished_run(model_args: list[str], tmp_path: Path)
     assert table.exit_code == 0 and "row passes per output token" in table.stdout
     missing = invoke(["report", str(tmp_path / "nope.jsonl")])
     assert missing.exit_code == 2 and "nope.jsonl" in missing.stderr
+
+
+def test_report_counts_compliance_over_all_schema_lines_and_over_those_that_ran(
+    model_args: list[str], tmp_path: Path
+) -> None:
+    boolean = {"type": "boolean"}
+    lookahead = {"type": "string", "pattern": "(?=x)a"}  # no grammar engine takes it
+    lines = [{"prompt": "a", "json_schema": boolean, "max_tokens": 8},
+             {"prompt": "b", "json_schema": boolean, "max_tokens": 8},
+             {"prompt": "c", "json_schema": lookahead},  # unsupported_schema when compiled
+             {"prompt": "d", "json_schema": {"type": "nonsense"}},  # invalid_schema when read
+             {"prompt": "e", "max_tokens": 2}]  # no schema
+    src, out, stats = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
+    src.write_text(jsonl(lines))
+    done = subprocess.run([*aici_batch(), "run", str(src), "-o", str(out), *model_args,
+                           "--stats-out", str(stats)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stderr
+    results = {r["index"]: r for r in results_of(out.read_text())}
+    assert [results[i].get("valid") for i in range(1, 6)] == [True, True, False, False, None]
+    assert results[3]["error"]["type"] == "unsupported_schema"
+    assert results[4]["error"]["type"] == "invalid_schema"
+    assert "of all schema lines" in done.stderr and "2/4 (50.0%)" in done.stderr
+    assert "of those that ran" in done.stderr and "2/2 (100.0%)" in done.stderr
+    assert json.loads(stats.read_text())["schema_errors"] == 2
+
+    rep = subprocess.run([*aici_batch(), "report", str(out), "--json"], capture_output=True,
+                         text=True, timeout=120)
+    summary = json.loads(rep.stdout)
+    assert (summary["schema_lines"], summary["valid"], summary["schema_errors"]) == (2, 2, 2)
+    assert summary["compliance"] == 0.5  # JSONSchemaBench's: over every schema line
+    assert summary["compliance_ran"] == 1.0
+    table = subprocess.run([*aici_batch(), "report", str(out)], capture_output=True, text=True,
+                           timeout=120).stdout
+    assert "2/4 (50.0%)" in table and "2/2 (100.0%)" in table
 
 
 def test_n_samples_per_line_and_from_the_cli(model_args: list[str], tmp_path: Path) -> None:
@@ -226,6 +330,16 @@ def test_light_commands_do_not_import_torch(args: list[str]) -> None:
     code = ("from aici_cli.cli import main\n"
             f"try:\n    main({args!r})\nexcept SystemExit:\n    pass")
     assert heavy_modules_after(code) == []
+
+
+@pytest.mark.parametrize("args", [["models"], ["models", "--prune", "--dry-run"]], ids=" ".join)
+def test_models_does_not_import_torch(args: list[str], tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`models` reads transformers' version (the conversion cache's key), not torch."""
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
+    code = ("from aici_cli.cli import main\n"
+            f"try:\n    main({args!r})\nexcept SystemExit:\n    pass")
+    assert "torch" not in heavy_modules_after(code)
 
 
 def test_a_local_run_does_not_import_ray(model_args: list[str], tmp_path: Path) -> None:

@@ -290,7 +290,8 @@ def test_incomplete_cache_entry_is_replaced_not_trusted(
     assert resolve_model(str(gguf)) == target
 
     assert stub_conversion == [gguf.resolve()]
-    assert sorted(p.name for p in target.iterdir()) == ["config.json"]
+    # The conversion's files and its record of what it holds; the partial file is gone.
+    assert sorted(p.name for p in target.iterdir()) == ["aici-batch-source.json", "config.json"]
     assert cache_entries(private_cache) == [target.name]
 
 
@@ -598,18 +599,25 @@ def test_limits_cost_one_line_each_and_the_others_run(
     )
 
 
-def test_schema_file_past_the_limits_fails_each_line_not_the_run(
-    tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(("schema", "message"), [
+    (nested_objects(MAX_SCHEMA_DEPTH), "JSON nested 202 levels deep in --json-schema {file}, "
+                                       "over the limit of 100 levels"),
+    (many_properties(MAX_OBJECT_PROPERTIES + 1),
+     "--json-schema {file}: JSON schema declares 1,001 properties in one object, over the "
+     f"limit of {MAX_OBJECT_PROPERTIES:,}"),
+])
+def test_schema_file_past_the_limits_is_refused_before_the_run(
+    tiny_model_dir: Path, tmp_path: Path, schema: Any, message: str
 ) -> None:
-    schema = tmp_path / "deep.schema.json"
-    schema.write_text(json.dumps(nested_objects(MAX_SCHEMA_DEPTH)))
+    """A schema past the limits costs every line alike when it is the run's default, so it
+    is a usage error; the same schema in a line is that line's error (above)."""
+    file = tmp_path / "big.schema.json"
+    file.write_text(json.dumps(schema))
     rows = [{"prompt": "a"}, {"prompt": "b"}]
 
-    res = run_cli(tmp_path, str(tiny_model_dir), rows, extra=("--json-schema", str(schema)))
-
-    assert res.exit_code == 1, res.output
-    results = [json.loads(line) for line in res.stdout.splitlines()]
-    assert [r["error"]["type"] for r in results] == ["grammar_too_large"] * 2
-    assert {r["error"]["message"].split(": ", 1)[1] for r in results} == {
-        f"JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep"
-    }
+    for fallback in ("off", "relax"):  # relaxing makes it no smaller
+        res = run_cli(tmp_path, str(tiny_model_dir), rows,
+                      extra=("--json-schema", str(file), "--schema-fallback", fallback))
+        assert res.exit_code == 2, res.output
+        assert res.stderr == f"Error: {message.format(file=file)}\n"
+        assert res.stdout == ""

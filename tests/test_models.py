@@ -216,8 +216,13 @@ def test_gguf_is_converted_once_into_a_keyed_cache_dir(
     assert stub_conversion == [gguf.resolve()]
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temp left
 
-    os.utime(gguf, ns=(0, 0))  # a changed file gets a new cache entry
+    # The entry is keyed by content: a touched file keeps it, a changed one gets its own.
+    os.utime(gguf, ns=(0, 0))
+    assert resolve_model(str(gguf)) == first
+    assert len(stub_conversion) == 1
+    gguf.write_bytes(EMPTY_GGUF + b"\0")
     assert resolve_model(str(gguf)) != first
+    assert len(stub_conversion) == 2
 
 
 def test_failed_conversion_leaves_no_partial_cache(monkeypatch, tmp_path: Path) -> None:

@@ -68,9 +68,10 @@ def _result(index: int, reason: str, steps: list[dict[str, Any]] | None = None,
 
 
 def batch(with_steps: bool = True) -> list[dict[str, Any]]:
-    """Six results: 2 schema lines (1 valid), 3 errors (timeout x2, controller_error, the
-    latter mid-run with valid=false, which must not count as a schema line), and 11 row
-    passes for 12 output tokens (2 fast-forwarded)."""
+    """Six results: 2 schema lines that ran (1 valid), 3 errors (timeout x2,
+    controller_error, the latter mid-run with valid=false: a schema line that did not
+    run to the end, counted in compliance over all schema lines only), and 11 row passes
+    for 12 output tokens (2 fast-forwarded)."""
     a = _steps([20.0, 5.0, 5.0], [1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.5, 0.5, 0.5])
     b = _steps([25.0, 5.0, 5.0, 5.0, 5.0], [2.0, 0.5, 0.5, 0.5, 0.5], [1.0] * 5, [0.5] * 5)
     d = _steps([30.0, 6.0], [0.0, 0.0], [4.0, 8.0], [1.0, 1.0])
@@ -97,7 +98,7 @@ def jsonl(rows: list[dict[str, Any]]) -> list[str]:
 COUNTS = {
     "lines": 6, "errors": 3, "prompt_tokens": 29, "output_tokens": 12, "ff_tokens": 2,
     "row_forward_passes": 11, "forward_passes_per_token": 0.9167, "schema_lines": 2,
-    "valid": 1, "compliance": 0.5,
+    "valid": 1, "schema_errors": 1, "compliance": 0.3333, "compliance_ran": 0.5,
     "error_types": {"timeout": 2, "controller_error": 1},
     "finish_reasons": {"error": 3, "stop": 2, "length": 1},
     "forward_passes": None, "wall_s": None, "tokens_per_s": None,
@@ -208,7 +209,8 @@ def test_report_takes_run_level_figures_from_stats_file(tmp_path: Path) -> None:
     assert summary["steps"]["overhead_ms"]["mean"] == 8.0
     assert summary["step_source"] == "stats"
     assert summary["notes"] == []
-    for key in ("lines", "errors", "valid", "compliance", "error_types", "ff_tokens"):
+    for key in ("lines", "errors", "valid", "schema_errors", "compliance", "compliance_ran",
+                "error_types", "ff_tokens"):
         assert summary[key] == COUNTS[key], key  # counts stay derived from the results
     # Without the stats file the same results give no run-level figures.
     alone = report(results)
@@ -249,7 +251,8 @@ def render(summary: dict[str, Any]) -> str:
 def test_table_from_results_alone() -> None:
     out = render(summarize_results(jsonl(batch())))
     assert "aici-batch report" in out
-    assert "1/2 (50.0%)" in out
+    assert "schema outputs valid, of all schema lines" in out and "1/3 (33.3%)" in out
+    assert "schema outputs valid, of those that ran" in out and "1/2 (50.0%)" in out
     assert "0.9167" in out
     assert "error timeout" in out and "error controller_error" in out
     assert "error 3, stop 2, length 1" in out

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -447,3 +448,147 @@ def test_kill_9_at_several_points_then_resume(clean_run: tuple[Path, list[bytes]
           f"kill point), {lost} results lost, {len(results)} results, no duplicates")
     assert lost == 0
     assert kills >= 2
+
+
+# ------------------------------------------------- what made a result (`made_with`)
+
+
+def half_done(clean_run: tuple[Path, list[bytes], Path], tmp_path: Path) -> tuple[Path, Path]:
+    """The reference run's output cut to its first 10 results: a run to resume."""
+    src, _, ref = clean_run
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b"".join(ref.read_bytes().splitlines(keepends=True)[:10]))
+    return src, out
+
+
+def test_every_result_says_what_made_it(clean_run: tuple[Path, list[bytes], Path],
+                                        tiny_model_dir: Path) -> None:
+    _, _, ref = clean_run
+    made = {json.dumps(r["made_with"]) for r in results_in(ref).values()}
+    # The model as results name it; of the options only what differs from the defaults.
+    assert made == {json.dumps({"model": tiny_model_dir.name})}
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    (["--max-tokens", "64"], "--max-tokens 256 (result line 1), this run has --max-tokens 64"),
+    (["--temperature", "0.7"], "--temperature 0.0 (result line 1), this run has "
+                               "--temperature 0.7"),
+    (["--stop", "x"], "no --stop (result line 1), this run has --stop 'x'"),
+    (["--choices", "yes,no"], "no --choices (result line 1), this run has --choices 'yes,no'"),
+    (["--json-schema", "{schema}"], "no --json-schema (result line 1), this run has "
+                                    "--json-schema (sha256:"),
+    (["--close-at-limit"], "no --close-at-limit (result line 1), this run has "
+                           "--close-at-limit"),
+])
+def test_a_resume_with_a_changed_option_is_refused_naming_it(
+    clean_run: tuple[Path, list[bytes], Path], model_args: list[str], tmp_path: Path,
+    option: list[str], message: str
+) -> None:
+    src, out = half_done(clean_run, tmp_path)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "boolean"}')
+    before = out.read_bytes()
+    args = [a.format(schema=schema) for a in option]
+    done = subprocess.run([*aici_batch(), "run", str(src), "-o", str(out), *model_args,
+                           "--resume", *args], capture_output=True, text=True, timeout=300)
+
+    assert done.returncode == 2
+    expected = f"Error: --resume: {out} holds results made with {message}"
+    assert done.stderr.startswith(expected), done.stderr
+    assert "add --resume-mixed to mix them" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert out.read_bytes() == before  # nothing changed
+
+
+def test_another_model_is_refused_once_it_is_known(
+    clean_run: tuple[Path, list[bytes], Path], model_args: list[str], tiny_model_dir: Path,
+    tmp_path: Path
+) -> None:
+    src, out = half_done(clean_run, tmp_path)
+    other = Path(shutil.copytree(tiny_model_dir, tmp_path / "other-model"))
+    args = [*model_args, "--model", str(other)]
+    before = out.read_bytes()
+
+    res = invoke(["run", str(src), "-o", str(out), *args, "--resume"])
+
+    assert res.exit_code == 2
+    assert (f"--resume: {out} holds results made with --model {tiny_model_dir.name} (result "
+            "line 1), this run has --model other-model") in res.stderr
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("option", [
+    ["--batch-size", "2"], ["--no-prefix-cache"], ["--draft-tokens", "0"], ["--no-ff"],
+    ["--lookahead", "1"], ["--deterministic"], ["--step-stats"], ["--dtype", "float32"],
+])
+def test_options_that_do_not_shape_what_is_asked_are_not_refused(
+    clean_run: tuple[Path, list[bytes], Path], model_args: list[str], tmp_path: Path,
+    option: list[str]
+) -> None:
+    src, out = half_done(clean_run, tmp_path)
+    res = invoke(["run", str(src), "-o", str(out), *model_args, "--resume", "-q", *option])
+    assert res.exit_code == 1, res.output  # the malformed line's error result
+    assert len(results_in(out)) == N_LINES - 1
+
+
+def test_resume_mixed_keeps_both_and_says_so(clean_run: tuple[Path, list[bytes], Path],
+                                             model_args: list[str], tmp_path: Path,
+                                             tiny_model_dir: Path) -> None:
+    src, out = half_done(clean_run, tmp_path)
+    res = invoke(["run", str(src), "-o", str(out), *model_args, "--resume", "--resume-mixed",
+                  "--max-tokens", "3"])
+    assert res.exit_code == 1, res.output
+    assert (f"--resume-mixed: {out} holds results made with --max-tokens 256 (result line 1), "
+            "this run has --max-tokens 3; the new results are added beside them") in res.stderr
+    made = [r["made_with"] for r in results_in(out).values()]
+    model = tiny_model_dir.name
+    assert made.count({"model": model}) == 10
+    assert made.count({"model": model, "max_tokens": 3}) == N_LINES - 1 - 10
+
+
+def test_resume_mixed_needs_resume(model_args: list[str], tmp_path: Path) -> None:
+    res = invoke(["run", "-", *model_args, "--resume-mixed"])
+    assert res.exit_code == 2 and "--resume-mixed goes with --resume" in res.stderr
+
+
+def test_results_without_a_record_are_taken_as_made_with_this_runs_options(
+    clean_run: tuple[Path, list[bytes], Path], model_args: list[str], tmp_path: Path
+) -> None:
+    src, out = half_done(clean_run, tmp_path)
+    old = [json.loads(line) for line in out.read_text().splitlines()]
+    for r in old:
+        del r["made_with"]  # as an older aici-batch wrote them
+    out.write_text("".join(json.dumps(r) + "\n" for r in old))
+
+    res = invoke(["run", str(src), "-o", str(out), *model_args, "--resume", "--max-tokens", "5"])
+
+    assert res.exit_code == 1, res.output
+    assert (f"{out}: 10 results say nothing of the model and options that made them (an "
+            "older aici-batch wrote them): they are kept as if made with this run's"
+            ) in res.stderr
+    assert len(results_in(out)) == N_LINES - 1
+
+
+def test_made_with_records_only_what_differs_and_names_each_option() -> None:
+    from aici_cli.config import EngineConfig, RunConfig
+    from aici_cli.control.constraint import Constraint
+    from aici_cli.made_with import DEFAULTS, mismatch, run_record
+
+    plain = RunConfig(input="-")
+    assert run_record(plain, "m", None) == {"model": "m"}
+    shaped = RunConfig(input="-", defaults=JobDefaults(
+        max_tokens=64, stop=("a", "b"), constraint=Constraint("regex", "[0-9]+"), n=2),
+        engine=EngineConfig(strict_json=False, batch_size=1, deterministic=True),
+        controller_arg='{"k": 1}')
+    record = run_record(shaped, "m", "sha256:00ff")
+    assert record == {"model": "m", "max_tokens": 64, "stop": ["a", "b"], "regex": "[0-9]+",
+                      "n": 2, "json_permissive": True, "controller": "sha256:00ff",
+                      "controller_arg": '{"k": 1}'}  # no batch size, no --deterministic
+    assert set(DEFAULTS) >= set(record) - {"model"}
+    assert mismatch(record, {"model": "m"}) == ("--regex '[0-9]+'", "no --regex")
+    assert mismatch({**record, "regex": None}, record) == ("no --regex", "--regex '[0-9]+'")
+    assert mismatch(record, {**record, "stop": ["a"]}) == ("--stop 'a' --stop 'b'",
+                                                           "--stop 'a'")
+    assert mismatch(record, {**record, "controller": "sha256:11"}) == (
+        "--controller (sha256:00ff)", "--controller (sha256:11)")
+    assert mismatch(record, dict(record)) is None

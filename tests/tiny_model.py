@@ -9,9 +9,11 @@ template writes `<s>` itself.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -130,3 +132,59 @@ def build_tiny_model(directory: Path, chat_template: str = CHAT_TEMPLATE) -> Pat
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def write_tiny_gguf(model_dir: Path, path: Path) -> Path:
+    """The tiny Llama as a float32 GGUF file, laid out as llama.cpp's converter writes it."""
+    from gguf import GGUFWriter
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tokens = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
+    special = {t["content"] for t in tok["added_tokens"]}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")  # byte-level BPE
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: control
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                             for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+        # llama.cpp interleaves q/k rows for its rotary embedding; the loader undoes it.
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
+            .reshape(w.shape)
+
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, weight in load_file(model_dir / "model.safetensors").items():
+        if name == "model.embed_tokens.weight":
+            gguf_name = "token_embd.weight"  # the output layer is tied to it
+        elif name == "model.norm.weight":
+            gguf_name = "output_norm.weight"
+        else:
+            layer, part = name.split(".")[2], ".".join(name.split(".")[3:-1])
+            gguf_name = f"blk.{layer}.{parts[part]}.weight"
+            if part in ("self_attn.q_proj", "self_attn.k_proj"):
+                weight = permute(weight, heads if part == "self_attn.q_proj" else kv_heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(weight, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

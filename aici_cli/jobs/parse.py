@@ -7,7 +7,9 @@ caller writes as an error result, so every input line ends as exactly one result
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
+import os
 import re
 import sys
 import warnings
@@ -58,9 +60,15 @@ def read_jobs(lines: Iterable[str | bytes], defaults: JobDefaults,
 
 def open_input(path: str) -> BinaryIO:
     """Open the JSONL input in binary so bad UTF-8 becomes a per-line error, not a crash
-    of the whole run; "-" means stdin."""
+    of the whole run; "-" means stdin, read through a file of its own over a copy of its
+    descriptor: a thread may be blocked reading it when the run ends (`live_input`), and
+    the interpreter aborts at exit if that is `sys.stdin`'s own buffer. The caller owns
+    and closes what it gets, except `sys.stdin.buffer` (stdin without a descriptor)."""
     if path == "-":
-        return sys.stdin.buffer
+        try:
+            return open(os.dup(sys.stdin.fileno()), "rb")  # noqa: SIM115
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return sys.stdin.buffer
     try:
         return open(path, "rb")  # the caller owns and closes it
     except OSError as exc:
@@ -92,7 +100,20 @@ def _parse_line(raw: str | bytes, index: int, defaults: JobDefaults,
     obj = _line_object(text, index, defaults, translate)
     if isinstance(obj, LineError):
         return obj
-    return _job(obj, index, defaults)
+    job = _job(obj, index, defaults)
+    if isinstance(job, LineError) and _asks_for_schema(obj, defaults):
+        return dataclasses.replace(job, json_schema=True)
+    return job
+
+
+def _asks_for_schema(obj: dict[str, Any], defaults: JobDefaults) -> bool:
+    """Whether the line's constraint is a JSON schema: its own, or --json-schema where
+    it names no other."""
+    if "json_schema" in obj:
+        return True
+    own = any(field in obj for field in _KIND_FIELDS.values())
+    return not own and defaults.constraint is not None and (
+        defaults.constraint.kind == "json_schema")
 
 
 def _line_text(raw: str | bytes, index: int, defaults: JobDefaults) -> str | LineError | None:

@@ -60,6 +60,9 @@ class LineError:
     id: str
     type: str
     message: str
+    # The line asked for JSON under a schema (its own or --json-schema): its error counts
+    # against compliance over every schema line (see `stats.RunTally`).
+    json_schema: bool = False
 
 
 class TranslateError(ValueError):

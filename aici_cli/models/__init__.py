@@ -16,6 +16,9 @@ Modules, one concept each; those marked * import torch, the others do not:
     resolve.py           a --model spec -> a model directory
     listing.py           every model --model can name (`aici-batch models`)
     conversion_cache.py  aici-batch's cache directory and the GGUF conversions in it
+    gguf_identity.py     a GGUF's content digest: the conversion cache's key
+    cache_entries.py     the conversion cache's entries, unused ones, pruning
+    progress.py          where the slow once-only steps report (notes, a bar, nothing)
     gguf_convert.py *    checking a GGUF file and converting it to safetensors
     device.py *          the torch device and load dtype for the CLI's specs
     load.py *            LoadedModel: weights and tokenizer on a device

@@ -2,10 +2,16 @@
 
 Loading a GGUF through transformers costs ~20 s (dequantisation), so a GGUF is converted
 once into a float32 safetensors directory under `cache_dir()/models/`; later loads of that
-directory take ~1 s. The conversion writes into a temporary sibling directory and renames
-it into place, so a cache directory that exists is always complete, and concurrent runs
-at worst convert twice rather than corrupt each other. A run killed mid-conversion leaves
-only its hidden temporary directory, which later conversions remove once it is stale.
+directory take ~1 s. An entry is keyed by the GGUF's content (`gguf_identity`), so one
+copy serves every path the same file has (each virtual environment's copy of a packaged
+model, each CI checkout). The conversion writes into a temporary sibling directory and
+renames it into place, so a cache directory that exists is always complete; a lock per
+key makes a second run that needs the same conversion wait for the first and use its
+copy (without locks, both convert and the first rename wins). A run killed
+mid-conversion leaves only its hidden temporary directory, which later conversions
+remove once it is stale. Each entry records what it holds and the files it was converted
+from (`SOURCE_FILE`); `unused_entries` finds those nothing points to any more, for
+`aici-batch models --prune`.
 
 Torch-free: the conversion itself (`gguf_convert`) is imported only on a cache miss.
 """
@@ -14,25 +20,34 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from aici_cli.errors import ModelError
+from aici_cli.file_lock import exclusive_lock
 from aici_cli.models import sources
+from aici_cli.models.gguf_identity import GgufIdentity, gguf_identity
 from aici_cli.models.one_line import one_line
+from aici_cli.models.progress import current_progress
 from aici_cli.models.quiet import quiet_transformers
 
 # Bump when the conversion's output changes, so existing cache entries are not reused.
 _CONVERTER_VERSION = "1"
 
+# Each entry's record of the GGUF content it holds and the files it was converted from.
+SOURCE_FILE = "aici-batch-source.json"
+
 # A conversion's temporary directory untouched for this long belongs to a run that died:
 # a live conversion writes its files within a minute for the default model (a few
 # minutes for a multi-GB GGUF), so an hour leaves a wide margin.
-_STALE_TMP_SECONDS = 3600.0
+STALE_TMP_SECONDS = 3600.0
 
 
 def cache_dir() -> Path:
@@ -49,39 +64,112 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "aici-batch"
 
 
-def cache_target(gguf: Path, name: str) -> Path:
-    """Where the converted copy of `gguf` lives: `cache_dir()/models/<name>-<12 hex>`.
+def models_dir() -> Path:
+    """Where converted models live: `cache_dir()/models`."""
+    return cache_dir() / "models"
 
-    The key covers the file's identity (resolved path, size, mtime) and the transformers
-    version, since both the tensors and the config layout come from transformers' GGUF
-    mapping. Only a stat, so cheap enough for every resolve (importing transformers for
-    its version does not import torch).
-    """
+
+def digests_file() -> Path:
+    """The remembered GGUF digests (`gguf_identity`); beside `models/`, which holds
+    entries only."""
+    return cache_dir() / "gguf-digests.json"
+
+
+@contextlib.contextmanager
+def entry_lock(key: str, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """The lock of the entry with `key`: held while it is made, recorded or removed."""
+    with exclusive_lock(cache_dir() / "locks", f"model-{key}", on_wait):
+        yield
+
+
+def converter_versions() -> tuple[str, str]:
+    """(this converter's version, transformers' version): what an entry's key covers
+    besides the GGUF's content. Importing transformers for its version does not import
+    torch."""
     import transformers
 
+    return _CONVERTER_VERSION, transformers.__version__
+
+
+def _key(identity: GgufIdentity) -> str:
+    """12 hex digits over the GGUF's content, the converter and the transformers version
+    (both the tensors and the config layout come from transformers' GGUF mapping)."""
+    source = "\0".join([*converter_versions(), identity.sha256])
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
+
+
+def _entry_with_key(key: str) -> Path | None:
+    """The complete cache entry of `key`, whatever name it was made under (the same
+    content given by another file name shares it)."""
+    with contextlib.suppress(OSError):
+        for entry in sorted(models_dir().glob(f"*-{key}")):
+            if not entry.name.startswith(".") and (entry / "config.json").is_file():
+                return entry
+    return None
+
+
+def cache_target(gguf: Path, name: str, package: str | None = None) -> Path:
+    """Where the converted copy of `gguf` lives: `cache_dir()/models/<name>-<key>`, or the
+    entry another name made for the same content.
+
+    The key covers the file's content (see `gguf_identity`: `package`, the pip package
+    the file may come from, lets its RECORD answer), so every virtual environment and
+    checkout on a machine shares one copy. Cheap after the first time: a stat and a look
+    at the remembered digests.
+    """
+    key = _key(gguf_identity(gguf, digests_file(), package))
+    return _entry_with_key(key) or models_dir() / f"{name}-{key}"
+
+
+def converted_gguf(gguf: Path, name: str, package: str | None = None) -> Path:
+    """The cache directory holding `gguf` converted to safetensors, converting on a miss.
+
+    One run converts while any other run that needs the same content waits for it (a
+    lock per key), then uses its copy.
+    """
     gguf = gguf.resolve()
+    identity = gguf_identity(gguf, digests_file(), package)
+    key = _key(identity)
+    found = _entry_with_key(key)
+    if found is not None:
+        if not _is_recorded(found, gguf, identity):  # a new path to the same content
+            with entry_lock(key):
+                _remember_source(found, gguf, identity)
+        return found
+    target = models_dir() / f"{name}-{key}"
+    progress = current_progress()
+    with entry_lock(key, on_wait=lambda: progress.note(
+            f"waiting for another run converting {gguf.name}")):
+        # The run we waited for made it, or an older aici-batch made it for this file.
+        found = _entry_with_key(key) or _adopt_path_keyed(gguf, name, target)
+        if found is None:
+            _convert(gguf, name, target, identity)
+            found = target
+        _remember_source(found, gguf, identity)
+    return found
+
+
+def _adopt_path_keyed(gguf: Path, name: str, target: Path) -> Path | None:
+    """`target`, renamed from the entry an older aici-batch made for this very file (its
+    key was the file's path, size and mtime), or None: upgrading costs no conversion.
+    The record is added by the caller."""
+    import transformers
+
     stat = gguf.stat()
-    key_source = "\0".join(
-        [
-            _CONVERTER_VERSION,
-            str(gguf),
-            str(stat.st_size),
-            str(stat.st_mtime_ns),
-            transformers.__version__,
-        ]
-    )
-    digest = hashlib.sha256(key_source.encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{name}-{digest}"
+    old_key = "\0".join(["1", str(gguf), str(stat.st_size), str(stat.st_mtime_ns),
+                         transformers.__version__])
+    old = models_dir() / f"{name}-{hashlib.sha256(old_key.encode()).hexdigest()[:12]}"
+    if not (old / "config.json").is_file():
+        return None
+    try:
+        old.rename(target)
+    except OSError:
+        return None
+    return target
 
 
-def converted_gguf(gguf: Path, name: str) -> Path:
-    """The cache directory holding `gguf` converted to safetensors, converting on a miss."""
-    gguf = gguf.resolve()
-    target = cache_target(gguf, name)
-    models_dir = target.parent
-    if (target / "config.json").is_file():
-        return target
-
+def _convert(gguf: Path, name: str, target: Path, identity: GgufIdentity) -> None:
+    """Convert `gguf` into a temporary sibling of `target`, then rename it into place."""
     # Imports torch and transformers' model classes (seconds): a cache hit needs neither.
     from aici_cli.models import gguf_convert
 
@@ -92,16 +180,18 @@ def converted_gguf(gguf: Path, name: str) -> Path:
                      None)
         remedy = f" (reinstall the {owner.package!r} package)" if owner is not None else ""
         raise ModelError(f"cannot convert {gguf}: {problem}{remedy}")
+    folder = target.parent
     try:
-        models_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(models_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(folder)
         # A crash leaves this hidden directory behind; it is never mistaken for a model.
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", suffix=".tmp", dir=models_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", suffix=".tmp", dir=folder))
     except OSError as exc:
-        raise ModelError(f"cannot write model cache {models_dir}: {one_line(exc)}") from exc
+        raise ModelError(f"cannot write model cache {folder}: {one_line(exc)}") from exc
     try:
         with quiet_transformers():  # its warnings about GGUF metadata are not for users
             gguf_convert.convert_gguf(gguf, tmp)
+        _remember_source(tmp, gguf, identity)  # installed with its record, never without
         _install(tmp, target)
     except ModelError:
         raise
@@ -109,7 +199,41 @@ def converted_gguf(gguf: Path, name: str) -> Path:
         raise ModelError(f"cannot convert {gguf}: {one_line(exc)}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # no-op after a successful rename
-    return target
+
+
+def _remember_source(entry: Path, gguf: Path, identity: GgufIdentity) -> None:
+    """Add `gguf` to the files the entry's `SOURCE_FILE` says it was converted from
+    (`prune` keeps an entry while one of them still holds its content). Written only when
+    something is new, under the entry's lock; a cache that cannot be written is left as
+    it is."""
+    if _is_recorded(entry, gguf, identity):
+        return
+    record = read_source(entry) or {}
+    files = [f for f in record.get("files", []) if isinstance(f, str)]
+    converter, transformers_version = converter_versions()
+    record = {"sha256": identity.sha256, "origin": identity.origin,
+              "converter": converter, "transformers": transformers_version,
+              "files": [*files, str(gguf)] if str(gguf) not in files else files}
+    with contextlib.suppress(OSError):
+        fd, tmp = tempfile.mkstemp(dir=entry, prefix=".source-", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, entry / SOURCE_FILE)
+
+
+def _is_recorded(entry: Path, gguf: Path, identity: GgufIdentity) -> bool:
+    record = read_source(entry) or {}
+    return record.get("sha256") == identity.sha256 and str(gguf) in record.get("files", [])
+
+
+def read_source(entry: Path) -> dict[str, Any] | None:
+    """An entry's record of what it was converted from, or None (an entry made before
+    conversions were keyed by content has none)."""
+    try:
+        value = json.loads((entry / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _install(tmp: Path, target: Path) -> None:
@@ -134,15 +258,15 @@ def _install(tmp: Path, target: Path) -> None:
         # A concurrent run finished first; its copy is equivalent.
 
 
-def _remove_stale_tmp(models_dir: Path) -> None:
+def _remove_stale_tmp(folder: Path) -> None:
     """Remove temporary conversion directories left by runs that died mid-conversion.
 
-    Only those untouched for `_STALE_TMP_SECONDS`: a younger one may be a concurrent
+    Only those untouched for `STALE_TMP_SECONDS`: a younger one may be a concurrent
     run's conversion in progress. They are never read as models (hidden, `.tmp`), so this
     only reclaims disk space.
     """
-    cutoff = time.time() - _STALE_TMP_SECONDS
-    for entry in models_dir.glob(".*.tmp"):
+    cutoff = time.time() - STALE_TMP_SECONDS
+    for entry in folder.glob(".*.tmp"):
         try:
             if entry.is_dir() and entry.stat().st_mtime < cutoff:
                 shutil.rmtree(entry, ignore_errors=True)

@@ -5,7 +5,8 @@ Imports torch; `conversion_cache` imports this module only when a conversion is 
 
 from __future__ import annotations
 
-import logging
+import contextlib
+from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,7 @@ import torch
 
 from aici_cli.errors import ModelError
 from aici_cli.models.one_line import one_line
-
-logger = logging.getLogger(__name__)
+from aici_cli.models.progress import LoadProgress, current_progress
 
 # Fewest bytes a GGUF file spends per weight: its smallest quantisations (IQ1_S) take
 # about 1.56 bits. A config promising more weights than that fits in the file is wrong.
@@ -65,9 +65,11 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
     _check_gguf_config(gguf, config)
     # Only now: a file refused above gets its one-line error without this notice.
-    logger.warning("converting %s to safetensors in %s (once, ~20 s)", gguf.name, out_dir.parent)
+    progress = current_progress()
+    progress.note(f"converting {gguf.name} to safetensors in {out_dir.parent} (once)")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
+    with _tensor_steps(progress, f"converting {gguf.name}"):
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
     result = model.load_state_dict(parsed["tensors"], strict=False)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -84,6 +86,31 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         if template:
             tokenizer.chat_template = template
     tokenizer.save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def _tensor_steps(progress: LoadProgress, description: str) -> Iterator[None]:
+    """Show transformers' loop over the GGUF's tensors (most of a conversion's time) as
+    `progress` steps: transformers draws its own tqdm bar there, which no setting of its
+    own turns off, so the module's `tqdm` is swapped for the length of the call."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:  # another transformers layout: nothing to swap
+        yield
+        return
+
+    def steps(items: Iterable[Any], *args: Any, **kwargs: Any) -> Iterator[Any]:
+        total = kwargs.get("total")
+        if total is None:
+            total = len(items) if isinstance(items, Sized) else 0
+        return progress.steps(items, int(total), description)
+
+    gguf_utils.tqdm = steps
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _check_gguf_config(gguf: Path, config: Any) -> None:

@@ -6,12 +6,12 @@ for its version (the conversion cache's key), which does not import torch.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from aici_cli.errors import ModelError
 from aici_cli.models import sources
-from aici_cli.models.conversion_cache import cache_dir, cache_target
+from aici_cli.models.cache_entries import cache_entries
+from aici_cli.models.conversion_cache import cache_target, models_dir
 from aici_cli.models.hub import hub_cache_dir, hub_models
 from aici_cli.models.sources import DEFAULT_MODEL
 
@@ -21,9 +21,9 @@ def available_models() -> dict[str, Any]:
 
     Nothing is converted, assembled or downloaded: short names report whether their
     package is installed and whether a converted copy is cached; then the conversion
-    cache's entries (each with the short name it serves, if any: the others are older
-    conversions or GGUF files given by path, and any of them can be deleted) and the hub
-    cache's model repos.
+    cache's entries (each with its size, the short name it serves, if any, what it was
+    converted from, and why nothing uses it where nothing does: `--prune` removes those)
+    and the hub cache's model repos.
     """
     names = []
     used_by: dict[str, str] = {}  # conversion cache entry -> the short name it serves
@@ -34,7 +34,7 @@ def available_models() -> dict[str, Any]:
             found = None
         ready = found is not None and found.is_dir()
         if found is not None and not found.is_dir():
-            target = cache_target(found, source.cache_prefix)
+            target = cache_target(found, source.cache_prefix, source.package)
             ready = (target / "config.json").is_file()
             used_by[target.name] = source.name
         names.append({
@@ -46,19 +46,14 @@ def available_models() -> dict[str, Any]:
             "converted": ready,
             "path": str(found) if found is not None else None,
         })
-    models_dir = cache_dir() / "models"
-    converted = []
-    with contextlib.suppress(OSError):
-        for entry in sorted(models_dir.iterdir()):
-            # Hidden entries are conversions in progress or left by a killed run.
-            if entry.name.startswith(".") or not (entry / "config.json").is_file():
-                continue
-            size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-            converted.append({"name": entry.name, "path": str(entry), "size_bytes": size,
-                              "short_name": used_by.get(entry.name)})
+    converted = [{"name": e.path.name, "path": str(e.path), "size_bytes": e.size_bytes,
+                  "short_name": used_by.get(e.path.name), "origin": e.origin,
+                  "files": e.files, "unused": e.unused}
+                 for e in cache_entries() if not e.path.name.startswith(".")]
     return {
         "default": DEFAULT_MODEL,
         "short_names": names,
-        "converted": {"cache_dir": str(models_dir), "models": converted},
+        "converted": {"cache_dir": str(models_dir()), "models": converted,
+                      "total_bytes": sum(m["size_bytes"] for m in converted)},
         "hub": {"cache_dir": str(hub_cache_dir()), "models": hub_models()},
     }

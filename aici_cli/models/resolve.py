@@ -52,7 +52,7 @@ def resolve_with_name(spec: str | None) -> tuple[Path, str]:
     if path.is_file() and path.suffix.lower() == ".gguf":
         owner = source_of_gguf(path)
         if owner is not None:
-            return converted_gguf(path, owner.cache_prefix), owner.name
+            return converted_gguf(path, owner.cache_prefix, owner.package), owner.name
         return converted_gguf(path, slug(path.stem)), _display_name(spec)
     if path.is_file():
         raise ModelError(f"model {spec!r} is a file but not a .gguf file: {_ACCEPTED}")
@@ -71,13 +71,13 @@ def _source_model(source: ModelSource) -> Path:
     if found is not None and found.is_dir():
         return _checked_dir(found, source.name)
     if found is not None:
-        converted = cache_target(found, source.cache_prefix)
+        converted = cache_target(found, source.cache_prefix, source.package)
         if (converted / "config.json").is_file():
             return converted  # no need to check or assemble the GGUF again
     path = source.provide()
     if path.is_dir():
         return _checked_dir(path, source.name)
-    return converted_gguf(path, source.cache_prefix)
+    return converted_gguf(path, source.cache_prefix, source.package)
 
 
 def _checked_dir(path: Path, spec: str) -> Path:

