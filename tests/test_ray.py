@@ -61,10 +61,11 @@ def ray_instance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
                 os.environ[key] = value
 
 
-def write_input(path: Path, n: int, poison_at: int | None = None) -> None:
+def write_input(path: Path, n: int, poison_at: int | None = None,
+                long_lines: bool = False) -> None:
     """`n` lines of many kinds (prompts of varied length, chat, JSON schema, regex,
     choices, seeded samples, stop strings) and two bad lines; a line with the poison id
-    at `poison_at`."""
+    at `poison_at`; with `long_lines`, the plain prompts ask for 150 tokens."""
     lines: list[str] = []
     for i in range(n):
         words = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(2 + i % 6))
@@ -86,6 +87,8 @@ def write_input(path: Path, n: int, poison_at: int | None = None) -> None:
             line.update(temperature=0.9, seed=i, n=2)
         elif kind == 6:
             line["stop"] = ["o"]
+        elif long_lines and kind in (0, 7):
+            line["max_tokens"] = 150
         if i == poison_at:
             line["id"] = POISON_ID
         lines.append(json.dumps(line))
@@ -304,7 +307,9 @@ def test_ctrl_c_finishes_the_lines_in_flight_then_resume_on_ray(
     no more lines, those in flight finish, exit 130; `--resume --ray` finishes the run."""
     address, _ = ray_instance
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_input(src, 60)
+    # Long lines: the tiny model writes ~1,000 tokens/s, and the signal must find lines
+    # still to start after the 4th result (short ones can all finish before it lands).
+    write_input(src, 60, long_lines=True)
     args = [*aici_batch(), "run", str(src), "-o", str(out), "--model", str(tiny_model_dir),
             "--device", "cpu", "--dtype", "float32", "--batch-size", "2", "--ray", address,
             "--workers", "2", "--resume"]
