@@ -297,3 +297,16 @@ def test_replay_that_answers_otherwise_is_refused(guests: ControllerComponent) -
         guest.replica()
     assert info.value.type == "controller_nondeterministic"
     assert "answered call 1 with" in info.value.message
+
+
+def test_a_forked_result_survives_the_openai_batch_format(
+        lm: LoadedModel, guests: ControllerComponent) -> None:
+    from aici_cli.openai_batch import as_result, to_output
+
+    results, _ = run(lm, guests, [job(1, "F")], batch_size=4)
+    back = as_result(to_output(results[1], None, "m"))
+    jsonschema.validate(back, RESULT_SCHEMA)
+    assert back["branches"] == 3 and "n" not in back
+    assert back["outputs"] == {"winner": "branch 2"}
+    assert [(c["branch"], c["text"], c["outputs"]["index"]) for c in back["choices"]] == [
+        (c["branch"], c["text"], c["outputs"]["index"]) for c in results[1]["choices"]]

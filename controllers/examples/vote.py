@@ -12,7 +12,6 @@ the answer stored first) and "votes" ({answer: count}).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Generator
 from typing import Any
 
@@ -33,6 +32,10 @@ def vote(ctx: Context) -> Generator[Any, Any, None]:
     storage.append("answers", answer + "\n")
     answers = (storage.get("answers") or b"").decode().splitlines()
     if len(answers) == branches:  # the last branch to answer: count
-        votes = Counter(answers)
-        set_line_output("answer", votes.most_common(1)[0][0])
-        set_line_output("votes", dict(votes))
+        votes: dict[str, int] = {}
+        for a in answers:
+            votes[a] = votes.get(a, 0) + 1
+        # (Not Counter.most_common: it imports heapq when called, and a component cannot
+        # import at run time.) max keeps the first of equals: the answer stored first.
+        set_line_output("answer", max(votes, key=votes.__getitem__))
+        set_line_output("votes", votes)

@@ -1,4 +1,8 @@
-"""The contract's interfaces and function signatures, checked against a component at load.
+"""The contract's versions, interfaces and function signatures, checked at load.
+
+A component runs under the `aici:controller` version it exports (`find_contract`): 0.2.0
+(fork, `step-input.branch`, `host.set-line-output`, and the separately versioned
+`aici:storage/storage@0.1.0`) or 0.1.0, which keeps loading and running unchanged.
 
 A component built against an edited WIT with the same version fails here, in one line,
 instead of failing value conversions mid-run. Also tells how wasmtime-py represents the
