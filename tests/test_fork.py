@@ -310,3 +310,13 @@ def test_a_forked_result_survives_the_openai_batch_format(
     assert back["outputs"] == {"winner": "branch 2"}
     assert [(c["branch"], c["text"], c["outputs"]["index"]) for c in back["choices"]] == [
         (c["branch"], c["text"], c["outputs"]["index"]) for c in results[1]["choices"]]
+
+
+def test_without_the_prefix_cache_branches_recompute_and_write_the_same(
+        lm: LoadedModel, guests: ControllerComponent) -> None:
+    shared, _ = run(lm, guests, [job(1, "F")], batch_size=4)
+    alone, engine = run(lm, guests, [job(1, "F")], batch_size=4, prefix_cache=False)
+    assert [c["text"] for c in alone[1]["choices"]] == [c["text"] for c in shared[1]["choices"]]
+    assert all(c["stats"]["cached_tokens"] == 0 for c in alone[1]["choices"])
+    prompt_len = alone[1]["choices"][0]["stats"]["prompt_tokens"]
+    assert sum(t.tokens for t in engine.step_times) > 3 * prompt_len
