@@ -136,6 +136,9 @@ def main() -> None:
               help="Argument passed to the controller for lines without `controller_arg`.")
 @click.option("--controller-timeout-ms", type=click.IntRange(1), default=50, show_default=True,
               help="Wall-clock deadline of each controller call.")
+@click.option("--max-branches", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="Sequences a line may run in all when its controller forks (its samples "
+                   "and every fork's branches); a fork past it ends the line (bad_action).")
 @click.option("--no-ff", is_flag=True, help="Sample forced tokens one by one (no fast-forward).")
 @click.option("--draft-tokens", type=click.IntRange(0, 64), default=4, show_default=True,
               help="Prompt-lookup draft length for greedy lines: tokens guessed from the "
@@ -206,7 +209,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         json_schema: str | None, regex: str | None, choices: str | None,
         score: bool, schema_fallback: str, schema_retries: int,
         json_permissive: bool, controller: str | None, controller_arg: str,
-        controller_timeout_ms: int, no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
+        controller_timeout_ms: int, max_branches: int, no_ff: bool, draft_tokens: int,
+        no_prefix_cache: bool,
         lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
         loop_guard: bool, deterministic: bool, step_stats: bool,
         stats_out: str | None,
@@ -247,7 +251,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                             prefix_cache=not no_prefix_cache, lookahead=lookahead,
                             logprobs_mode=logprobs_mode, close_at_limit=close_at_limit,
                             loop_guard=loop_guard, deterministic=deterministic,
-                            schema_retries=schema_retries,
+                            schema_retries=schema_retries, max_branches=max_branches,
                             strict_json=not json_permissive),
         defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, stop=tuple(stop),
@@ -317,16 +321,26 @@ def _exit_interrupted(signum: int) -> NoReturn:
 
 
 @main.command()
-def wit() -> None:
-    """Print the WIT contract that controller components implement.
+@click.option("--dir", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Write the contract's files here (controller.wit, "
+                   "deps/storage/storage.wit), the layout componentize-py and jco read.")
+def wit(out_dir: str | None) -> None:
+    """Print the WIT contract that controller components implement: aici:controller@0.2.0
+    (wit/controller.wit) and the storage interface it imports, aici:storage@0.1.0
+    (wit/deps/storage/storage.wit), each after a `// path` line.
 
     \b
-    Example:
-      aici-batch wit > controller.wit
+    Examples:
+      aici-batch wit
+      aici-batch wit --dir my-controller/wit
     """
-    from aici_cli.control.build import wit_text
+    from aici_cli.control.build import wit_text, write_wit
 
-    click.echo(wit_text(), nl=False)
+    if out_dir is None:
+        click.echo(wit_text(), nl=False)
+        return
+    for path in write_wit(Path(out_dir)):
+        click.echo(str(path))
 
 
 @main.command()

@@ -37,6 +37,9 @@ class EngineConfig:
     # Times a line generated with a relaxed schema (`--schema-fallback relax`) is generated
     # again, with another seed, when its output does not validate (engine/retry.py).
     schema_retries: int = 2
+    # Sequences a line may run in all when its controller forks (engine/branches.py): its
+    # samples and every fork's branches; a fork past it ends the line with bad_action.
+    max_branches: int = 16
 
 
 MIB = 1024 * 1024

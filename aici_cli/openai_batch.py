@@ -228,11 +228,15 @@ def _completion_logprobs(entries: list[dict[str, Any] | None]) -> dict[str, Any]
 def _aici(result: dict[str, Any]) -> dict[str, Any]:
     """aici-batch's own figures for the line (input line number, stats, validity)."""
     keep = ("index", "input_sha256", "made_with", "valid", "relaxed", "attempts", "warnings",
-            "stats", "outputs", "logs")
+            "stats", "outputs", "logs", "branches")
     out = {k: result[k] for k in keep if k in result}
-    if "choices" in result:
-        out["choices"] = [{k: c[k] for k in ("index", "valid", "stats") if k in c}
-                          for c in result["choices"]]
+    if "branches" in result and "n" in result:
+        out["n"] = result["n"]
+    if "choices" in result:  # a forked line's: which branch, and its own outputs
+        out["choices"] = [
+            {k: c[k] for k in ("index", "sample", "branch", "valid", "outputs", "stats")
+             if k in c}
+            for c in result["choices"]]
     return out
 
 
@@ -351,11 +355,18 @@ def as_result(line: dict[str, Any]) -> dict[str, Any]:
         if key in own:
             result[key] = own[key]
     result["stats"] = own.get("stats", {})
-    if len(samples) > 1:
-        result["n"] = len(samples)
+    forked = "branches" in own
+    if len(samples) > 1 or forked:
+        if forked:
+            result["branches"] = own["branches"]
+            if "n" in own:
+                result["n"] = own["n"]
+        else:
+            result["n"] = len(samples)
         result["choices"] = [
             {"index": i, "text": text_of(c), "finish_reason": c.get("finish_reason", "stop"),
-             **{k: f[k] for k in ("valid", "stats") if k in f}, **calls_of(c)}
+             **{k: f[k] for k in ("sample", "branch", "valid", "outputs", "stats") if k in f},
+             **calls_of(c)}
             for i, (c, f) in enumerate(zip(samples, figures))
         ]
     result.update(calls_of(samples[0]))

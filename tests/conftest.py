@@ -3,10 +3,13 @@ markers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from tiny_model import build_tiny_model
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "controllers" / "examples"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,3 +47,21 @@ def stub_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Pat
 
     monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
     return calls
+
+
+@pytest.fixture(scope="session")
+def example_wasm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`example_wasm("vote")`: controllers/examples/vote.py built into a component, once per
+    test session (a build takes about 10 s; compiling it is cached on disk afterwards)."""
+    from aici_cli.control.build import build_controller
+
+    out_dir = tmp_path_factory.mktemp("wasm")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_controller(EXAMPLES / f"{name}.py",
+                                           out_dir / f"{name}.wasm").out
+        return built[name]
+
+    return get

@@ -6,6 +6,7 @@ module; the bad-source tests fail before componentize-py runs and take milliseco
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,12 @@ CONTROLLERS = ROOT / "controllers"
 
 from aici_controller.testing import StubHost  # noqa: E402
 
-EXPORT = "aici:controller/controller@0.1.0"
+EXPORT = "aici:controller/controller@0.2.0"
 IMPORTS = {
-    "aici:controller/types@0.1.0",  # types only: the host defines an empty instance
-    "aici:controller/tokenizer@0.1.0",
-    "aici:controller/host@0.1.0",
+    "aici:controller/types@0.2.0",  # types only: the host defines an empty instance
+    "aici:controller/tokenizer@0.2.0",
+    "aici:controller/host@0.2.0",
+    "aici:storage/storage@0.1.0",
 }
 
 
@@ -61,8 +63,10 @@ def test_component_exports_the_runner_and_imports_only_the_contract(
     assert EXPORT in exports
     runner = exports[EXPORT].ty.exports(engine)
     assert {"runner", "[constructor]runner", "[method]runner.mid-process"} <= set(runner)
-    tokenizer = imports["aici:controller/tokenizer@0.1.0"].ty.exports(engine)
+    tokenizer = imports["aici:controller/tokenizer@0.2.0"].ty.exports(engine)
     assert "tokens-matching" in tokenizer
+    storage = imports["aici:storage/storage@0.1.0"].ty.exports(engine)
+    assert set(storage) == {"get", "set", "append"}
 
 
 class Sequence:
@@ -71,18 +75,25 @@ class Sequence:
     def __init__(self, engine: wasmtime.Engine, component: wc.Component, stub: StubHost) -> None:
         linker = wc.Linker(engine)
         with linker.root() as root:
-            with root.add_instance("aici:controller/types@0.1.0"):
+            with root.add_instance("aici:controller/types@0.2.0"):
                 pass
-            with root.add_instance("aici:controller/tokenizer@0.1.0") as tok:
+            with root.add_instance("aici:controller/tokenizer@0.2.0") as tok:
                 tok.add_func("vocab-size", lambda store: stub.vocab_size())
                 tok.add_func("eos-token", lambda store: stub.eos_token())
                 tok.add_func("tokenize", lambda store, text: stub.tokenize(text))
                 tok.add_func("decode", lambda store, tokens: stub.decode(tokens))
                 tok.add_func("token-bytes", lambda store, token: stub.token_bytes(token))
                 tok.add_func("tokens-matching", lambda store, p: stub.tokens_matching(p))
-            with root.add_instance("aici:controller/host@0.1.0") as host:
+            with root.add_instance("aici:controller/host@0.2.0") as host:
                 host.add_func("log", lambda store, message: stub.log(message))
                 host.add_func("set-output", lambda store, key, value: stub.set_output(key, value))
+                host.add_func("set-line-output",
+                              lambda store, key, value: stub.set_line_output(key, value))
+            with root.add_instance("aici:storage/storage@0.1.0") as storage:
+                storage.add_func("get", lambda store, key: stub.storage_get(key))
+                storage.add_func("set", lambda store, key, value: stub.storage_set(key, value))
+                storage.add_func("append",
+                                 lambda store, key, value: stub.storage_append(key, value))
         self.store = wasmtime.Store(engine)
         instance = linker.instantiate(self.store, component)
         ifc = component.get_export_index(EXPORT)
@@ -98,12 +109,14 @@ class Sequence:
         assert self._ctor is not None
         self.runner = self._ctor(self.store, arg, prompt)
 
-    def mid_process(self, backtrack: int, tokens: list[int], segment_text: str | None) -> Any:
+    def mid_process(self, backtrack: int, tokens: list[int], segment_text: str | None,
+                    branch: int | None = None) -> Any:
         """The action as a `Variant`, or the error message (`str`)."""
         step = wc.Record()
         step.backtrack = backtrack
         step.tokens = tokens
         setattr(step, "segment-text", segment_text)  # a WIT field name with a hyphen
+        step.branch = branch
         assert self._mid_process is not None
         return self._mid_process(self.store, self.runner, step)
 
@@ -220,7 +233,7 @@ def test_good_sources_pass_the_check(tmp_path: Path) -> None:
         encoding="utf-8",
     )
     assert build.check_source(src) == "C"
-    for name in ("yes_no", "no_lowercase", "profile", "rewrite"):
+    for name in ("yes_no", "no_lowercase", "profile", "rewrite", "vote"):
         assert build.check_source(CONTROLLERS / "examples" / f"{name}.py")
 
 
@@ -248,10 +261,18 @@ def test_wit_dir_without_wit_files_is_an_error(tmp_path: Path) -> None:
         build_controller(CONTROLLERS / "examples" / "yes_no.py", tmp_path / "o.wasm", tmp_path)
 
 
-def test_wit_text_is_the_contract() -> None:
-    text = wit_text()
-    assert text == (ROOT / "wit" / "controller.wit").read_text(encoding="utf-8")
-    assert "package aici:controller@0.1.0;" in text and "world controller-world" in text
+def test_wit_text_is_the_contract_and_its_storage_dependency(tmp_path: Path) -> None:
+    controller_wit = (ROOT / "wit" / "controller.wit").read_text(encoding="utf-8")
+    storage_wit = (ROOT / "wit" / "deps" / "storage" / "storage.wit").read_text(encoding="utf-8")
+    assert wit_text() == (f"// wit/controller.wit\n{controller_wit}\n"
+                          f"// wit/deps/storage/storage.wit\n{storage_wit}")
+    assert "package aici:controller@0.2.0;" in controller_wit
+    assert "import aici:storage/storage@0.1.0;" in controller_wit
+    assert "package aici:storage@0.1.0;" in storage_wit
+    written = build.write_wit(tmp_path / "wit")
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == [
+        "wit/controller.wit", "wit/deps/storage/storage.wit"]
+    assert written[1].read_text(encoding="utf-8") == storage_wit
 
 
 def test_build_command_stubs_wasi_and_renames_the_export() -> None:
@@ -303,3 +324,55 @@ def test_componentize_errors_keep_the_user_frame_and_the_exception() -> None:
     )
     assert build.componentize_error("error: world `x` not found\n") == "error: world `x` not found"
     assert build.componentize_error("") == "componentize-py failed without output"
+
+
+# --- a component of contract 0.1.0 still runs ---------------------------------------
+
+RAW_V010 = ROOT / "tests" / "guests" / "raw_v010.py"
+
+
+@pytest.fixture(scope="module")
+def built_v010(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/guests/raw_v010.py built the way `aici-batch build` built components before
+    contract 0.2.0: componentize-py against the 0.1.0 WIT, without the SDK."""
+    out = tmp_path_factory.mktemp("v010") / "raw_v010.wasm"
+    cmd = build.build_command(build._componentize_py(), ROOT / "tests" / "data" / "wit-0.1.0",
+                              RAW_V010.parent, RAW_V010.parent, out)
+    cmd = [c.replace(f"{EXPORT}=aici_runner", "aici:controller/controller@0.1.0=raw_v010")
+           .replace("aici_runner", "raw_v010") for c in cmd]
+    proc = build.subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def test_a_0_1_0_component_still_loads_and_runs(tiny_model_dir: Path, built_v010: Path,
+                                                tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from aici_cli.cli import main
+    from aici_cli.control.wasm import ControllerComponent
+
+    loaded = ControllerComponent.load(built_v010)
+    assert loaded.contract.version == "0.1.0"
+    assert "aici:storage/storage@0.1.0" not in loaded._component.type.imports(loaded._shared.engine)
+    lines = [{"prompt": "Hello there"}, {"prompt": "Bye", "controller_arg": "5"}]
+    res = CliRunner().invoke(main, [
+        "run", "-", "--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
+        "--controller", str(built_v010), "-q",
+    ], input="".join(json.dumps(line) + "\n" for line in lines))
+    assert res.exit_code == 0, res.output
+    results = {r["index"]: r for r in map(json.loads, res.stdout.splitlines())}
+    for index, samples in ((1, 3), (2, 5)):
+        r = results[index]
+        assert r["finish_reason"] == "stop" and r["text"].startswith(" v1:")
+        assert r["outputs"] == {"calls": 2 + samples}
+        assert r["stats"]["output_tokens"] == len(tokenize(tiny_model_dir, " v1:")) + samples
+        assert r["logs"].startswith("prompt tokens: ")
+        assert "branches" not in r and "choices" not in r
+
+
+def tokenize(model_dir: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return list(AutoTokenizer.from_pretrained(model_dir)(text, add_special_tokens=False)
+                ["input_ids"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,18 +17,23 @@ import pytest
 from click.testing import CliRunner
 
 from aici_cli.cli import main
-from aici_cli.control.build import build_controller
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "controllers" / "examples"
+
+class Built(dict[str, Path]):
+    """The examples' components by name, each built on first use (`example_wasm`)."""
+
+    def __init__(self, build: Callable[[str], Path]) -> None:
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, name: str) -> Path:
+        self[name] = self.build(name)
+        return self[name]
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out_dir = tmp_path_factory.mktemp("wasm")
-    return {
-        name: build_controller(EXAMPLES / f"{name}.py", out_dir / f"{name}.wasm").out
-        for name in ("yes_no", "no_lowercase", "profile", "rewrite")
-    }
+def built(example_wasm: Callable[[str], Path]) -> dict[str, Path]:
+    return Built(example_wasm)
 
 
 def run_controller(model_dir: Path, wasm: Path, lines: list[dict[str, Any]],
@@ -138,3 +144,53 @@ def test_drafts_inside_segments_change_no_output(tiny_model_dir: Path, built: di
         assert on[1][i].get("outputs") == r.get("outputs")
     if name == "yes_no":  # its free-text segment loops on the tiny model: drafts were taken
         assert sum(r["stats"]["draft_tokens"] for r in on[1].values()) > 0
+
+
+def test_vote_forks_and_reports_the_majority(tiny_model_dir: Path,
+                                             built: dict[str, Path]) -> None:
+    """vote.py as a component: 5 branches (the prompt computed once), each with an answer,
+    the line's outputs counted from the line's storage by the last branch to answer."""
+    arg = {"pattern": "[a-c]", "max_tokens": 2}
+    code, results = run_controller(tiny_model_dir, built["vote"], [
+        {"prompt": "Pick a letter: a, b or c.", "controller_arg": arg, "seed": 1},
+        {"prompt": "Another pick.", "controller_arg": {**arg, "branches": 3}, "seed": 2},
+    ], "--temperature", "1.0")
+    assert code == 0, results
+    for index, n in ((1, 5), (2, 3)):
+        r = results[index]
+        assert r["finish_reason"] == "stop" and r["branches"] == n
+        answers = [c["outputs"]["answer"] for c in r["choices"]]
+        assert [c["branch"] for c in r["choices"]] == [[k] for k in range(n)]
+        assert all(a in ("a", "b", "c") and c["text"] == a
+                   for a, c in zip(answers, r["choices"]))
+        votes = {a: answers.count(a) for a in answers}
+        assert r["outputs"]["votes"] == votes  # (keys in the order the branches answered)
+        assert votes[r["outputs"]["answer"]] == max(votes.values())
+        assert set(r["outputs"]) == {"answer", "votes"}
+        # One branch computed the prompt; the others took its keys (all but the last token,
+        # which each row feeds for its own logits).
+        prompt = r["choices"][0]["stats"]["prompt_tokens"]
+        assert sorted(c["stats"]["cached_tokens"] for c in r["choices"]) == (
+            [0] + [prompt - 1] * (n - 1))
+
+
+@pytest.mark.real_model
+def test_vote_on_the_default_model(built: dict[str, Path]) -> None:
+    """vote.py through `aici-batch run` on the default model (SmolLM2-135M-Instruct)."""
+    question = {"role": "user", "content": "Is the sky blue on a clear day? Answer yes or no."}
+    lines = [{"messages": [question], "seed": 7,
+              "controller_arg": {"pattern": "(yes|no|Yes|No)", "max_tokens": 3}}]
+    res = CliRunner().invoke(main, [
+        "run", "-", "--controller", str(built["vote"]), "--temperature", "0.8", "-q",
+    ], input="".join(json.dumps(line) + "\n" for line in lines))
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.stdout)
+    assert r["finish_reason"] == "stop" and r["branches"] == 5
+    answers = [c["outputs"]["answer"] for c in r["choices"]]
+    assert all(a in ("yes", "no", "Yes", "No") and c["text"] == a
+               for a, c in zip(answers, r["choices"]))
+    votes = r["outputs"]["votes"]
+    assert votes == {a: answers.count(a) for a in answers}
+    assert votes[r["outputs"]["answer"]] == max(votes.values())
+    assert sum(c["stats"]["cached_tokens"] > 0 for c in r["choices"]) == 4
+    assert all(c["stats"]["replay_ms"] > 0 for c in r["choices"] if c["branch"] != [0])

@@ -184,7 +184,7 @@ def test_rewrite_keeps_a_capitalized_word() -> None:
     assert run.text == "Name: Rome.\n"
 
 
-@pytest.mark.parametrize("name", ["yes_no", "no_lowercase", "profile", "rewrite"])
+@pytest.mark.parametrize("name", ["yes_no", "no_lowercase", "profile", "rewrite", "vote"])
 def test_every_example_defines_exactly_one_controller(name: str) -> None:
     assert find_controller(load_example(name)).name
 
@@ -314,7 +314,7 @@ def test_token_controller_returning_none_is_a_clear_error() -> None:
     run = StubHost().run(Forgetful)
     assert run.error == (
         "TypeError: Forgetful.step() returned NoneType None: expected an action "
-        "(fixed(...), gen(...), sample(...), backtrack(...) or stop())"
+        "(fixed(...), gen(...), sample(...), backtrack(...), fork(...) or stop())"
     )
 
 

@@ -1,8 +1,10 @@
 """Controller components in WebAssembly text, written next to the tests that run them.
 
 `component(Guest(...))` wraps the core-module code of one behaviour into a component of
-world `aici:controller/controller-world@0.1.0` (wit/controller.wit), with the canonical
-ABI written out, so the tests need no componentize-py build:
+world `aici:controller/controller-world@0.1.0` (tests/data/wit-0.1.0/controller.wit), or
+with `version="0.2.0"` of the current contract (wit/controller.wit: `fork`, the step's
+`branch`, `set-line-output` and `aici:storage`), with the canonical ABI written out, so the
+tests need no componentize-py build:
 
     stop = Guest("(call $stop)")
     allow = Guest("(call $sample-allow {allow})", data={"allow": u32s(5, 7)})
@@ -15,17 +17,19 @@ over many lines); another first character traps.
 What a guest's code can use (it is the body of the core function behind `mid-process`,
 and must leave the address of its answer, which the `$stop`... helpers return):
 - params `$backtrack`, `$tokens`, `$tokens-len`, `$has-text`, `$text`, `$text-len` (the
-  step input, lowered), and locals `$i`, `$p`, `$n` (i32, zero);
+  step input, lowered; 0.2.0 adds `$has-branch`, `$branch`), and locals `$i`, `$p`, `$n`
+  (i32, zero);
 - `{name}`: the (address, length) pair of `data[name]`: a string (UTF-8), bytes, a
   `u32s(...)` list or a `strings(...)` list;
 - answers: `$stop`, `$sample-all`, `$sample-allow (ptr len)`, `$sample-bitmask (ptr len)`,
-  `$sample-host-set (handle)`, `$splice (backtrack ptr len)`, `$err (ptr len)` and
+  `$sample-host-set (handle)`, `$splice (backtrack ptr len)`, `$err (ptr len)`,
   `$generate (grammar ptr len max-tokens stop-ptr stop-len)`, grammar being the case of
-  WIT `grammar`: 0 json-schema, 1 regex, 2 lark, 3 choice;
+  WIT `grammar`: 0 json-schema, 1 regex, 2 lark, 3 choice, and in 0.2.0 `$fork (n)`;
 - the contract's imports by their WIT names (`$log`, `$set-output`, `$vocab-size`,
-  `$eos-token`, `$tokenize`, `$decode`, `$token-bytes`, `$tokens-matching`), lowered:
-  a component imports those its code calls, and no others. Imports that return a list,
-  a string or a result write it to `(global.get $out)` (16 bytes);
+  `$eos-token`, `$tokenize`, `$decode`, `$token-bytes`, `$tokens-matching`; in 0.2.0 also
+  `$set-line-output` and storage's `$get`, `$set`, `$append`), lowered: a component
+  imports those its code calls, and no others. Imports that return a list, a string, an
+  option or a result write it to `(global.get $out)` (16 bytes);
 - `$realloc`, the guest's bump allocator (nothing is ever freed: a runner lives for one
   sequence), `(global.get $calls)`: mid-process calls so far, this one included, and
   `$utoa (value) -> (ptr len)`: a number as decimal text (valid until the next call).
@@ -85,9 +89,10 @@ def save(directory: Path, text: str) -> Path:
     return path
 
 
-def component(guests: Guest | Mapping[str, Guest]) -> str:
-    """The text of a controller component running `guests` (one, or one per first
-    character of the constructor's `arg`)."""
+def component(guests: Guest | Mapping[str, Guest], version: str = "0.1.0") -> str:
+    """The text of a controller component of contract `version` running `guests` (one,
+    or one per first character of the constructor's `arg`)."""
+    forks = version != "0.1.0"
     by_mode = {None: guests} if isinstance(guests, Guest) else dict(guests)
     code: list[str] = []
     data: list[str] = []
@@ -97,12 +102,17 @@ def component(guests: Guest | Mapping[str, Guest]) -> str:
         pairs, segments, at = _place(guest.data, at)
         data += segments
         funcs += [f for f in guest.funcs if f not in funcs]
-        code.append(_behaviour(k, mode, guest, pairs))
-    body = "\n".join(data + funcs + code + [_dispatch(list(by_mode))])
+        code.append(_behaviour(k, mode, guest, pairs, forks))
+    body = "\n".join(data + funcs + code + [_dispatch(list(by_mode), forks)])
     used = [name for name in _IMPORTS if re.search(rf"\${re.escape(name)}(?![\w-])", body)]
     heap = (at + 15) // 16 * 16
     return _COMPONENT.format(
-        imports=_component_imports(used),
+        version=version,
+        types=_TYPES_0_2 if forks else _TYPES_0_1,
+        step_input_t=_STEP_INPUT_T.format(branch=' (field "branch" (option u32))' if forks
+                                          else ""),
+        action_t=_ACTION_T.format(fork=' (case "fork" u32)' if forks else ""),
+        imports=_component_imports(used, version),
         lowered=_lowered(used),
         heap=heap,
         pages=heap // 65536 + 1,
@@ -150,23 +160,26 @@ def _place(data: Mapping[str, Data], at: int) -> tuple[dict[str, str], list[str]
     return pairs, segments, at
 
 
-def _behaviour(k: int, mode: str | None, guest: Guest, pairs: dict[str, str]) -> str:
+def _behaviour(k: int, mode: str | None, guest: Guest, pairs: dict[str, str],
+               forks: bool) -> str:
     """The core functions of one guest: its constructor part and its mid-process."""
     mid = guest.mid_process.format_map(pairs)
     ctor = guest.constructor.format_map(pairs)
+    branch = " (param $has-branch i32) (param $branch i32)" if forks else ""
     return (
         f"(func $constructor-{k}\n{ctor})\n"
         f"(func $mid-process-{k} (param $backtrack i32) (param $tokens i32) "
         "(param $tokens-len i32) (param $has-text i32) (param $text i32) (param $text-len i32)"
-        " (result i32) (local $i i32) (local $p i32) (local $n i32)\n"
+        f"{branch} (result i32) (local $i i32) (local $p i32) (local $n i32)\n"
         f"{mid})"
     )
 
 
-def _dispatch(modes: list[str | None]) -> str:
+def _dispatch(modes: list[str | None], forks: bool) -> str:
     """The exported core functions: each runs the guest of the arg's first character."""
     ctor, mid = [], []
-    args = "".join(f" (local.get {i})" for i in range(1, 7))
+    params = 8 if forks else 6
+    args = "".join(f" (local.get {i})" for i in range(1, params + 1))
     for k, mode in enumerate(modes):
         test = "(i32.const 1)" if mode is None else (
             f"(i32.eq (global.get $mode) (i32.const {ord(mode)}))"
@@ -179,7 +192,7 @@ def _dispatch(modes: list[str | None]) -> str:
   (if (local.get $arg-len) (then (global.set $mode (i32.load8_u (local.get $arg)))))
   {" ".join(ctor)}
   (call $runner-new (i32.const 1)))
-(func (export "mid-process") (param $self i32) (param i32 i32 i32 i32 i32 i32) (result i32)
+(func (export "mid-process") (param $self i32) (param {" ".join(["i32"] * params)}) (result i32)
   (global.set $calls (i32.add (global.get $calls) (i32.const 1)))
   {" ".join(mid)}
   unreachable)"""
@@ -205,15 +218,27 @@ _IMPORTS: dict[str, tuple[str, str, str, str]] = {
             "(memory $memory) string-encoding=utf8"),
     "set-output": ("host", '(func (param "key" string) (param "value" string))',
                    "(param i32 i32 i32 i32)", "(memory $memory) string-encoding=utf8"),
+    # 0.2.0 only
+    "set-line-output": ("host", '(func (param "key" string) (param "value" string))',
+                        "(param i32 i32 i32 i32)", "(memory $memory) string-encoding=utf8"),
+    "get": ("storage", '(func (param "key" string) (result (option (list u8))))',
+            "(param i32 i32 i32)", "(memory $memory) (realloc $realloc) string-encoding=utf8"),
+    "set": ("storage", '(func (param "key" string) (param "value" (list u8)))',
+            "(param i32 i32 i32 i32)", "(memory $memory) string-encoding=utf8"),
+    "append": ("storage", '(func (param "key" string) (param "value" (list u8)) (result u32))',
+               "(param i32 i32 i32 i32) (result i32)", "(memory $memory) string-encoding=utf8"),
 }
+_INTERFACES = ("tokenizer", "host", "storage")
 
 
-def _component_imports(used: list[str]) -> str:
+def _component_imports(used: list[str], version: str) -> str:
     lines = []
-    for iface in ("tokenizer", "host"):
+    for iface in _INTERFACES:
         funcs = [f'    (export "{n}" {_IMPORTS[n][1]})' for n in used if _IMPORTS[n][0] == iface]
+        name = ("aici:storage/storage@0.1.0" if iface == "storage"
+                else f"aici:controller/{iface}@{version}")
         if funcs:
-            lines.append(f'  (import "aici:controller/{iface}@0.1.0" (instance ${iface}\n'
+            lines.append(f'  (import "{name}" (instance ${iface}\n'
                          + "\n".join(funcs) + "\n  ))")
     return "\n".join(lines)
 
@@ -233,7 +258,7 @@ def _core_imports(used: list[str]) -> str:
 
 def _with_imports(used: list[str]) -> str:
     parts = []
-    for iface in ("tokenizer", "host"):
+    for iface in _INTERFACES:
         funcs = [f'(export "{n}" (func $core-{n}))' for n in used if _IMPORTS[n][0] == iface]
         if funcs:
             parts.append(f'    (with "{iface}" (instance {" ".join(funcs)}))')
@@ -287,6 +312,11 @@ _PRELUDE = f"""
       (i32.store (i32.const {_ANSWER + 28}) (local.get $stop))
       (i32.store (i32.const {_ANSWER + 32}) (local.get $stop-len))
       (i32.const {_ANSWER}))
+    (func $fork (param $n i32) (result i32)
+      (i32.store8 (i32.const {_ANSWER}) (i32.const 0))
+      (i32.store8 (i32.const {_ANSWER + 4}) (i32.const 4))
+      (i32.store (i32.const {_ANSWER + 8}) (local.get $n))
+      (i32.const {_ANSWER}))
     (func $err (param $ptr i32) (param $len i32) (result i32)
       (i32.store8 (i32.const {_ANSWER}) (i32.const 1))
       (i32.store (i32.const {_ANSWER + 4}) (local.get $ptr))
@@ -313,30 +343,10 @@ _PRELUDE = f"""
 _COMPONENT = """(component
   (type $types-t
     (instance
-      (type u32)
-      (export "token-id" (type (eq 0)))
-      (type (list 1))
-      (type (option string))
-      (type (record (field "backtrack" u32) (field "tokens" 2) (field "segment-text" 3)))
-      (export "step-input" (type (eq 4)))
-      (type (list u32))
-      (type (variant (case "all") (case "allow" 2) (case "deny" 2) (case "bitmask" 6)
-                     (case "host-set" u32) (case "not-host-set" u32)))
-      (export "token-set" (type (eq 7)))
-      (type (list string))
-      (type (variant (case "json-schema" string) (case "regex" string) (case "lark" string)
-                     (case "choice" 9)))
-      (export "grammar" (type (eq 10)))
-      (type (option 11))
-      (type (record (field "grammar" 12) (field "max-tokens" u32) (field "stop" 9)))
-      (export "segment" (type (eq 13)))
-      (type (record (field "backtrack" u32) (field "ff-tokens" 2)))
-      (export "splice" (type (eq 15)))
-      (type (variant (case "sample" 8) (case "generate" 14) (case "splice" 16) (case "stop")))
-      (export "action" (type (eq 17)))
+{types}
     )
   )
-  (import "aici:controller/types@0.1.0" (instance $types (type $types-t)))
+  (import "aici:controller/types@{version}" (instance $types (type $types-t)))
   (alias export $types "token-id" (type $token-id))
   (alias export $types "step-input" (type $step-input))
   (alias export $types "action" (type $action))
@@ -399,8 +409,7 @@ _COMPONENT = """(component
   (component $Controller
     (type $u32 u32)
     (import "token-id" (type $token-id' (eq $u32)))
-    (type $step-input-t (record (field "backtrack" u32) (field "tokens" (list $token-id'))
-                                (field "segment-text" (option string))))
+{step_input_t}
     (import "step-input" (type $step-input' (eq $step-input-t)))
     (type $token-set-t (variant (case "all") (case "allow" (list $token-id'))
                                 (case "deny" (list $token-id')) (case "bitmask" (list u32))
@@ -414,8 +423,7 @@ _COMPONENT = """(component
     (import "segment" (type $segment' (eq $segment-t)))
     (type $splice-t (record (field "backtrack" u32) (field "ff-tokens" (list $token-id'))))
     (import "splice" (type $splice' (eq $splice-t)))
-    (type $action-t (variant (case "sample" $token-set') (case "generate" $segment')
-                             (case "splice" $splice') (case "stop")))
+{action_t}
     (import "action" (type $action' (eq $action-t)))
     (import "runner" (type $runner' (sub resource)))
     (import "ctor" (func $ctor' (param "arg" string) (param "prompt" (list $token-id'))
@@ -448,6 +456,65 @@ _COMPONENT = """(component
     (with "runner" (type $runner))
     (with "ctor" (func $ctor))
     (with "mid-process" (func $mid-process))))
-  (export "aici:controller/controller@0.1.0" (instance $controller))
+  (export "aici:controller/controller@{version}" (instance $controller))
 )
 """
+
+_TYPES_0_1 = """\
+      (type u32)
+      (export "token-id" (type (eq 0)))
+      (type (list 1))
+      (type (option string))
+      (type (record (field "backtrack" u32) (field "tokens" 2) (field "segment-text" 3)))
+      (export "step-input" (type (eq 4)))
+      (type (list u32))
+      (type (variant (case "all") (case "allow" 2) (case "deny" 2) (case "bitmask" 6)
+                     (case "host-set" u32) (case "not-host-set" u32)))
+      (export "token-set" (type (eq 7)))
+      (type (list string))
+      (type (variant (case "json-schema" string) (case "regex" string) (case "lark" string)
+                     (case "choice" 9)))
+      (export "grammar" (type (eq 10)))
+      (type (option 11))
+      (type (record (field "grammar" 12) (field "max-tokens" u32) (field "stop" 9)))
+      (export "segment" (type (eq 13)))
+      (type (record (field "backtrack" u32) (field "ff-tokens" 2)))
+      (export "splice" (type (eq 15)))
+      (type (variant (case "sample" 8) (case "generate" 14) (case "splice" 16) (case "stop")))
+      (export "action" (type (eq 17)))"""
+
+# 0.2.0: `option<u32>` first (type 0), so the others move up by one; step-input gains
+# `branch`, action gains `fork`.
+_TYPES_0_2 = """\
+      (type (option u32))
+      (type u32)
+      (export "token-id" (type (eq 1)))
+      (type (list 2))
+      (type (option string))
+      (type (record (field "backtrack" u32) (field "tokens" 3) (field "segment-text" 4)
+                    (field "branch" 0)))
+      (export "step-input" (type (eq 5)))
+      (type (list u32))
+      (type (variant (case "all") (case "allow" 3) (case "deny" 3) (case "bitmask" 7)
+                     (case "host-set" u32) (case "not-host-set" u32)))
+      (export "token-set" (type (eq 8)))
+      (type (list string))
+      (type (variant (case "json-schema" string) (case "regex" string) (case "lark" string)
+                     (case "choice" 10)))
+      (export "grammar" (type (eq 11)))
+      (type (option 12))
+      (type (record (field "grammar" 13) (field "max-tokens" u32) (field "stop" 10)))
+      (export "segment" (type (eq 14)))
+      (type (record (field "backtrack" u32) (field "ff-tokens" 3)))
+      (export "splice" (type (eq 16)))
+      (type (variant (case "sample" 9) (case "generate" 15) (case "splice" 17) (case "stop")
+                     (case "fork" u32)))
+      (export "action" (type (eq 18)))"""
+
+_STEP_INPUT_T = """\
+    (type $step-input-t (record (field "backtrack" u32) (field "tokens" (list $token-id'))
+                                (field "segment-text" (option string)){branch}))"""
+
+_ACTION_T = """\
+    (type $action-t (variant (case "sample" $token-set') (case "generate" $segment')
+                             (case "splice" $splice') (case "stop"){fork}))"""

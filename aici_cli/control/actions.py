@@ -51,7 +51,14 @@ class Stop:
     pass
 
 
-Action = Sample | Generate | Splice | Stop
+@dataclass(frozen=True)
+class Fork:
+    """Split the sequence into `branches` (>= 2) that share every token so far."""
+
+    branches: int
+
+
+Action = Sample | Generate | Splice | Stop | Fork
 
 
 @dataclass(frozen=True)
@@ -59,3 +66,4 @@ class StepInput:
     backtrack: int = 0
     tokens: tuple[int, ...] = field(default_factory=tuple)
     segment_text: str | None = None
+    branch: int | None = None  # the first call after a fork: this branch's index

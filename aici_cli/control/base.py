@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import llguidance
 import torch
 
+from aici_cli.control.line_scope import LineScope
 from aici_cli.errors import ControllerError
 
 
@@ -30,6 +31,10 @@ class Directive:
     ff_tokens: tuple[int, ...] = ()  # fast-forward: append these next, without sampling
     backtrack: int = 0  # first remove this many output tokens
     stop: bool = False  # the sequence is complete
+    # Split the sequence into this many branches after the tokens above (0: no fork). The
+    # engine then asks `fork` for the other branches' controllers and `enter_branch`
+    # of each, this one included (it continues as branch 0).
+    fork: int = 0
 
 
 CONTINUE = Directive()
@@ -89,6 +94,20 @@ class Controller(Protocol):
         """The sequence ended: release what the controller holds (a guest instance)."""
         ...
 
+    def join_line(self, line: LineScope) -> None:
+        """Before `start`: what the line's sequences share (storage, the line's outputs)."""
+        ...
+
+    def fork(self, n: int) -> list[Controller]:
+        """After a directive with `fork=n`: the controllers of branches 1..n-1, each in
+        the state this one is in now. Raises ControllerError (the line then ends)."""
+        ...
+
+    def enter_branch(self, index: int) -> Directive:
+        """The first decision of branch `index` after a fork (branch 0 is the controller
+        that forked)."""
+        ...
+
 
 class ControllerBase:
     """Defaults of the optional capabilities: no grammar matcher, no drafts, no extra
@@ -123,3 +142,12 @@ class ControllerBase:
 
     def close(self) -> None:
         return None
+
+    def join_line(self, line: LineScope) -> None:
+        return None
+
+    def fork(self, n: int) -> list[Controller]:
+        raise ControllerError("bad_action", "this controller cannot fork")
+
+    def enter_branch(self, index: int) -> Directive:
+        raise ControllerError("bad_action", "this controller cannot fork")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORLD = "controller-world"
-EXPORT_INTERFACE = "aici:controller/controller@0.1.0"
+EXPORT_INTERFACE = "aici:controller/controller@0.2.0"
 ENTRY_MODULE = "aici_runner"  # also the name of the export's generated binding module
 USER_MODULE = "aici_user_controller"
 SDK_PACKAGE = "aici_controller"
@@ -79,9 +79,33 @@ def find_wit_dir() -> Path:
     raise BuildError("the WIT contract was not found (expected wit/controller.wit)")
 
 
+def wit_files(wit_dir: Path | None = None) -> list[Path]:
+    """The contract's files, relative to `wit/`: `controller.wit` (package
+    aici:controller), then each dependency under `deps/` (aici:storage), in name order."""
+    root = wit_dir if wit_dir is not None else find_wit_dir()
+    own = sorted(root.glob("*.wit"))
+    deps = sorted(root.glob("deps/*/*.wit"))
+    return [p.relative_to(root) for p in own + deps]
+
+
 def wit_text() -> str:
-    """The WIT contract's text (every .wit file of the contract, in name order)."""
-    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(find_wit_dir().glob("*.wit")))
+    """The contract's text: every file of `wit_files`, each after a `// path` line."""
+    root = find_wit_dir()
+    return "\n".join(f"// wit/{rel.as_posix()}\n" + (root / rel).read_text(encoding="utf-8")
+                     for rel in wit_files(root))
+
+
+def write_wit(out_dir: Path) -> list[Path]:
+    """Copy the contract to `out_dir` in the layout componentize-py and wit-parser read
+    (`controller.wit`, `deps/storage/storage.wit`); returns the files written."""
+    root = find_wit_dir()
+    written = []
+    for rel in wit_files(root):
+        target = out_dir / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text((root / rel).read_text(encoding="utf-8"), encoding="utf-8")
+        written.append(target)
+    return written
 
 
 def check_source(src: Path) -> str:

@@ -1,11 +1,12 @@
-"""One generation in the engine (a line, or one of its n samples): its tokens, its cache
-row's fill, its controller and its stats."""
+"""One generation in the engine (a line, one of its n samples, or a branch of a fork):
+its tokens, its cache row's fill, its controller and its stats."""
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +15,9 @@ from aici_cli.engine.penalties import LogitRules
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job
 from aici_cli.stats import LineStats, StepTimes
+
+if TYPE_CHECKING:
+    from aici_cli.engine.branches import LineBranches
 
 
 @dataclass
@@ -72,6 +76,11 @@ class Generation:
     stop_floor: int | None = None  # chars of the first min_tokens tokens' text (stop strings)
     # The results of the line's earlier attempts (a relaxed schema's retries, retry.py).
     earlier: list[dict[str, Any]] = field(default_factory=list)
+    # What the line's sequences share once its controller can fork (branches.py).
+    line: LineBranches | None = None
+    path: tuple[int, ...] = ()  # the branch index taken at each fork so far
+    fork_floor: int = 0  # output tokens before the latest fork (shared with its siblings)
+    from_fork: bool = False  # made by a fork: the cache may hold its output's keys too
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
@@ -148,11 +157,40 @@ class Generation:
         del self.pending[len(self.pending) - from_pending :]
         self.length -= n - from_pending
 
+    def cacheable(self) -> list[int]:
+        """The tokens whose keys a cache row may already hold before this generation's
+        first pass: its prompt, or for a branch of a fork, its prompt and output (the
+        tokens before the fork are in the forking row)."""
+        return self.prompt + self.output if self.from_fork else self.prompt
+
     def cache_limit(self) -> int:
-        """Most prompt tokens the prefix cache may provide: all but the last (fed for this
-        row's own logits), or for a scored choice all before the choice's first token's
-        predecessor (those logits are the score)."""
-        return (self.score_from if self.score_from is not None else len(self.prompt)) - 1
+        """Most of `cacheable()` the prefix cache may provide: all but the last token (fed
+        for this row's own logits), or for a scored choice all before the choice's first
+        token's predecessor (those logits are the score)."""
+        if self.score_from is not None:
+            return self.score_from - 1
+        return len(self.cacheable()) - 1
+
+    def branch(self, controller: Controller, generator: torch.Generator,
+               path: tuple[int, ...]) -> Generation:
+        """A new branch of this generation at a fork: the same tokens so far (whose keys
+        its row takes from this one's, `rows.py`), its own controller, sampler and stats.
+        It starts with this generation's clock, first-token time, logprobs and logit-rule
+        counts; its stats count its own work from the fork on."""
+        branch = Generation(self.job, self.prompt, controller, generator, started=self.started,
+                            group=self.group, sample=self.sample, earlier=self.earlier,
+                            line=self.line, path=path, fork_floor=len(self.output),
+                            from_fork=True)
+        branch.output = list(self.output)
+        branch.pending = self.prompt + branch.output
+        branch.stats.ttft_ms = self.stats.ttft_ms
+        branch.steps = [] if self.steps is not None else None
+        branch.logprobs = list(self.logprobs) if self.logprobs is not None else None
+        branch.rules = copy.deepcopy(self.rules)
+        branch.text_checked = self.text_checked
+        branch.ids_checked = self.ids_checked
+        branch.stop_floor = self.stop_floor
+        return branch
 
     def take_cached(self, n: int) -> None:
         """Before its first pass: the row's cache holds the keys of the first `n` prompt

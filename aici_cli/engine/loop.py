@@ -13,12 +13,16 @@ A step, top to bottom (`Engine._step`):
   6. hand each row's token (and its accepted draft) to its controller, which answers
      with fast-forward tokens, backtrack or stop;
   7. release finished rows: each emits its result and its row is free for the next line.
+
+A controller's directive may fork its generation (`_fork`, branches.py): the new branches
+wait for rows ahead of new lines and take the forking row's keys.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,8 +31,10 @@ import torch
 from aici_cli.config import EngineConfig
 from aici_cli.control.base import Directive
 from aici_cli.control.grammar import GrammarCompiler
+from aici_cli.control.line_scope import LineScope
 from aici_cli.control.stop_strings import find_stop
 from aici_cli.engine.attention import install
+from aici_cli.engine.branches import LineBranches
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.clock import Now, StepClock, ms
 from aici_cli.engine.draft import accept_draft, propose_drafts
@@ -41,7 +47,7 @@ from aici_cli.engine.penalties import LogitRules, checked_draft_picks, rules_bef
 from aici_cli.engine.result_line import combine_samples, generation_result, with_answer
 from aici_cli.engine.retry import next_attempt, with_attempts
 from aici_cli.engine.rows import Prepared, RowTable
-from aici_cli.engine.sampling import row_generator, sample
+from aici_cli.engine.sampling import branch_generator, row_generator, sample
 from aici_cli.engine.scoring import (
     choice_logprob,
     combine_scores,
@@ -88,6 +94,8 @@ class Engine:
         self.model_pass = ModelPass(lm, self.cache, self.rows, config.deterministic)
         self.masks = TokenMasks(config.batch_size, self.vocab_size)
         self.step_times: list[StepTimes] = []
+        self._emit: Emit = lambda result: None  # the current run's
+        self._dropping = False  # a forked line failed: drop its other sequences
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -109,6 +117,7 @@ class Engine:
         "nothing ready yet" (see `Source`): with such a source the run only ends on
         `should_admit`."""
         source: Source | None = iter(items)
+        self._emit = emit
         launch = functools.partial(self._launch, emit=emit)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
         try:
@@ -119,6 +128,7 @@ class Engine:
                 # Samples of a line already started are admitted even after admission of
                 # new lines stopped (an interrupt): the line must still get its result.
                 self.rows.admit(launch, new_lines=admitting)
+                self._drop_failed()
                 if not self.rows.busy():
                     if not self.rows.waiting and (
                             not admitting or (source is None and not self.rows.ahead)):
@@ -181,6 +191,7 @@ class Engine:
         self._close(gens, closing, times)
         self.step_times.append(clock.finish(times, controller_ms))
         self._release(rows, gens, [*real, *verdict.deferred, *scoring, *closing], emit)
+        self._drop_failed()
 
     def _scored(self, gens: list[Generation | None], scoring: list[int]) -> list[list[int]]:
         """Per row, the offsets of the positions (before its next-token one) whose logits
@@ -336,16 +347,21 @@ class Engine:
         if controllers is None:
             return []
         group = SampleGroup(job.n) if job.n > 1 else None
+        branches = (LineBranches(LineScope(), job.n)
+                    if any(c is not None for c in controllers) else None)
         waiting = []
         for i, controller in enumerate(controllers):
             gen = Generation(job, line.prompt, controller, row_generator(job.seed, i),
-                             started=self.now(), group=group, sample=i, earlier=line.earlier)
+                             started=self.now(), group=group, sample=i, earlier=line.earlier,
+                             line=branches)
             gen.rules = LogitRules.of(job, line.prompt, self.eos)
             if self.config.step_stats:
                 gen.steps = []
             if job.logprobs is not None:
                 gen.logprobs = []
             if controller is not None:
+                assert branches is not None
+                controller.join_line(branches.scope)
                 self._consult(gen, functools.partial(controller.start, line.prompt))
             if self._check_limits(gen):
                 self._finish(gen, emit)
@@ -380,6 +396,18 @@ class Engine:
         if gen.score_from is not None and result["finish_reason"] != "error":
             result["score"] = score_fields(gen.choice, gen.logprob,
                                            len(gen.prompt) - gen.score_from)
+        branches = gen.line
+        if branches is not None:
+            if branches.failed:
+                return  # the line's result is out: this sequence was stopped
+            branches.finished(gen.sample, gen.path, result)
+            if branches.forked:
+                if result["finish_reason"] == "error":  # a fault ends a forked line
+                    branches.failed = self._dropping = True
+                    emit(with_answer(gen.job, branches.result((gen.sample, gen.path))))
+                elif branches.live == 0:
+                    emit(with_answer(gen.job, branches.result()))
+                return
         group = gen.group
         if group is not None:
             group.results[gen.sample] = result
@@ -411,17 +439,90 @@ class Engine:
         whether the output changed, and the controller's ms."""
         t0 = self.now()
         changed = False
+        fork = 0
         try:
             directive = ask()
             if directive is None:
                 gen.finish = Finish("stop")
             else:
                 changed = gen.apply(directive)
+                fork = directive.fork
         except Exception as e:
             gen.finish = Finish("error", controller_fault(e))
         spent = ms(t0, self.now())
         gen.stats.controller_ms += spent
+        if fork and gen.finish is None:
+            self._fork(gen, fork)  # times the branches' own controllers
+            changed = True
         return changed, spent
+
+    def _fork(self, gen: Generation, n: int) -> None:
+        """The controller of `gen` forked into `n` branches after its current tokens: `gen`
+        goes on as branch 0; branches 1..n-1 get the other controllers (`Controller.fork`)
+        and wait for rows ahead of new lines. Each branch is then asked its first
+        decision, in branch order. A fork past `--max-branches`, or one whose controllers
+        cannot be made, ends `gen` with that error (and the line with it)."""
+        line, controller = gen.line, gen.controller
+        if line is None or controller is None or line.failed:
+            return
+        refused = line.would_exceed(n, self.config.max_branches)
+        if refused is not None:
+            gen.finish = Finish("error", ("bad_action", refused))
+            return
+        t0 = self.now()
+        try:
+            others = controller.fork(n)
+        except Exception as e:
+            gen.finish = Finish("error", controller_fault(e))
+            return
+        replay_ms = ms(t0, self.now()) / len(others)
+        line.forked_into(n)
+        base = gen.path
+        gen.path, gen.fork_floor = base + (0,), len(gen.output)
+        branches = [gen]
+        for k, other in enumerate(others, 1):
+            path = base + (k,)
+            branch = gen.branch(other, branch_generator(gen.job.seed, gen.sample, path), path)
+            branch.stats.controller_ms += replay_ms
+            branches.append(branch)
+        for k, branch in enumerate(branches):
+            assert branch.controller is not None
+            self._consult(branch, functools.partial(branch.controller.enter_branch, k))
+            faulted = branch.finish is not None and branch.finish.reason == "error"
+            if branch is not gen:  # `gen` goes on with its caller
+                if self._check_limits(branch):
+                    self._finish(branch, self._emit)
+                else:
+                    self.rows.waiting.append(branch)
+            if faulted or line.failed:  # the line ends: the later branches never start
+                for left in branches[k + 1 :]:
+                    assert left.controller is not None
+                    left.controller.close()
+                return
+
+    def _drop_failed(self) -> None:
+        """Free the rows of the sequences of lines that failed after a fork (their result
+        is out), and take their waiting branches out of the queue."""
+        if not self._dropping:
+            return
+        self._dropping = False
+
+        def doomed(gen: Generation | None) -> bool:
+            return gen is not None and gen.line is not None and gen.line.failed
+
+        for row, gen in enumerate(self.rows.gens):
+            if gen is not None and doomed(gen):
+                self.rows.release(row)
+                if gen.controller is not None:
+                    gen.controller.close()
+        kept: deque[Generation] = deque()
+        for gen in self.rows.waiting:
+            if doomed(gen):
+                if gen.controller is not None:
+                    gen.controller.close()
+            else:
+                kept.append(gen)
+        self.rows.waiting = kept
 
     def _ends(self, gen: Generation, token: int) -> bool:
         """Whether sampling `token` ends the generation rather than appending it: EOS, but
@@ -485,6 +586,8 @@ class Engine:
             gen.apply(directive)
         except Exception as e:
             gen.finish = Finish("error", controller_fault(e))
+        if directive.fork and gen.finish is None:
+            self._fork(gen, directive.fork)
         self._check_limits(gen)
         gen.record_step(times, sampled=0, ff_tokens=gen.stats.ff_tokens - ff_before,
                           controller_ms=0.0)

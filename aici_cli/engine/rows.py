@@ -13,6 +13,11 @@ hashes: the cache holds one sequence per row, at most `batch_size` of them, and 
 prompt with each is a vectorized compare of microseconds; a tree pays off only when many
 more cached sequences than rows are kept (a paged cache).
 
+Forks use the same path: a new branch of a fork is a generation whose prompt and output
+so far are the forking row's tokens (`Generation.cacheable`), so its first pass takes
+their keys from that row (or, if it waited, from the row that kept them) and feeds only
+the tokens the forking row had not fed yet: nothing before the fork is computed again.
+
 Admission reads up to `lookahead` lines ahead (bounded, so a 10 GB stdin still streams),
 prefers the lines whose prefix is cached, and gives each the idle row whose keys serve it
 best, evicting the idle row whose keys serve the waiting lines least.
@@ -127,7 +132,7 @@ class RowTable:
                 self.waiting.extend(launch(self.ahead.pop(self._next_line())))
                 continue
             gen = self.waiting.popleft()
-            self.gens[self._row_for(np.asarray(gen.prompt, dtype=np.int64))] = gen
+            self.gens[self._row_for(np.asarray(gen.cacheable(), dtype=np.int64))] = gen
             live += 1
 
     def _rows_tokens(self) -> list[np.ndarray]:
@@ -190,7 +195,7 @@ class RowTable:
         for k, gen in enumerate(gens):
             if gen is None or gen.stats.forward_passes > 0:
                 continue
-            prompt = np.asarray(gen.prompt, dtype=np.int64)
+            prompt = np.asarray(gen.cacheable(), dtype=np.int64)
             if self.prefix_cache:
                 cached = self._take_cached(rows[k], gen, prompt)
                 soon = max((common_prefix(prompt, p) for p in prefilling), default=0)

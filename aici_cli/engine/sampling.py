@@ -21,6 +21,18 @@ def row_generator(seed: int, sample: int = 0) -> torch.Generator:
     return g
 
 
+def branch_generator(seed: int, sample: int, path: tuple[int, ...]) -> torch.Generator:
+    """The generator of a fork's new branch `path` (its index at each fork) of sample
+    `sample`: seeded from the line's seed and the path alone, so a branch samples the same
+    tokens whatever the batch (branch 0 keeps its forking generation's generator)."""
+    mixed = (seed + sample * 0x9E3779B97F4A7C15) % (1 << 63)
+    for k in path:
+        mixed = (mixed * 0xBF58476D1CE4E5B9 + (k + 1) * 0x94D049BB133111EB) % (1 << 63)
+    g = torch.Generator(device="cpu")
+    g.manual_seed(mixed)
+    return g
+
+
 # Below this a temperature is greedy: logits / t would overflow to inf (and the softmax to
 # NaN) long before the distribution differs from the argmax.
 MIN_TEMPERATURE = 1e-5

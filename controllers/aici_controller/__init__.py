@@ -10,8 +10,10 @@ A controller steers one sequence. Write a generator function of segments:
         answer = yield gen(choices=["yes", "no"])   # the host enforces the segment
         set_output("answer", answer)
 
-or subclass `TokenController` to decide every token. Build with `aici-batch build FILE`;
-test in plain CPython with `aici_controller.testing.StubHost`.
+or subclass `TokenController` to decide every token. `branch = yield fork(3)` splits the
+sequence into branches that share its tokens; `storage` is shared by a line's branches,
+`set_line_output` reports across them. Build with `aici-batch build FILE`; test in plain
+CPython with `aici_controller.testing.StubHost`.
 
 In a built component there is no filesystem and no WASI: import everything at module
 top level (the build snapshots imported modules), and `print` goes to the sequence's logs.
@@ -19,6 +21,7 @@ top level (the build snapshots imported modules), and `print` goes to the sequen
 
 from __future__ import annotations
 
+from . import storage
 from ._actions import (
     ALL,
     Action,
@@ -26,6 +29,7 @@ from ._actions import (
     AllTokens,
     Bitmask,
     Deny,
+    Fork,
     Generate,
     Grammar,
     Matching,
@@ -37,6 +41,7 @@ from ._actions import (
     backtrack,
     deny,
     fixed,
+    fork,
     gen,
     gen_json,
     not_matching,
@@ -46,7 +51,7 @@ from ._actions import (
     tokens_matching,
 )
 from ._controller import Context, ControllerSpec, TokenController, controller, find_controller
-from ._host import Host, log, set_output
+from ._host import Host, log, set_line_output, set_output
 from ._session import ControllerFailed
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
     "ControllerFailed",
     "ControllerSpec",
     "Deny",
+    "Fork",
     "Generate",
     "Grammar",
     "Host",
@@ -74,13 +80,16 @@ __all__ = [
     "deny",
     "find_controller",
     "fixed",
+    "fork",
     "gen",
     "gen_json",
     "log",
     "not_matching",
     "sample",
+    "set_line_output",
     "set_output",
     "splice_tokens",
     "stop",
+    "storage",
     "tokens_matching",
 ]

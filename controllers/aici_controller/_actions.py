@@ -1,4 +1,4 @@
-"""What a controller can ask of the host: token sets, grammars and the four actions.
+"""What a controller can ask of the host: token sets, grammars and the five actions.
 
 Values here are plain frozen dataclasses, built without a host: text to splice and regex
 token sets stay symbolic (`Splice.text`, `Matching.pattern`) until the session resolves
@@ -195,8 +195,19 @@ class Stop:
         return "stop()"
 
 
-Action = Union[Sample, Generate, Splice, Stop]  # noqa: UP007 (runs on Python 3.10 too)
-ACTION_TYPES = (Sample, Generate, Splice, Stop)
+@dataclass(frozen=True)
+class Fork:
+    """Split the sequence into `branches` that share every token so far; each branch
+    continues with the controller in its current state and learns its index."""
+
+    branches: int
+
+    def __str__(self) -> str:
+        return f"fork({self.branches})"
+
+
+Action = Union[Sample, Generate, Splice, Stop, Fork]  # noqa: UP007 (runs on Python 3.10 too)
+ACTION_TYPES = (Sample, Generate, Splice, Stop, Fork)
 
 
 def sample(tokens: TokenSet = ALL) -> Sample:
@@ -295,6 +306,23 @@ def splice_tokens(n: int, tokens: Iterable[int]) -> Splice:
 def stop() -> Stop:
     """End the sequence (returning from a generator controller does the same)."""
     return Stop()
+
+
+def fork(n: int) -> Fork:
+    """Split the sequence into `n` branches (2 or more) that share every token so far:
+    `branch = yield fork(3)` resumes once in each branch, with its index 0..n-1.
+
+    The host does not recompute the shared tokens' keys. Each branch runs the controller
+    from its state at the fork (the host replays the steps before it into a new instance,
+    so a controller must act alike given the same inputs, which the sandbox ensures: no
+    clock, no randomness). A branch may stop, backtrack (not past the fork) and fork
+    again; a line runs at most `--max-branches` sequences (16 by default).
+    """
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"fork() takes an int, got {type(n).__name__}")
+    if not 2 <= n <= U32_MAX:
+        raise ValueError(f"fork({n}): a fork makes at least 2 branches")
+    return Fork(n)
 
 
 def _schema_text(schema: dict[str, Any] | str) -> str:

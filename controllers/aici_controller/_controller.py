@@ -37,6 +37,9 @@ class Context:
         self.last_tokens: tuple[int, ...] = ()  # appended by the latest step
         self.last_backtrack: int = 0  # removed by the latest step
         self.segment_text: str | None = None  # the latest step ended a segment
+        # After a fork: this branch's index at the latest fork, and at every fork so far.
+        self.branch: int | None = None
+        self.branch_path: tuple[int, ...] = ()
         self._arg_json: Any = None
         self._arg_parsed = False
         self._eos: int | None = None
@@ -96,7 +99,11 @@ class Context:
     def set_output(self, key: str, value: Any) -> None:
         self._host.set_output(key, to_json(value, key))
 
-    def _apply(self, backtrack: int, tokens: Sequence[int], segment_text: str | None) -> None:
+    def set_line_output(self, key: str, value: Any) -> None:
+        self._host.set_line_output(key, to_json(value, key))
+
+    def _apply(self, backtrack: int, tokens: Sequence[int], segment_text: str | None,
+               branch: int | None = None) -> None:
         if backtrack > len(self._tokens):
             raise ValueError(
                 f"the host removed {backtrack} tokens but only {len(self._tokens)} were generated"
@@ -107,6 +114,9 @@ class Context:
         self.last_backtrack = backtrack
         self.last_tokens = tuple(tokens)
         self.segment_text = segment_text
+        if branch is not None:
+            self.branch = branch
+            self.branch_path += (branch,)
 
 
 class TokenController:
@@ -122,8 +132,16 @@ class TokenController:
 
     def step(self, ctx: Context, new_tokens: Sequence[int]) -> Action:
         """`new_tokens` were appended since the previous step (after `ctx.last_backtrack`
-        were removed). Return `sample(...)`, `gen(...)`, `fixed(...)`, ... or `stop()`."""
+        were removed). Return `sample(...)`, `gen(...)`, `fixed(...)`, `fork(n)`, ... or
+        `stop()`."""
         raise NotImplementedError
+
+    def on_fork(self, ctx: Context, branch: int) -> Action:
+        """After `step` returned `fork(n)`: called once in each branch, in place of the
+        next `step`, with its index 0..n-1 (also in `ctx.branch`). The instance is the
+        one that forked, in its state at the fork, in every branch. By default: `step`
+        with no new tokens."""
+        return self.step(ctx, ())
 
 
 class ControllerSpec:

@@ -3,7 +3,7 @@
 Two implementations satisfy `Host`: the in-wasm one (`_wit.WitHost`, which calls the
 component's imports) and `testing.StubHost` (plain CPython). Controller code never picks
 one: the session activates its host around every step, and the module-level helpers
-(`log`, `set_output`) go to whichever host is active.
+(`log`, `set_output`, `set_line_output`, `storage.*`) go to whichever host is active.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class Host(Protocol):
-    """The primitives of the WIT imports `tokenizer` and `host`.
+    """The primitives of the WIT imports `tokenizer`, `host` and `aici:storage/storage`.
 
     Every call crosses the wasm boundary in a built component (tens of microseconds, more
     for long lists), so the SDK caches what does not change (eos, vocab size, handles).
@@ -43,6 +43,20 @@ class Host(Protocol):
 
     def set_output(self, key: str, value: str) -> None:
         """`value` is JSON text."""
+        ...
+
+    def set_line_output(self, key: str, value: str) -> None:
+        """The line's own `outputs[key]`, shared by its branches; `value` is JSON text."""
+        ...
+
+    def storage_get(self, key: str) -> bytes | None:
+        """The value under `key` in the line's storage (shared by its branches)."""
+        ...
+
+    def storage_set(self, key: str, value: bytes) -> None: ...
+
+    def storage_append(self, key: str, value: bytes) -> int:
+        """Appends to the key's value (empty if unset); returns its new length in bytes."""
         ...
 
     # Conveniences: implementations that subclass `Host` explicitly inherit these.
@@ -83,8 +97,8 @@ def active(host: Host) -> Iterator[Host]:
 def current() -> Host:
     if _active is None:
         raise RuntimeError(
-            "no running controller: log() and set_output() work only while the host runs "
-            "the controller (inside its generator or step method)"
+            "no running controller: log(), set_output(), set_line_output() and storage work "
+            "only while the host runs the controller (inside its generator or step method)"
         )
     return _active
 
@@ -97,3 +111,9 @@ def log(message: str) -> None:
 def set_output(key: str, value: Any) -> None:
     """Set `outputs[key]` in the sequence's result line; `value` must be JSON-serializable."""
     current().set_output(key, to_json(value, key))
+
+
+def set_line_output(key: str, value: Any) -> None:
+    """Set the line's own `outputs[key]`: one value for all the line's branches (the last
+    write wins), e.g. a vote's winner. `value` must be JSON-serializable."""
+    current().set_line_output(key, to_json(value, key))

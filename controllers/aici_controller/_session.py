@@ -6,7 +6,9 @@ with no tokens, then after each action it applied:
 - after `generate`: the segment's tokens and `segment_text` (the generator receives the
   text; without `segment_text` it decodes the tokens);
 - after `splice`: `backtrack` = the splice's count, `tokens` = its tokens (the generator
-  receives None).
+  receives None);
+- after `fork(n)`: once in each branch, with no tokens and `branch` = its index (the
+  generator receives the index; a `TokenController` gets `on_fork`).
 `step` resolves symbolic actions with host calls (`fixed` text -> token ids, a
 `tokens_matching` pattern -> a host handle, cached per pattern), so what it returns maps
 one-to-one onto the WIT `action`. Any exception from controller code becomes
@@ -25,7 +27,7 @@ from collections.abc import Generator, Sequence
 from typing import Any
 
 from . import _host
-from ._actions import ACTION_TYPES, Action, Generate, Matching, Sample, Splice, Stop
+from ._actions import ACTION_TYPES, Action, Fork, Generate, Matching, Sample, Splice, Stop
 from ._controller import Context, ControllerSpec, TokenController
 from ._host import Host
 
@@ -64,7 +66,11 @@ class Session:
         return self._finished
 
     def step(
-        self, backtrack: int, tokens: Sequence[int], segment_text: str | None = None
+        self,
+        backtrack: int,
+        tokens: Sequence[int],
+        segment_text: str | None = None,
+        branch: int | None = None,
     ) -> Action:
         """Apply what the host reports, run the controller, return its resolved action.
 
@@ -76,7 +82,7 @@ class Session:
             return Stop()
         with _host.active(self.host):
             try:
-                action = self._resolve(self._advance(backtrack, tokens, segment_text))
+                action = self._resolve(self._advance(backtrack, tokens, segment_text, branch))
             except Exception as exc:
                 self._fail(exc)
                 raise ControllerFailed(self._failure or "") from exc
@@ -85,16 +91,26 @@ class Session:
             self._finish()
         return action
 
-    def _advance(self, backtrack: int, tokens: Sequence[int], segment_text: str | None) -> Action:
+    def _advance(self, backtrack: int, tokens: Sequence[int], segment_text: str | None,
+                 branch: int | None) -> Action:
         first = not self._started
         self._started = True
-        self.ctx._apply(backtrack, tokens, segment_text)
+        forked = isinstance(self._last, Fork)
+        if forked != (branch is not None):
+            raise RuntimeError(
+                "the host answered fork(...) without a branch index" if forked
+                else f"the host sent branch index {branch} without a fork"
+            )
+        self.ctx._apply(backtrack, tokens, segment_text, branch)
         name = self.spec.name
         if self.spec.kind == "token":
             if first:
                 self._instance = self.spec.target()
                 self._instance.start(self.ctx)
             assert self._instance is not None
+            if branch is not None:
+                action = self._instance.on_fork(self.ctx, branch)
+                return _check_action(action, f"{name}.on_fork() returned")
             action = self._instance.step(self.ctx, self.ctx.last_tokens)
             return _check_action(action, f"{name}.step() returned")
         if first:
@@ -123,6 +139,8 @@ class Session:
             if self.ctx.segment_text is not None:
                 return self.ctx.segment_text
             return self.host.decode(list(self.ctx.last_tokens))
+        if isinstance(last, Fork):
+            return self.ctx.branch
         return None
 
     def _resolve(self, action: Action) -> Action:
@@ -168,7 +186,7 @@ def _check_action(value: Any, what: str) -> Action:
         )
     raise TypeError(
         f"{what} {type(value).__name__} {value!r:.60}: expected an action "
-        "(fixed(...), gen(...), sample(...), backtrack(...) or stop())"
+        "(fixed(...), gen(...), sample(...), backtrack(...), fork(...) or stop())"
     )
 
 

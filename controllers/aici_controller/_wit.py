@@ -16,6 +16,7 @@ from types import ModuleType
 # Generated at build time, inside the component only.
 from componentize_py_types import Err  # type: ignore[import-not-found, unused-ignore]
 from wit_world.imports import host as wit_host  # type: ignore[import-not-found, unused-ignore]
+from wit_world.imports import storage as wit_storage  # type: ignore[import-not-found, unused-ignore]
 from wit_world.imports import tokenizer as wit_tokenizer  # type: ignore[import-not-found, unused-ignore]
 from wit_world.imports import types as wt  # type: ignore[import-not-found, unused-ignore]
 
@@ -25,6 +26,7 @@ from ._actions import (
     AllTokens,
     Bitmask,
     Deny,
+    Fork,
     Generate,
     Grammar,
     Matching,
@@ -67,6 +69,19 @@ class WitHost(Host):
 
     def set_output(self, key: str, value: str) -> None:
         wit_host.set_output(key, value)
+
+    def set_line_output(self, key: str, value: str) -> None:
+        wit_host.set_line_output(key, value)
+
+    def storage_get(self, key: str) -> bytes | None:
+        value = wit_storage.get(key)
+        return None if value is None else bytes(value)
+
+    def storage_set(self, key: str, value: bytes) -> None:
+        wit_storage.set(key, value)
+
+    def storage_append(self, key: str, value: bytes) -> int:
+        return int(wit_storage.append(key, value))
 
 
 HOST = WitHost()
@@ -139,7 +154,7 @@ def new_session(spec: ControllerSpec, arg: str, prompt: Sequence[int]) -> Sessio
 def mid_process(session: Session, step: wt.StepInput) -> wt.Action:
     """One WIT `mid-process` call: never traps, every failure is `Err(message)`."""
     try:
-        return to_wit(session.step(step.backtrack, step.tokens, step.segment_text))
+        return to_wit(session.step(step.backtrack, step.tokens, step.segment_text, step.branch))
     except ControllerFailed as exc:
         raise Err(exc.message) from None
     except BaseException as exc:  # SystemExit & co: a trap would poison the whole store
@@ -160,6 +175,8 @@ def to_wit(action: Action) -> wt.Action:
         return wt.Action_Splice(wt.Splice(action.backtrack, list(action.tokens)))
     if isinstance(action, Stop):
         return wt.Action_Stop()
+    if isinstance(action, Fork):
+        return wt.Action_Fork(action.branches)
     raise TypeError(f"not an action: {action!r}")
 
 

@@ -16,6 +16,13 @@ What it simulates, and how it differs from the real host:
   the first option of a `choices` segment). The answer must satisfy the segment's
   grammar where the stub can check it (choice, regex, JSON); the stub then cuts it after
   the first stop string and at `max_tokens`, as the host would. There is no model.
+- `fork(n)`: as on the host, each new branch runs a new session brought to the fork
+  point by replaying the steps before it (storage answered from its journal), and every
+  branch then steps once with its index, in branch order. Then the live branches take
+  one step each per round, in tree order (the host's order depends on its batch; a
+  controller should not rely on it). `run.branches` lists them, `run.line_outputs` and
+  `run.storage` hold what the line shares. Past `max_branches`, a backtrack past the fork
+  or a storage quota, the run ends with the host's error type in `run.error`.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from ._actions import (
     AllTokens,
     Bitmask,
     Deny,
+    Fork,
     Generate,
     Matching,
     Sample,
@@ -45,8 +53,11 @@ from ._actions import (
 from ._controller import ControllerSpec, find_controller
 from ._host import Host
 from ._session import ControllerFailed, Session
+from ._stub_line import LineFault, SequenceHost, StubLine, parse_output
 
-__all__ = ["DEFAULT_VOCAB", "Run", "Session", "StubHost", "StubHostError", "TokenizerLike"]
+__all__ = [
+    "DEFAULT_VOCAB", "LineFault", "Run", "Session", "StubHost", "StubHostError", "TokenizerLike",
+]
 
 DEFAULT_VOCAB: tuple[str, ...] = ("<eos>",) + tuple(
     c for c in string.printable if c not in "\r\x0b\x0c"
@@ -70,7 +81,9 @@ class StubHostError(AssertionError):
 
 @dataclass
 class Run:
-    """What one sequence produced under the stub host."""
+    """What one sequence produced under the stub host; for a controller that forked, the
+    line: its fields are those of its first branch (as the result line's top level), but
+    `error` is the line's (the first fault, which ended every branch)."""
 
     actions: list[Action] = field(default_factory=list)  # resolved, in order
     outputs: dict[str, Any] = field(default_factory=dict)  # values parsed from JSON
@@ -78,6 +91,10 @@ class Run:
     tokens: list[int] = field(default_factory=list)  # the output tokens
     text: str = ""  # the output text
     error: str | None = None  # the Err message, when the controller failed
+    branch: tuple[int, ...] = ()  # its index at each fork on its way (() before any)
+    branches: list[Run] = field(default_factory=list)  # after a fork: each, in tree order
+    line_outputs: dict[str, Any] = field(default_factory=dict)  # set_line_output values
+    storage: dict[str, bytes] = field(default_factory=dict)  # the line's, at the end
 
     @property
     def trace(self) -> list[str]:
@@ -100,7 +117,9 @@ class StubHost(Host):
         respond: Respond | Sequence[str] | None = None,
         sampler: Sampler | None = None,
         seed: int = 0,
+        max_branches: int = 16,
     ) -> None:
+        self.max_branches = max_branches  # sequences a run may have, as --max-branches
         self._tokenizer: TokenizerLike | None = None
         if vocab is None:
             vocab = DEFAULT_VOCAB
@@ -128,6 +147,7 @@ class StubHost(Host):
         self._set_of: dict[str, int] = {}
         self.logs: list[str] = []
         self.outputs: dict[str, Any] = {}
+        self.line = StubLine()  # storage and line outputs of `start`'s session
 
     # Host primitives.
 
@@ -178,10 +198,21 @@ class StubHost(Host):
         self.logs.append(message)
 
     def set_output(self, key: str, value: str) -> None:
-        try:
-            self.outputs[key] = json.loads(value)
-        except ValueError:
-            self.outputs[key] = value  # the WIT contract: kept as a string
+        self.outputs[key] = parse_output(value)
+
+    def set_line_output(self, key: str, value: str) -> None:
+        self.line.outputs[key] = parse_output(value)
+
+    def storage_get(self, key: str) -> bytes | None:
+        return self.line.get(key)
+
+    def storage_set(self, key: str, value: bytes) -> None:
+        self.line.put("set", key, bytes(value))
+
+    def storage_append(self, key: str, value: bytes) -> int:
+        new = self.line.storage.get(key, b"") + bytes(value)
+        self.line.put("append", key, new)
+        return len(new)
 
     # Driving a controller.
 
@@ -192,15 +223,8 @@ class StubHost(Host):
         prompt: str | Sequence[int] = "",
     ) -> Session:
         """A session to step by hand (`session.step(backtrack, tokens, segment_text)`)."""
-        if isinstance(controller, ControllerSpec):
-            spec = controller
-        elif isinstance(controller, ModuleType):
-            spec = find_controller(controller)
-        else:
-            raise TypeError(f"expected a @controller or a module, got {type(controller).__name__}")
-        self.logs, self.outputs = [], {}
-        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        return Session(spec, self, arg, prompt_ids)
+        self.logs, self.outputs, self.line = [], {}, StubLine()
+        return Session(_spec(controller), self, arg, self._prompt(prompt))
 
     def run(
         self,
@@ -210,36 +234,31 @@ class StubHost(Host):
         *,
         max_steps: int = 10_000,
     ) -> Run:
-        """Run one sequence to `stop` or to the controller's error."""
-        session = self.start(controller, arg, prompt)
-        run = Run(outputs=self.outputs, logs=self.logs)
-        out = run.tokens
-        tokens: list[int] = []
-        backtrack, segment_text = 0, None
-        for _ in range(max_steps):
-            try:
-                action = session.step(backtrack, tokens, segment_text)
-            except ControllerFailed as exc:
-                run.error = exc.message
+        """Run one line to `stop` (every branch, if it forks) or to the first error."""
+        spec = _spec(controller)
+        self.logs, self.outputs, self.line = [], {}, StubLine()
+        root = _Sequence(
+            (), SequenceHost(self, self.line, self.logs, self.outputs), spec, arg,
+            self._prompt(prompt),
+        )
+        root.run.outputs, root.run.logs = self.outputs, self.logs
+        line = _Lineage(self, spec, arg, root)
+        steps = 0
+        while line.error is None:
+            live = sorted((s for s in line.sequences if not s.done), key=lambda s: s.path)
+            if not live:
                 break
-            run.actions.append(action)
-            segment_text = None
-            backtrack = 0
-            if isinstance(action, Stop):
-                break
-            if isinstance(action, Sample):
-                tokens = [self._sample(action.tokens)]
-            elif isinstance(action, Generate):
-                segment_text, tokens = self._segment(action)
-            elif isinstance(action, Splice):
-                assert action.tokens is not None
-                backtrack, tokens = action.backtrack, list(action.tokens)
-                del out[len(out) - backtrack :]
-            out.extend(tokens)
-        else:
-            raise StubHostError(f"the controller did not stop within {max_steps} steps")
-        run.text = self.decode(out)
-        return run
+            for seq in live:
+                steps += 1
+                if steps > max_steps:
+                    raise StubHostError(f"the controller did not stop within {max_steps} steps")
+                line.step(seq)
+                if line.error is not None:
+                    break
+        return line.result()
+
+    def _prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        return self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
 
     def allowed(self, tokens: TokenSet) -> list[int]:
         """The ids in a resolved token set, ascending."""
@@ -279,6 +298,146 @@ class StubHost(Host):
                 cut = min(cut, at + len(s))
         tokens = self.tokenize(answer[:cut])[: segment.max_tokens]
         return self.decode(tokens), tokens
+
+
+def _spec(controller: ControllerSpec | ModuleType) -> ControllerSpec:
+    if isinstance(controller, ControllerSpec):
+        return controller
+    if isinstance(controller, ModuleType):
+        return find_controller(controller)
+    raise TypeError(f"expected a @controller or a module, got {type(controller).__name__}")
+
+
+Step = tuple[int, tuple[int, ...], "str | None", "int | None"]  # backtrack, tokens, text, branch
+
+
+class _Sequence:
+    """One sequence of a line under the stub: its session, host, record, step journal."""
+
+    def __init__(self, path: tuple[int, ...], host: SequenceHost, spec: ControllerSpec,
+                 arg: str, prompt: list[int]) -> None:
+        self.path = path
+        self.host = host
+        self.session = Session(spec, host, arg, prompt)
+        self.run = Run(outputs=host.outputs, logs=host.logs, branch=path)
+        self.inputs: list[Step] = []  # every step's input, in order (for replays)
+        self.next: Step = (0, (), None, None)
+        self.floor: int | None = None  # output tokens before its latest fork
+        self.done = False
+
+
+class _Lineage:
+    """A line's sequences under the stub, driven as the host drives them (see the module
+    doc): one step at a time, forks replayed, a fault ending every branch."""
+
+    def __init__(self, stub: StubHost, spec: ControllerSpec, arg: str, root: _Sequence) -> None:
+        self.stub = stub
+        self.spec = spec
+        self.arg = arg
+        self.prompt = list(root.session.ctx.prompt)
+        self.sequences = [root]
+        self.forked = False
+        self.error: str | None = None
+
+    def step(self, seq: _Sequence) -> None:
+        """One step of `seq` with its pending input; a fork steps every branch once."""
+        inp, seq.next = seq.next, (0, (), None, None)
+        try:
+            action = seq.session.step(*inp)
+        except ControllerFailed as exc:
+            self._fail(seq, exc.message)
+            return
+        except LineFault as fault:
+            self._fail(seq, str(fault))
+            return
+        seq.inputs.append(inp)
+        seq.run.actions.append(action)
+        out = seq.run.tokens
+        if isinstance(action, Stop):
+            seq.done = True
+        elif isinstance(action, Sample):
+            token = self.stub._sample(action.tokens)
+            out.append(token)
+            seq.next = (0, (token,), None, None)
+        elif isinstance(action, Generate):
+            text, tokens = self.stub._segment(action)
+            out.extend(tokens)
+            seq.next = (0, tuple(tokens), text, None)
+        elif isinstance(action, Splice):
+            assert action.tokens is not None
+            if seq.floor is not None and action.backtrack > len(out) - seq.floor:
+                self._fail(seq, f"bad_action: splice backtracks {action.backtrack} tokens past "
+                                f"the fork point: only {len(out) - seq.floor} were generated "
+                                "since the fork")
+                return
+            del out[len(out) - action.backtrack :]
+            out.extend(action.tokens)
+            seq.next = (action.backtrack, tuple(action.tokens), None, None)
+        elif isinstance(action, Fork):
+            self._fork(seq, action.branches)
+
+    def _fork(self, seq: _Sequence, n: int) -> None:
+        live = len(self.sequences)
+        if live + n - 1 > self.stub.max_branches:
+            self._fail(seq, f"bad_action: fork({n}) would make {live + n - 1} branches for the "
+                            f"line, more than max_branches {self.stub.max_branches}")
+            return
+        self.forked = True
+        base = seq.path
+        branches = [seq] + [self._replica(seq, base + (k,)) for k in range(1, n)]
+        seq.path = seq.run.branch = base + (0,)
+        for k, branch in enumerate(branches):
+            branch.floor = len(seq.run.tokens)
+            branch.next = (0, (), None, k)
+        self.sequences += branches[1:]
+        for branch in branches:
+            self.step(branch)
+            if self.error is not None:
+                return
+
+    def _replica(self, seq: _Sequence, path: tuple[int, ...]) -> _Sequence:
+        """A new sequence in `seq`'s state: a new session replaying `seq`'s steps."""
+        host = SequenceHost(self.stub, seq.host.line)
+        host.replay = iter(list(seq.host.journal))
+        new = _Sequence(path, host, self.spec, self.arg, self.prompt)
+        for i, (inp, expected) in enumerate(zip(seq.inputs, seq.run.actions)):
+            try:
+                got = new.session.step(*inp)
+            except ControllerFailed as exc:
+                raise StubHostError(f"replaying step {i + 1} for a new branch: {exc}") from None
+            if got != expected:
+                raise StubHostError(
+                    f"replaying step {i + 1} for a new branch, the controller answered {got} "
+                    f"where it had answered {expected}: a controller must act alike given "
+                    "the same inputs (no clock, no randomness)"
+                )
+        host.replay = None
+        host.journal = list(seq.host.journal)
+        new.inputs = list(seq.inputs)
+        new.run.actions = list(seq.run.actions)
+        new.run.tokens = list(seq.run.tokens)
+        return new
+
+    def _fail(self, seq: _Sequence, message: str) -> None:
+        seq.run.error = message
+        seq.done = True
+        self.error = message
+
+    def result(self) -> Run:
+        line = self.sequences[0].host.line
+        for seq in self.sequences:
+            seq.run.text = self.stub.decode(seq.run.tokens)
+        if not self.forked:
+            run = self.sequences[0].run
+        else:
+            ordered = [s.run for s in sorted(self.sequences, key=lambda s: s.path)]
+            first = ordered[0]
+            run = Run(actions=first.actions, outputs=first.outputs, logs=first.logs,
+                      tokens=first.tokens, text=first.text, error=self.error,
+                      branch=first.branch, branches=ordered)
+        run.line_outputs = dict(line.outputs)
+        run.storage = dict(line.storage)
+        return run
 
 
 def _default_answer(segment: Generate) -> str:

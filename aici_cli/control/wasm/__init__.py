@@ -1,19 +1,22 @@
 """The wasm host: runs controllers that are WebAssembly components, sandboxed by wasmtime.
 
-A controller implements `aici:controller/controller@0.1.0` (`wit/controller.wit`): one
-`runner` resource per sequence, asked by `mid-process` what to do next. A component is
-loaded and checked once (`ControllerComponent.load`); each sequence gets its own
-`GuestInstance`, and a `WasmController` drives that instance for the engine.
+A controller implements `aici:controller/controller@0.2.0` (`wit/controller.wit`, which
+adds `fork` and `aici:storage`) or the first version, `@0.1.0`: one `runner` resource per
+sequence, asked by `mid-process` what to do next. A component is loaded and checked once
+(`ControllerComponent.load`), under the version it exports; each sequence (each branch of
+a fork) gets its own `GuestInstance`, and a `WasmController` drives that instance for the
+engine.
 
 The modules, in the order a component meets them:
 - `component_file`: reading the file (binary or text); `ComponentError`.
 - `engine`: the process-wide wasmtime engine and its epoch ticker thread.
 - `compile_cache`: compiling, through a cache of serialized components on disk.
-- `signatures`: the contract's imports and exports, checked at load.
+- `signatures`: the contract's versions, imports and exports, checked at load.
 - `component`: `ControllerComponent` (load, trial instantiation, instantiate).
-- `host_functions`: the `tokenizer` and `host` imports, bound once per component.
+- `host_functions`: the `tokenizer`, `host` and `storage` imports, bound once per component.
 - `services`: what those imports are served from (`HostServices`, `TokenizerServices`).
-- `instance`: `GuestInstance`, one sequence's store, calls, deadlines and quotas.
+- `instance`: `GuestInstance`, one sequence's store, calls, deadlines and quotas, and the
+  journal that replays it into a fork's new branch.
 - `limits`: `Limits`, the per-guest resource limits and why each one is there.
 - `faults`: wasmtime errors classified into `ControllerError`s.
 - `values`: wasmtime-py values converted to and from the host's action types.

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import wasmtime
 from wasmtime.component import Component, FuncType
 
+from aici_cli.control.line_scope import LineScope
 from aici_cli.control.wasm.compile_cache import compile_component, default_cache_dir
 from aici_cli.control.wasm.component_file import ComponentError, read_wasm
 from aici_cli.control.wasm.engine import SharedEngine, shared_engine
@@ -21,20 +23,34 @@ from aici_cli.control.wasm.limits import DEFAULT_LIMITS, Limits, size_text
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.control.wasm.signatures import (
     CONSTRUCTOR,
-    CONTROLLER_INTERFACE,
     MID_PROCESS,
+    STORAGE_INTERFACE,
+    Contract,
     check_exports,
     check_imports,
-    segment_text_tagged,
-    tokens_matching_tagged,
+    find_contract,
+    import_result_tagged,
+    step_field_tagged,
 )
 from aici_cli.errors import ControllerError
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """How wasmtime-py wants the component's variant-like values that the host builds:
+    tagged `Variant`s or bare payloads (see `signatures.is_tagged`)."""
+
+    segment_text: bool = False  # step-input.segment-text: option<string>
+    branch: bool = False  # step-input.branch: option<u32> (0.2.0)
+    tokens_matching: bool = False  # tokens-matching's result<u32, string>
+    storage_get: bool = False  # storage get's option<list<u8>> (0.2.0)
 
 
 class ControllerComponent:
     """A compiled, checked controller component; makes one `GuestInstance` per sequence.
 
     Thread-safe: instances of one component may run on different threads at once.
+    `contract` is the version of `aici:controller` it exports; it runs under that one.
     """
 
     def __init__(
@@ -43,24 +59,26 @@ class ControllerComponent:
         component: Component,
         shared: SharedEngine,
         limits: Limits,
-        text_tagged: bool,
-        tokens_matching_tagged: bool,
+        contract: Contract,
+        lowering: Lowering,
         compile_ms: float,
         cache_hit: bool,
         cache_file: Path | None,
     ) -> None:
         self.path = path
         self.limits = limits
+        self.contract = contract
         self.compile_ms = compile_ms  # compile or cache load, wall time
         self.cache_hit = cache_hit
         self.cache_file = cache_file
         self._component = component
         self._shared = shared
-        self._text_tagged = text_tagged
-        iface = component.get_export_index(CONTROLLER_INTERFACE)
+        self.lowering = lowering
+        iface = component.get_export_index(contract.controller)
         self._ctor_index = component.get_export_index(CONSTRUCTOR, iface)
         self._mid_index = component.get_export_index(MID_PROCESS, iface)
-        self._linker = make_linker(shared.engine, tokens_matching_tagged)
+        self._linker = make_linker(shared.engine, contract, lowering.tokens_matching,
+                                   lowering.storage_get)
         self._types_lock = threading.Lock()
         self._mid_type: FuncType | None = None
         self._mid_type_failed = False
@@ -99,22 +117,32 @@ class ControllerComponent:
                 f"{path} is not a valid WebAssembly component: {root_cause(str(e))}"
             ) from None
         compile_ms = (time.perf_counter() - t0) * 1000
-        check_imports(path, component, shared.engine)
-        mid_ty = check_exports(path, component, shared.engine)
-        self = cls(
-            path, component, shared, limits, segment_text_tagged(mid_ty),
-            tokens_matching_tagged(component, shared.engine), compile_ms, hit, cache_file,
+        engine = shared.engine
+        contract = find_contract(path, component, engine)
+        check_imports(path, component, engine, contract)
+        mid_ty = check_exports(path, component, engine, contract)
+        lowering = Lowering(
+            segment_text=step_field_tagged(mid_ty, "segment-text"),
+            branch=contract.forks and step_field_tagged(mid_ty, "branch"),
+            tokens_matching=import_result_tagged(component, engine, contract.tokenizer,
+                                                 "tokens-matching"),
+            storage_get=import_result_tagged(component, engine, STORAGE_INTERFACE, "get"),
         )
+        self = cls(path, component, shared, limits, contract, lowering, compile_ms, hit,
+                   cache_file)
         self._trial_instantiate()
         return self
 
-    def instantiate(self, arg: str, prompt: list[int], services: HostServices) -> GuestInstance:
+    def instantiate(self, arg: str, prompt: list[int], services: HostServices,
+                    line: LineScope | None = None) -> GuestInstance:
         """A new guest for one sequence: new Store, instantiate, `runner(arg, prompt)`.
+        `line`: what the line's sequences share (storage, line outputs; a fresh scope
+        of its own when None).
 
         Raises ControllerError (the store is dropped) when instantiation or the
         constructor fails: controller_trap / _timeout / _fuel / _memory / host_error.
         """
-        guest = GuestInstance(self, services)
+        guest = GuestInstance(self, services, line if line is not None else LineScope())
         try:
             guest._start(arg, list(prompt))
         except ControllerError:

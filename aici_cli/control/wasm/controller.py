@@ -4,8 +4,11 @@ The guest answers each `mid-process` call with an action. `sample` sets the toke
 the next token; `generate` hands a whole segment to the host, which enforces it with the
 same llguidance machinery as the built-in controllers (fast-forward included) and calls the
 guest again only when the segment ends; `splice` rewrites the tail and the guest is asked
-again at once; `stop` ends the sequence. A chain of splices and segment starts collapses
-into one `Directive` for the engine.
+again at once; `stop` ends the sequence; `fork(n)` (contract 0.2.0) ends the chain with
+a `Directive(fork=n)`: the engine then asks `fork` for the other branches' controllers
+(new guests brought to this one's state by replay, see `instance.py`) and `enter_branch`
+of every branch, which tells the guest its index. A chain of splices and segment starts
+collapses into one `Directive` for the engine.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from aici_cli.control.actions import (
     Action,
+    Fork,
     Generate,
     Sample,
     Segment,
@@ -29,8 +33,9 @@ from aici_cli.control.actions import (
     Stop,
     TokenSet,
 )
-from aici_cli.control.base import ControllerBase, Directive
+from aici_cli.control.base import Controller, ControllerBase, Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.control.line_scope import LineScope
 from aici_cli.control.stop_strings import find_stop
 from aici_cli.control.wasm.component import ControllerComponent
 from aici_cli.control.wasm.faults import clip
@@ -51,6 +56,7 @@ def compose(a: Directive, b: Directive) -> Directive:
         ff_tokens=a.ff_tokens[: len(a.ff_tokens) - taken] + b.ff_tokens,
         backtrack=a.backtrack + b.backtrack - taken,
         stop=a.stop or b.stop,
+        fork=b.fork,
     )
 
 
@@ -80,13 +86,47 @@ class WasmController(ControllerBase):
         self.segment: SegmentState | None = None
         self.segment_ms = 0.0  # host time spent running segments (masks excluded)
         self.generated = 0  # output tokens so far, as the engine will hold them
+        # Output tokens before the latest fork (None: no fork yet): no backtrack reaches
+        # past it, the tokens before it are shared with the other branches.
+        self.floor: int | None = None
+        self.replay_ms = 0.0  # bringing this branch's guest to its fork point (replay)
+        self.line: LineScope | None = None  # what the line's sequences share
         self._pending: StepInput | None = None  # sampled tokens the guest has not seen yet
 
     # --- the engine's contract ---------------------------------------------------------
 
+    def join_line(self, line: LineScope) -> None:
+        self.line = line
+
     def start(self, prompt: Sequence[int]) -> Directive:
-        self.guest = self.component.instantiate(self.arg, list(prompt), self.services)
+        self.guest = self.component.instantiate(self.arg, list(prompt), self.services,
+                                                self.line)
         return self._follow(self._call(StepInput()), Directive())
+
+    def fork(self, n: int) -> list[Controller]:
+        """Branches 1..n-1: each a new guest replayed to this one's state (see
+        `GuestInstance.replica`); this controller continues as branch 0."""
+        assert self.guest is not None
+        branches: list[Controller] = []
+        try:
+            for _ in range(n - 1):
+                t0 = time.perf_counter()
+                branch = WasmController(self.component, self.arg, self.services,
+                                        self.compiler, self.fast_forward, self.call_times)
+                branch.line = self.line
+                branch.guest = self.guest.replica()
+                branch.generated = branch.floor = self.generated
+                branch.replay_ms = (time.perf_counter() - t0) * 1000.0
+                branches.append(branch)
+        except ControllerError:
+            for made in branches:
+                made.close()
+            raise
+        self.floor = self.generated
+        return branches
+
+    def enter_branch(self, index: int) -> Directive:
+        return self._follow(self._call(StepInput(branch=index)), Directive())
 
     def advance(self, tokens: Sequence[int]) -> Directive:
         self.generated += len(tokens)
@@ -175,7 +215,10 @@ class WasmController(ControllerBase):
     def stats(self) -> dict[str, float | bool]:
         """Where `controller_ms` went: inside the guest, and running its segments."""
         guest_ms = self.guest.guest_ms if self.guest is not None else 0.0
-        return {"guest_ms": guest_ms, "segment_ms": self.segment_ms}
+        out: dict[str, float | bool] = {"guest_ms": guest_ms, "segment_ms": self.segment_ms}
+        if self.replay_ms:
+            out["replay_ms"] = self.replay_ms
+        return out
 
     def close(self) -> None:
         if self.guest is not None:
@@ -199,12 +242,21 @@ class WasmController(ControllerBase):
             if isinstance(action, Sample):
                 self.token_set = action.tokens
                 return acc
+            if isinstance(action, Fork):
+                return compose(acc, Directive(fork=action.branches))
             if isinstance(action, Splice):
                 if len(acc.ff_tokens) + len(action.ff_tokens) > MAX_CHAIN_TOKENS:
                     raise ControllerError(
                         "bad_action",
                         f"splices forced more than {MAX_CHAIN_TOKENS:,} tokens without "
                         "sampling",
+                    )
+                if self.floor is not None and action.backtrack > self.generated - self.floor:
+                    raise ControllerError(
+                        "bad_action",
+                        f"splice backtracks {action.backtrack} tokens past the fork point: "
+                        f"only {self.generated - self.floor} were generated since the fork "
+                        "(a branch shares the tokens before it)",
                     )
                 if action.backtrack > self.generated:
                     raise ControllerError(

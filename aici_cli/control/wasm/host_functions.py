@@ -1,4 +1,5 @@
-"""The functions a guest imports (`tokenizer` and `host`), bound once per component.
+"""The functions a guest imports (`tokenizer`, `host`, and from contract 0.2.0 on
+`aici:storage/storage`), bound once per component.
 
 One `Linker` per component serves every guest instance of it: a host function finds the
 instance whose call is in progress on its thread in `current` (a guest call and the host
@@ -21,7 +22,7 @@ import wasmtime
 from wasmtime.component import Linker, Variant
 
 from aici_cli.control.wasm.faults import Fault
-from aici_cli.control.wasm.signatures import HOST_INTERFACE, TOKENIZER_INTERFACE
+from aici_cli.control.wasm.signatures import STORAGE_INTERFACE, Contract
 from aici_cli.errors import ControllerError
 
 if TYPE_CHECKING:
@@ -33,10 +34,18 @@ _U32_MAX = 0xFFFF_FFFF
 current = threading.local()
 
 
-def make_linker(engine: wasmtime.Engine, tokens_matching_tagged: bool) -> Linker:
-    """A linker defining every function this host provides; `tokens_matching_tagged`:
-    whether the component's `tokens-matching` result is lowered as a `Variant`."""
+def make_linker(engine: wasmtime.Engine, contract: Contract, tokens_matching_tagged: bool,
+                storage_get_tagged: bool = False) -> Linker:
+    """A linker defining every function this host provides to a component of `contract`;
+    `tokens_matching_tagged` / `storage_get_tagged`: whether the component's
+    `tokens-matching` / storage `get` result is lowered as a `Variant`."""
     linker = Linker(engine)
+
+    def storage_get(g: GuestInstance, key: str) -> Any:
+        value = g._storage_get(key)
+        if storage_get_tagged:
+            return Variant("none") if value is None else Variant("some", value)
+        return value
 
     def tokens_matching(g: GuestInstance, pattern: str) -> Any:
         try:
@@ -60,8 +69,18 @@ def make_linker(engine: wasmtime.Engine, tokens_matching_tagged: bool) -> Linker
         "log": lambda g, message: g._log(message),
         "set-output": lambda g, key, value: g._set_output(key, value),
     }
+    interfaces = [(contract.tokenizer, tokenizer), (contract.host, host)]
+    if contract.forks:
+        host["set-line-output"] = lambda g, key, value: g._set_line_output(key, value)
+        storage: dict[str, Callable[..., Any]] = {
+            "get": storage_get,
+            "set": lambda g, key, value: g._storage_set(key, bytes(value)),
+            "append": lambda g, key, value: to_u32(g._storage_append(key, bytes(value)),
+                                                   "append"),
+        }
+        interfaces.append((STORAGE_INTERFACE, storage))
     with linker.root() as root:
-        for iface, funcs in ((TOKENIZER_INTERFACE, tokenizer), (HOST_INTERFACE, host)):
+        for iface, funcs in interfaces:
             with root.add_instance(iface) as inst:
                 for name, fn in funcs.items():
                     inst.add_func(name, _host_function(f"{iface.split('@')[0]}.{name}", fn))

@@ -19,6 +19,17 @@ A trivial `mid-process` costs 60-90 us p50 (2-core CPU, wasmtime 50; it was 300-
 before `frozen_types` stopped wasmtime-py from re-reading the function's type through FFI
 on every call). An 8192-word `list<u32>` costs about 4.5 ms to cross, which is why
 vocabulary-sized sets stay on the host behind `tokens-matching` handles.
+
+Forks (contract 0.2.0): wasmtime cannot copy a store, so a new branch's guest is a new
+instance brought to the forking guest's state by replay: the host journals a guest's
+constructor arguments, every `mid-process` input with the action it got back, and every
+storage call with its answer; `replica` constructs a new instance and calls it with the
+same inputs, answering its storage calls from the journal and dropping its writes (they
+were made once already). The sandbox gives a guest no clock, randomness or other input,
+so it answers alike; a replay that answers otherwise ends the line with
+`controller_nondeterministic`. Its own logs and outputs are re-recorded along the way,
+so a branch starts with the ones made before the fork. Cost: one instantiation and
+constructor, plus one call per journaled call.
 """
 
 from __future__ import annotations
@@ -26,12 +37,15 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import wasmtime
 from wasmtime.component import ResourceAny
 
 from aici_cli.control.actions import Action, StepInput
+from aici_cli.control.line_scope import LineScope
 from aici_cli.control.wasm.faults import Fault, Overrun, classify, clip
 from aici_cli.control.wasm.host_functions import current, to_u32
 from aici_cli.control.wasm.limits import size_text
@@ -42,6 +56,21 @@ from aici_cli.errors import ControllerError
 if TYPE_CHECKING:
     from aici_cli.control.wasm.component import ControllerComponent
 
+T = TypeVar("T")
+
+
+@dataclass
+class Journal:
+    """What a guest was given, in order, so that a new instance can be brought to its
+    state (`GuestInstance.replica`)."""
+
+    inputs: list[StepInput] = field(default_factory=list)  # every mid-process input
+    actions: list[Action] = field(default_factory=list)  # what each call answered
+    storage: list[tuple[str, str, Any]] = field(default_factory=list)  # (op, key, answer)
+
+    def copy(self) -> Journal:
+        return Journal(list(self.inputs), list(self.actions), list(self.storage))
+
 
 class GuestInstance:
     """One sequence's controller guest: its own Store, instance and `runner` resource.
@@ -51,8 +80,10 @@ class GuestInstance:
     dead.
     """
 
-    def __init__(self, component: ControllerComponent, services: HostServices) -> None:
+    def __init__(self, component: ControllerComponent, services: HostServices,
+                 line: LineScope) -> None:
         self.services = services
+        self.line = line  # storage and outputs shared with the line's other sequences
         self.logs: list[str] = []  # host.log lines, in order (cut at Limits.log_bytes)
         self.outputs: dict[str, Any] = {}  # set-output values, JSON-parsed when they parse
         self.guest_ms = 0.0  # wall time inside constructor + mid-process calls
@@ -75,6 +106,11 @@ class GuestInstance:
         self._call_start = 0.0
         self._call_host_s = 0.0
         self._budget_ms = 0
+        self._arg = ""
+        self._prompt: list[int] = []
+        # Kept only where a guest can fork (contract 0.2.0).
+        self.journal: Journal | None = Journal() if component.contract.forks else None
+        self._replay: Iterator[tuple[str, str, Any]] | None = None  # while replaying
 
     # -- public --
 
@@ -85,12 +121,52 @@ class GuestInstance:
         controller_trap / _timeout / _fuel / _memory / host_error / too_many_outputs
         (the guest is dead afterwards), controller_dead (it already was).
         """
-        step = step_record(inp, self._component._text_tagged)
+        lowering = self._component.lowering
+        step = step_record(inp, lowering.segment_text,
+                           lowering.branch if self._component.contract.forks else None)
         raw = self._call("mid-process", self._limits.call_ms, self._mid, self._resource, step)
         ok, value = split_result(raw)
         if not ok:
             raise ControllerError("controller_error", clip(str(value), self._limits.error_chars))
-        return to_action(value, self._vocab, self.services)
+        action = to_action(value, self._vocab, self.services)
+        if self.journal is not None:
+            self.journal.inputs.append(inp)
+            self.journal.actions.append(action)
+        return action
+
+    def replica(self) -> GuestInstance:
+        """A new instance in this one's state, by replaying its journal (see the module
+        doc), sharing its line. Raises ControllerError: what the new instance's calls
+        raise, or controller_nondeterministic when it answers otherwise."""
+        journal = self.journal
+        assert journal is not None, "only a 0.2.0 guest can fork"
+        guest = GuestInstance(self._component, self.services, self.line)
+        guest.journal = None  # a replayed call is journaled already
+        guest._replay = iter(journal.storage)
+        try:
+            guest._start(self._arg, self._prompt)
+            for i, (inp, expected) in enumerate(zip(journal.inputs, journal.actions)):
+                got = guest.mid_process(inp)
+                if got != expected:
+                    raise ControllerError(
+                        "controller_nondeterministic",
+                        f"a new branch's guest, replaying the {len(journal.inputs)} calls "
+                        f"before the fork, answered call {i + 1} with "
+                        f"{clip(repr(got), 200)} where the forking guest had answered "
+                        f"{clip(repr(expected), 200)}: {_DETERMINISM}",
+                    )
+            if next(guest._replay, None) is not None:
+                raise ControllerError(
+                    "controller_nondeterministic",
+                    f"a new branch's guest made fewer storage calls than the forking guest "
+                    f"while replaying the calls before the fork: {_DETERMINISM}",
+                )
+        except ControllerError:
+            guest.close()
+            raise
+        guest._replay = None
+        guest.journal = journal.copy()
+        return guest
 
     def close(self) -> None:
         """Drops the store (and with it the guest's memory). Idempotent."""
@@ -106,6 +182,7 @@ class GuestInstance:
 
     def _start(self, arg: str, prompt: list[int]) -> None:
         comp = self._component
+        self._arg, self._prompt = arg, prompt
         t0 = time.perf_counter()
         try:
             self._vocab = to_u32(self.services.vocab_size(), "vocab_size")
@@ -247,6 +324,58 @@ class GuestInstance:
         except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
             self.outputs[key] = value
 
+    # -- storage and the line's outputs (contract 0.2.0), shared by the line's guests --
+
+    def _storage_get(self, key: str) -> bytes | None:
+        if self._replay is not None:
+            return self._replayed("get", key)
+        value = self.line.get(key)
+        self._record("get", key, value)
+        return value
+
+    def _storage_set(self, key: str, value: bytes) -> None:
+        if self._replay is not None:
+            self._replayed("set", key)  # applied when the forking guest made it
+            return
+        limits = self._limits
+        _as_fault(lambda: self.line.set(key, value, limits.storage_keys, limits.storage_bytes))
+        self._record("set", key, None)
+
+    def _storage_append(self, key: str, value: bytes) -> int:
+        if self._replay is not None:
+            return int(self._replayed("append", key))
+        limits = self._limits
+        length = _as_fault(
+            lambda: self.line.append(key, value, limits.storage_keys, limits.storage_bytes)
+        )
+        self._record("append", key, length)
+        return length
+
+    def _set_line_output(self, key: str, value: str) -> None:
+        if self._replay is not None:
+            return  # made once already, by the forking guest
+        limits = self._limits
+        _as_fault(lambda: self.line.set_output(key, value, limits.max_outputs,
+                                               limits.output_bytes))
+
+    def _record(self, op: str, key: str, answer: Any) -> None:
+        if self.journal is not None:
+            self.journal.storage.append((op, key, answer))
+
+    def _replayed(self, op: str, key: str) -> Any:
+        """The journaled answer of the storage call a replay makes now."""
+        assert self._replay is not None
+        entry = next(self._replay, None)
+        if entry is None or entry[:2] != (op, key):
+            was = "no storage call" if entry is None else f"storage {entry[0]} {entry[1]!r}"
+            raise Fault(ControllerError(
+                "controller_nondeterministic",
+                f"a new branch's guest, replaying the calls before the fork, made storage "
+                f"{op} {clip(repr(key), 100)} where the forking guest made {clip(was, 120)}: "
+                f"{_DETERMINISM}",
+            ))
+        return entry[2]
+
     def _count_pattern(self, pattern: str) -> None:
         """Raises ValueError (the guest's `err`) past the per-sequence pattern caps."""
         limits = self._limits
@@ -262,3 +391,17 @@ class GuestInstance:
                     "(each one scans the vocabulary); reuse the handles you have"
                 )
             self._patterns.add(pattern)
+
+
+_DETERMINISM = (
+    "a controller that forks must answer alike given the same inputs (the sandbox gives it "
+    "no clock or randomness)"
+)
+
+
+def _as_fault(write: Callable[[], T]) -> T:
+    """A write to the line's scope; its quota error ends the call (and the line)."""
+    try:
+        return write()
+    except ControllerError as e:
+        raise Fault(e) from None

@@ -21,6 +21,11 @@
   a guest `err` (`error_chars`, cut with a note). Each `tokens-matching` pattern costs a
   vocabulary scan and a cached bitmask, so a sequence may ask for `max_patterns` distinct
   ones of at most `pattern_chars` characters; past that the guest gets `err`.
+- What a line's branches share (`aici:storage`, contract 0.2.0) is capped per line:
+  `storage_keys` keys and `storage_bytes` of key and value bytes; a write past either
+  ends the line with `storage_quota` (the data is the controller's own state: a write
+  that silently did not happen would be worse than an error). The line's own outputs
+  (`set-line-output`) have the per-sequence output caps.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Limits:
     error_chars: int = 4096  # a guest err's text is cut to this, with a note
     max_patterns: int = 32  # distinct tokens-matching patterns per sequence; beyond: err
     pattern_chars: int = 16 << 10  # longest tokens-matching pattern; longer: err
+    storage_keys: int = 256  # per-line storage keys; beyond: storage_quota
+    storage_bytes: int = 1 << 20  # per-line storage key + value bytes; beyond: storage_quota
 
 
 DEFAULT_LIMITS = Limits()

@@ -1,4 +1,8 @@
-"""The contract's interfaces and function signatures, checked against a component at load.
+"""The contract's versions, interfaces and function signatures, checked at load.
+
+A component runs under the `aici:controller` version it exports (`find_contract`): 0.2.0
+(fork, `step-input.branch`, `host.set-line-output`, and the separately versioned
+`aici:storage/storage@0.1.0`) or 0.1.0, which keeps loading and running unchanged.
 
 A component built against an edited WIT with the same version fails here, in one line,
 instead of failing value conversions mid-run. Also tells how wasmtime-py represents the
@@ -7,6 +11,7 @@ values of the variant-like types the host must build (tagged `Variant` or bare p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +35,9 @@ from wasmtime.component import (
 
 from aici_cli.control.wasm.component_file import ComponentError
 
-CONTROLLER_INTERFACE = "aici:controller/controller@0.1.0"
-TYPES_INTERFACE = "aici:controller/types@0.1.0"
-TOKENIZER_INTERFACE = "aici:controller/tokenizer@0.1.0"
-HOST_INTERFACE = "aici:controller/host@0.1.0"
 CONSTRUCTOR = "[constructor]runner"
 MID_PROCESS = "[method]runner.mid-process"
-
-# The interfaces this host provides to guests (types carries only types).
-PROVIDED = (TYPES_INTERFACE, TOKENIZER_INTERFACE, HOST_INTERFACE)
+STORAGE_INTERFACE = "aici:storage/storage@0.1.0"  # versioned apart from aici:controller
 
 # The contract's function signatures as `signature` renders them (own/borrow handles
 # carry no resource name in wasmtime-py's reflection).
@@ -48,30 +47,95 @@ _TOKEN_SET = (
 )
 _GRAMMAR = "variant{json-schema(string), regex(string), lark(string), choice(list<string>)}"
 _SEGMENT = f"record{{grammar: option<{_GRAMMAR}>, max-tokens: u32, stop: list<string>}}"
-_ACTION = (
-    f"variant{{sample({_TOKEN_SET}), generate({_SEGMENT}), "
-    "splice(record{backtrack: u32, ff-tokens: list<u32>}), stop}"
+_SPLICE = "record{backtrack: u32, ff-tokens: list<u32>}"
+_ACTION_0_1 = f"variant{{sample({_TOKEN_SET}), generate({_SEGMENT}), splice({_SPLICE}), stop}}"
+_ACTION_0_2 = (
+    f"variant{{sample({_TOKEN_SET}), generate({_SEGMENT}), splice({_SPLICE}), stop, fork(u32)}}"
 )
-_STEP_INPUT = "record{backtrack: u32, tokens: list<u32>, segment-text: option<string>}"
-SIGNATURES: dict[str, dict[str, str]] = {
-    TYPES_INTERFACE: {},
-    TOKENIZER_INTERFACE: {
-        "vocab-size": "func() -> u32",
-        "eos-token": "func() -> u32",
-        "tokenize": "func(text: string) -> list<u32>",
-        "decode": "func(tokens: list<u32>) -> string",
-        "token-bytes": "func(token: u32) -> list<u8>",
-        "tokens-matching": "func(pattern: string) -> result<u32, string>",
-    },
-    HOST_INTERFACE: {
-        "log": "func(message: string)",
-        "set-output": "func(key: string, value: string)",
-    },
-    CONTROLLER_INTERFACE: {
-        CONSTRUCTOR: "func(arg: string, prompt: list<u32>) -> own",
-        MID_PROCESS: f"func(self: borrow, input: {_STEP_INPUT}) -> result<{_ACTION}, string>",
-    },
+_STEP_INPUT_0_1 = "record{backtrack: u32, tokens: list<u32>, segment-text: option<string>}"
+_STEP_INPUT_0_2 = (
+    "record{backtrack: u32, tokens: list<u32>, segment-text: option<string>, "
+    "branch: option<u32>}"
+)
+_TOKENIZER = {
+    "vocab-size": "func() -> u32",
+    "eos-token": "func() -> u32",
+    "tokenize": "func(text: string) -> list<u32>",
+    "decode": "func(tokens: list<u32>) -> string",
+    "token-bytes": "func(token: u32) -> list<u8>",
+    "tokens-matching": "func(pattern: string) -> result<u32, string>",
 }
+_HOST = {
+    "log": "func(message: string)",
+    "set-output": "func(key: string, value: string)",
+}
+_STORAGE = {
+    "get": "func(key: string) -> option<list<u8>>",
+    "set": "func(key: string, value: list<u8>)",
+    "append": "func(key: string, value: list<u8>) -> u32",
+}
+
+
+@dataclass(frozen=True)
+class Contract:
+    """One version of `aici:controller`: what a component exports and may import.
+
+    A component is run under the version it exports; every version the host knows stays
+    loadable (a 0.1.0 component runs unchanged: no fork, no storage).
+    """
+
+    version: str
+
+    def interface(self, name: str) -> str:
+        return f"aici:controller/{name}@{self.version}"
+
+    @property
+    def controller(self) -> str:
+        return self.interface("controller")
+
+    @property
+    def tokenizer(self) -> str:
+        return self.interface("tokenizer")
+
+    @property
+    def host(self) -> str:
+        return self.interface("host")
+
+    @property
+    def forks(self) -> bool:
+        """Whether its guests may fork and use storage (0.2.0 on)."""
+        return self.version != "0.1.0"
+
+    @property
+    def signatures(self) -> dict[str, dict[str, str]]:
+        """Interface -> function -> signature, of every interface this version provides
+        (the `types` interface carries only types) and of its export."""
+        step, action = (
+            (_STEP_INPUT_0_2, _ACTION_0_2) if self.forks else (_STEP_INPUT_0_1, _ACTION_0_1)
+        )
+        out: dict[str, dict[str, str]] = {
+            self.interface("types"): {},
+            self.tokenizer: dict(_TOKENIZER),
+            self.host: dict(_HOST),
+        }
+        if self.forks:
+            out[self.host]["set-line-output"] = "func(key: string, value: string)"
+            out[STORAGE_INTERFACE] = dict(_STORAGE)
+        out[self.controller] = {
+            CONSTRUCTOR: "func(arg: string, prompt: list<u32>) -> own",
+            MID_PROCESS: f"func(self: borrow, input: {step}) -> result<{action}, string>",
+        }
+        return out
+
+    @property
+    def provided(self) -> list[str]:
+        """The interfaces a component of this version may import."""
+        return [name for name in self.signatures if name != self.controller]
+
+
+CONTRACTS = (Contract("0.2.0"), Contract("0.1.0"))  # the newest first
+CURRENT = CONTRACTS[0]  # what `wit/controller.wit` defines and `aici-batch build` builds
+CONTROLLER_INTERFACE = CURRENT.controller
 
 
 def signature(ty: Any) -> str:
@@ -132,8 +196,33 @@ def _instance_funcs(item: Any, engine: wasmtime.Engine) -> dict[str, FuncType] |
     return {n: e.ty for n, e in ty.exports(engine).items() if isinstance(e.ty, FuncType)}
 
 
-def check_imports(path: Path, component: Component, engine: wasmtime.Engine) -> None:
-    """Every import must be one this host provides: no WASI, no other contract version."""
+def find_contract(path: Path, component: Component, engine: wasmtime.Engine) -> Contract:
+    """The contract version whose controller interface the component exports (by name:
+    `check_exports` checks its functions)."""
+    exports = component.type.exports(engine)
+    for contract in CONTRACTS:
+        if contract.controller in exports:
+            return contract
+    names = sorted(exports)
+    base = CONTROLLER_INTERFACE.split("@")[0]
+    others = [n for n in names if n.split("@", 1)[0] == base]
+    known = " or ".join(c.controller for c in CONTRACTS)
+    what = (
+        f"it exports {', '.join(others)}: built against a version of the contract this host "
+        "does not know"
+        if others
+        else f"it exports {', '.join(names) if names else 'nothing'}"
+    )
+    raise ComponentError(
+        f"{path} does not export {known} ({what}); build controllers "
+        "against wit/controller.wit, world controller-world"
+    )
+
+
+def check_imports(path: Path, component: Component, engine: wasmtime.Engine,
+                  contract: Contract) -> None:
+    """Every import must be one this host provides to the component's contract version:
+    no WASI, no interfaces of another version."""
     imports = component.type.imports(engine)
     wasi = sorted(name for name in imports if name.startswith("wasi:"))
     if wasi:
@@ -143,54 +232,47 @@ def check_imports(path: Path, component: Component, engine: wasmtime.Engine) -> 
             "environment, clock or network; build it with `aici-batch build`, which uses "
             "componentize-py --stub-wasi"
         )
+    signatures = contract.signatures
+    provided = contract.provided
     for name, item in imports.items():
-        provided = SIGNATURES[name] if name in PROVIDED else None
-        if provided is None:
+        if name not in provided:
             base = name.split("@", 1)[0]
-            same = [p for p in PROVIDED if p.split("@", 1)[0] == base]
+            same = [p for p in provided if p.split("@", 1)[0] == base]
             hint = (
-                f"; this host provides {same[0]} (rebuild against wit/controller.wit)"
+                f"; this host provides {same[0]} to a {contract.controller} component "
+                "(rebuild against wit/controller.wit)"
                 if same
-                else "; this host provides only " + ", ".join(sorted(PROVIDED))
+                else "; this host provides only " + ", ".join(sorted(provided))
             )
             raise ComponentError(f"{path} imports {name}, which this host does not provide{hint}")
         funcs = _instance_funcs(item, engine)
         if funcs is None:
             raise ComponentError(f"{path} imports {name} as something other than an instance")
         for func, fty in sorted(funcs.items()):
-            if func not in provided:
+            if func not in signatures[name]:
                 raise ComponentError(
                     f"{path} imports {name}#{func}, which this host does not provide "
                     "(rebuild against wit/controller.wit)"
                 )
-            _check_signature(path, f"import {name}#{func}", signature(fty), provided[func])
+            _check_signature(path, f"import {name}#{func}", signature(fty), signatures[name][func])
 
 
-def check_exports(path: Path, component: Component, engine: wasmtime.Engine) -> FuncType:
+def check_exports(path: Path, component: Component, engine: wasmtime.Engine,
+                  contract: Contract) -> FuncType:
     """The contract interface, its constructor and mid-process; returns mid-process's type."""
-    exports = component.type.exports(engine)
-    item = exports.get(CONTROLLER_INTERFACE)
+    iface = contract.controller
+    item = component.type.exports(engine).get(iface)
     funcs = None if item is None else _instance_funcs(item, engine)
     if funcs is None:
-        names = sorted(exports)
-        others = [n for n in names if n.split("@", 1)[0] == CONTROLLER_INTERFACE.split("@")[0]]
-        what = (
-            f"it exports {', '.join(others)}: built against another version of the contract"
-            if others
-            else f"it exports {', '.join(names) if names else 'nothing'}"
-        )
-        raise ComponentError(
-            f"{path} does not export {CONTROLLER_INTERFACE} ({what}); build controllers "
-            "against wit/controller.wit, world controller-world"
-        )
-    for name, expected in SIGNATURES[CONTROLLER_INTERFACE].items():
+        raise ComponentError(f"{path} exports {iface} as something other than an instance")
+    for name, expected in contract.signatures[iface].items():
         fty = funcs.get(name)
         if fty is None:
             raise ComponentError(
-                f"{path} exports {CONTROLLER_INTERFACE} without {name} (it has: "
+                f"{path} exports {iface} without {name} (it has: "
                 f"{', '.join(sorted(funcs)) or 'no functions'})"
             )
-        _check_signature(path, f"export {CONTROLLER_INTERFACE}#{name}", signature(fty), expected)
+        _check_signature(path, f"export {iface}#{name}", signature(fty), expected)
     return funcs[MID_PROCESS]
 
 
@@ -206,20 +288,22 @@ def is_tagged(ty: Any) -> bool:
     return Variant in classes
 
 
-def segment_text_tagged(mid_process: FuncType) -> bool:
-    """How `step-input.segment-text` (an `option<string>`) must be lowered."""
+def step_field_tagged(mid_process: FuncType, field: str) -> bool:
+    """How an `option` field of `step-input` (`segment-text`, `branch`) must be lowered."""
     record = mid_process.params[1][1]
     assert isinstance(record, RecordType)  # check_exports verified the signature
-    return is_tagged(dict(record.fields)["segment-text"])
+    return is_tagged(dict(record.fields)[field])
 
 
-def tokens_matching_tagged(component: Component, engine: wasmtime.Engine) -> bool:
-    """How the `tokens-matching` import's `result<u32, string>` must be lowered (False
-    when the component does not import it)."""
-    tm = component.type.imports(engine).get(TOKENIZER_INTERFACE)
-    if tm is None or not isinstance(tm.ty, ComponentInstanceType):
+def import_result_tagged(component: Component, engine: wasmtime.Engine, iface: str,
+                         func: str) -> bool:
+    """How an import's variant-like result (`tokens-matching`'s `result<u32, string>`,
+    storage `get`'s `option<list<u8>>`) must be lowered (False when the component does
+    not import it)."""
+    item = component.type.imports(engine).get(iface)
+    if item is None or not isinstance(item.ty, ComponentInstanceType):
         return False
-    f = tm.ty.exports(engine).get("tokens-matching")
+    f = item.ty.exports(engine).get(func)
     if f is None or not isinstance(f.ty, FuncType) or f.ty.result is None:
         return False
     return is_tagged(f.ty.result)

@@ -20,6 +20,7 @@ from wasmtime.component import Record, Variant
 
 from aici_cli.control.actions import (
     Action,
+    Fork,
     Generate,
     Sample,
     Segment,
@@ -35,20 +36,27 @@ from aici_cli.control.wasm.services import HostServices
 from aici_cli.errors import ControllerError
 
 
-def step_record(inp: StepInput, text_tagged: bool) -> Record:
-    """`inp` as the `step-input` record wasmtime-py lowers; `text_tagged`: whether its
-    `option<string>` is a `Variant` (see `signatures.segment_text_tagged`)."""
+def _option(value: Any, tagged: bool) -> Any:
+    if not tagged:
+        return value
+    return Variant("none") if value is None else Variant("some", value)
+
+
+def step_record(inp: StepInput, text_tagged: bool, branch_tagged: bool | None) -> Record:
+    """`inp` as the `step-input` record wasmtime-py lowers; `text_tagged` /
+    `branch_tagged`: whether its options are `Variant`s (see `signatures.is_tagged`);
+    `branch_tagged` None: a 0.1.0 record, which has no `branch` field."""
     # wasmtime-py reads record fields by their WIT names (hyphens included) and wants
     # a `list`, not a tuple, for `list<u32>`.
-    text: Any = inp.segment_text
-    if text_tagged:
-        text = Variant("none") if text is None else Variant("some", text)
     step = Record()
-    for name, value in (
+    fields: list[tuple[str, Any]] = [
         ("backtrack", int(inp.backtrack)),
         ("tokens", [int(t) for t in inp.tokens]),
-        ("segment-text", text),
-    ):
+        ("segment-text", _option(inp.segment_text, text_tagged)),
+    ]
+    if branch_tagged is not None:
+        fields.append(("branch", _option(inp.branch, branch_tagged)))
+    for name, value in fields:
         setattr(step, name, value)
     return step
 
@@ -75,6 +83,8 @@ def _case(value: Any, infer: Callable[[Any], str | None], what: str) -> tuple[st
 def _infer_action(v: Any) -> str | None:
     if v is None:
         return "stop"
+    if isinstance(v, int):
+        return "fork"
     if isinstance(v, Record):
         if hasattr(v, "max-tokens"):
             return "generate"
@@ -95,6 +105,11 @@ def to_action(value: Any, vocab: int, services: HostServices) -> Action:
     tag, payload = _case(value, _infer_action, "an action")
     if tag == "stop":
         return Stop()
+    if tag == "fork":
+        n = int(payload)
+        if n < 2:
+            raise ControllerError("bad_action", f"fork({n}): a fork makes at least 2 branches")
+        return Fork(n)
     if tag == "sample":
         return Sample(to_token_set(payload, vocab, services))
     if tag == "splice":
