@@ -1,12 +1,20 @@
-"""Shared fixtures: one tiny random model per test session; the `real_model` and `ray`
-markers."""
+"""Shared fixtures: one tiny random model per test session; the example controllers built
+once per session; the JavaScript toolchain's presence; the `real_model` and `ray` markers."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 from tiny_model import build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ("yes_no", "no_lowercase", "profile", "rewrite")
+# Set by .ci/run (after `make setup` installed the JavaScript toolchain): there the
+# JavaScript tests fail instead of skipping when node or componentize-js is missing.
+REQUIRE_JS = "AICI_REQUIRE_JS"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,3 +52,56 @@ def stub_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Pat
 
     monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
     return calls
+
+
+def require_js(problem: str | None) -> None:
+    """Skip (or, with AICI_REQUIRE_JS set, fail) a JavaScript test that cannot run here."""
+    if problem is None:
+        return
+    if os.environ.get(REQUIRE_JS):
+        pytest.fail(f"{problem} ({REQUIRE_JS} is set: the JavaScript tests must run)")
+    pytest.skip(problem)
+
+
+@pytest.fixture(scope="session")
+def node() -> str:
+    """The node executable (the JavaScript SDK's unit tests need nothing else)."""
+    found = shutil.which("node")
+    require_js(None if found else "node not found: the JavaScript SDK's tests need node >= 18")
+    assert found is not None
+    return found
+
+
+@pytest.fixture(scope="session")
+def js_toolchain() -> None:
+    """node and the pinned componentize-js (`make setup` / `npm ci --prefix controllers/js`)."""
+    from aici_cli.control.build_js import toolchain_problem
+
+    require_js(toolchain_problem())
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The Python examples (controllers/examples), built once per session (~10 s each)."""
+    from aici_cli.control.build import build_controller
+
+    out_dir = tmp_path_factory.mktemp("wasm")
+    return {
+        name: build_controller(ROOT / "controllers" / "examples" / f"{name}.py",
+                               out_dir / f"{name}.wasm").out
+        for name in EXAMPLES
+    }
+
+
+@pytest.fixture(scope="session")
+def built_js(tmp_path_factory: pytest.TempPathFactory, js_toolchain: None) -> dict[str, Path]:
+    """The JavaScript examples (controllers/js/examples), built once per session (~15 s
+    each; wasmtime's first compile of each takes ~30 s more)."""
+    from aici_cli.control.build import build_controller
+
+    out_dir = tmp_path_factory.mktemp("wasm-js")
+    return {
+        name: build_controller(ROOT / "controllers" / "js" / "examples" / f"{name}.js",
+                               out_dir / f"{name}.wasm").out
+        for name in EXAMPLES
+    }

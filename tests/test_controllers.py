@@ -1,47 +1,17 @@
 """The example controllers, built with the real toolchain, run through `aici-batch run`.
 
 Building takes about 10 s per example and compiling it in wasmtime a few more (cached on
-disk afterwards), so the components are built once per session.
+disk afterwards), so the components are built once per session (`built`, in conftest.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import pytest
-from click.testing import CliRunner
-
-from aici_cli.cli import main
-from aici_cli.control.build import build_controller
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "controllers" / "examples"
-
-
-@pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out_dir = tmp_path_factory.mktemp("wasm")
-    return {
-        name: build_controller(EXAMPLES / f"{name}.py", out_dir / f"{name}.wasm").out
-        for name in ("yes_no", "no_lowercase", "profile", "rewrite")
-    }
-
-
-def run_controller(model_dir: Path, wasm: Path, lines: list[dict[str, Any]],
-                   *extra: str) -> tuple[int, dict[int, dict[str, Any]]]:
-    stdin = "".join(json.dumps(line) + "\n" for line in lines)
-    res = CliRunner().invoke(main, [
-        "run", "-", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
-        "--controller", str(wasm), "-q", *extra,
-    ], input=stdin)
-    results = {}
-    for line in res.stdout.splitlines():
-        r = json.loads(line)
-        results[r["index"]] = r
-    return res.exit_code, results
+from controller_runs import run_controller
 
 
 def test_yes_no_segments_and_outputs(tiny_model_dir: Path, built: dict[str, Path]) -> None:
