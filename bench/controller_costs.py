@@ -61,17 +61,25 @@ def pct(values: list[float], q: float) -> float:
     return round(percentile(values, q), 4)
 
 
-def time_calls(component: Any, arg: str, n: int) -> list[float]:
+def time_calls(components: dict[str, Any], arg: str, n: int, block: int = 100
+               ) -> dict[str, list[float]]:
+    """Each component's trivial call timed `n` times, in interleaved blocks of `block` calls
+    so that every guest sees the same machine load (the figures are side by side)."""
     from aici_cli.control.actions import StepInput
 
-    runner = component.instantiate(arg, [1, 2, 3], NullServices())
-    runner.mid_process(StepInput())
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        runner.mid_process(StepInput(tokens=(5 + i % 100,)))
-        times.append((time.perf_counter() - t0) * 1000)
-    runner.close()
+    runners = {}
+    for name, component in components.items():
+        runners[name] = component.instantiate(arg, [1, 2, 3], NullServices())
+        runners[name].mid_process(StepInput())
+    times: dict[str, list[float]] = {name: [] for name in components}
+    for start in range(0, n, block):
+        for name, runner in runners.items():
+            for i in range(start, min(n, start + block)):
+                t0 = time.perf_counter()
+                runner.mid_process(StepInput(tokens=(5 + i % 100,)))
+                times[name].append((time.perf_counter() - t0) * 1000)
+    for runner in runners.values():
+        runner.close()
     return times
 
 
@@ -111,7 +119,8 @@ def main() -> int:
             report["build"][guest][name] = {"seconds": round(res.seconds, 2),
                                             "mb": round(res.size / 1e6, 1)}
 
-    report["compile_s"], report["instantiate_ms"], report["trivial_call_ms"] = {}, {}, {}
+    report["compile_s"], report["instantiate_ms"] = {}, {}
+    components: dict[str, Any] = {}
     for guest in guests:
         with tempfile.TemporaryDirectory() as cache:
             t0 = time.perf_counter()
@@ -122,22 +131,26 @@ def main() -> int:
                                                  cache_dir=Path(cache))
             cached = time.perf_counter() - t0
         report["compile_s"][guest] = {"cold": round(cold, 3), "cached": round(cached, 3)}
-        inst = []
-        for _ in range(20):
+        components[f"{guest}_guest"] = component
+
+    inst: dict[str, list[float]] = {guest: [] for guest in guests}
+    for _ in range(20):  # interleaved, as the calls below
+        for guest in guests:
             t0 = time.perf_counter()
-            component.instantiate("", [1, 2, 3], NullServices()).close()
-            inst.append((time.perf_counter() - t0) * 1000)
-        report["instantiate_ms"][guest] = {"p50": pct(inst, 50), "p99": pct(inst, 99)}
-        calls = time_calls(component, "", args.calls)
-        report["trivial_call_ms"][f"{guest}_guest"] = {"p50": pct(calls, 50),
-                                                       "p99": pct(calls, 99)}
+            components[f"{guest}_guest"].instantiate("", [1, 2, 3], NullServices()).close()
+            inst[guest].append((time.perf_counter() - t0) * 1000)
+    report["instantiate_ms"] = {g: {"p50": pct(v, 50), "p99": pct(v, 99)} for g, v in inst.items()}
 
     sys.path.insert(0, str(REPO / "tests"))
     from wat import Guest, component, save  # the tests' WAT guests
 
-    wat = ControllerComponent.load(save(args.out, component(Guest("(call $sample-all)"))))
-    wat_calls = time_calls(wat, "", args.calls)
-    report["trivial_call_ms"]["wat_guest"] = {"p50": pct(wat_calls, 50), "p99": pct(wat_calls, 99)}
+    components["wat_guest"] = ControllerComponent.load(
+        save(args.out, component(Guest("(call $sample-all)")))
+    )
+    calls = time_calls(components, "", args.calls)
+    report["trivial_call_ms"] = {
+        name: {"p50": pct(v, 50), "p99": pct(v, 99)} for name, v in calls.items()
+    }
 
     if args.schemas > 0:
         end_to_end(args, {g: built[g]["schema_segment"] for g in guests}, report)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -80,28 +81,41 @@ def js_toolchain() -> None:
     require_js(toolchain_problem())
 
 
+class Builds(Mapping[str, Path]):
+    """Example components by name, each built on first use (a test that needs one example
+    does not wait for the others)."""
+
+    def __init__(self, src_dir: Path, suffix: str, out_dir: Path) -> None:
+        self._src_dir, self._suffix, self._out_dir = src_dir, suffix, out_dir
+        self._done: dict[str, Path] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in EXAMPLES:
+            raise KeyError(name)
+        if name not in self._done:
+            from aici_cli.control.build import build_controller
+
+            src = self._src_dir / f"{name}{self._suffix}"
+            self._done[name] = build_controller(src, self._out_dir / f"{name}.wasm").out
+        return self._done[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(EXAMPLES)
+
+    def __len__(self) -> int:
+        return len(EXAMPLES)
+
+
 @pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def built(tmp_path_factory: pytest.TempPathFactory) -> Builds:
     """The Python examples (controllers/examples), built once per session (~10 s each)."""
-    from aici_cli.control.build import build_controller
-
-    out_dir = tmp_path_factory.mktemp("wasm")
-    return {
-        name: build_controller(ROOT / "controllers" / "examples" / f"{name}.py",
-                               out_dir / f"{name}.wasm").out
-        for name in EXAMPLES
-    }
+    return Builds(ROOT / "controllers" / "examples", ".py", tmp_path_factory.mktemp("wasm"))
 
 
 @pytest.fixture(scope="session")
-def built_js(tmp_path_factory: pytest.TempPathFactory, js_toolchain: None) -> dict[str, Path]:
+def built_js(tmp_path_factory: pytest.TempPathFactory, js_toolchain: None) -> Builds:
     """The JavaScript examples (controllers/js/examples), built once per session (~15 s
-    each; wasmtime's first compile of each takes ~30 s more)."""
-    from aici_cli.control.build import build_controller
-
-    out_dir = tmp_path_factory.mktemp("wasm-js")
-    return {
-        name: build_controller(ROOT / "controllers" / "js" / "examples" / f"{name}.js",
-                               out_dir / f"{name}.wasm").out
-        for name in EXAMPLES
-    }
+    each; wasmtime's first compile of each takes ~30 s more: builds differ byte for byte,
+    so each is compiled afresh)."""
+    return Builds(ROOT / "controllers" / "js" / "examples", ".js",
+                  tmp_path_factory.mktemp("wasm-js"))

@@ -1,5 +1,6 @@
 // The `Context` a controller sees, and the per-token `TokenController` base class.
 
+import { listOf } from "./actions.js";
 import { toJson } from "./host.js";
 
 /**
@@ -14,7 +15,7 @@ export class Context {
     this._host = host;
     /** The controller argument (the line's `controller_arg` or the CLI's), as text. */
     this.arg = arg;
-    this.prompt = Object.freeze(Array.from(prompt));
+    this.prompt = Object.freeze(listOf(prompt));
     this._tokens = [];
     /** Appended by the latest step. */
     this.lastTokens = Object.freeze([]);
@@ -71,7 +72,7 @@ export class Context {
   }
 
   decode(tokens) {
-    return this._host.decode(Array.from(tokens));
+    return this._host.decode(listOf(tokens));
   }
 
   tokenBytes(token) {
@@ -91,6 +92,7 @@ export class Context {
     this._host.setOutput(key, toJson(value, key));
   }
 
+  /** `tokens`: a fresh array, kept (frozen) as `lastTokens`. */
   _apply(backtrack, tokens, segmentText, branch) {
     if (backtrack > this._tokens.length) {
       throw new RangeError(
@@ -98,9 +100,9 @@ export class Context {
       );
     }
     if (backtrack) this._tokens.length -= backtrack;
-    for (const t of tokens) this._tokens.push(t);
+    for (let i = 0; i < tokens.length; i++) this._tokens.push(tokens[i]);
     this.lastBacktrack = backtrack;
-    this.lastTokens = Object.freeze(Array.from(tokens));
+    this.lastTokens = Object.freeze(tokens);
     this.segmentText = segmentText;
     if (branch !== null) this.branch = branch;
   }

@@ -13,15 +13,12 @@
 
 let active = null;
 
-/** Make `host` the target of the module-level helpers while `fn` runs (one step). */
-export function withHost(host, fn) {
+/** Make `host` (or null) the target of the module-level helpers; returns the previous
+ * one, which the caller restores when its step ends. */
+export function activate(host) {
   const previous = active;
   active = host;
-  try {
-    return fn();
-  } finally {
-    active = previous;
-  }
+  return previous;
 }
 
 export function currentHost() {

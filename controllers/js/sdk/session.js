@@ -15,9 +15,9 @@
 // `ControllerFailed` (the component turns it into `err`), after which the session only
 // reports that failure again: one failing controller ends only its own sequence.
 
-import { Fork, Generate, Matching, Sample, Splice, Stop, describeValue, isAction } from "./actions.js";
+import { Fork, Generate, Matching, Sample, Splice, Stop, describeValue, isAction, listOf } from "./actions.js";
 import { Context, TokenController } from "./context.js";
-import { withHost } from "./host.js";
+import { activate } from "./host.js";
 
 const MAX_FRAMES = 6;
 
@@ -119,13 +119,14 @@ export class Session {
     }
     if (this._finished) return new Stop();
     let action;
+    const previous = activate(this.host);
     try {
-      action = withHost(this.host, () =>
-        this._resolve(this._advance(backtrack, tokens, segmentText ?? null, branch ?? null)),
-      );
+      action = this._resolve(this._advance(backtrack, listOf(tokens), segmentText ?? null, branch ?? null));
     } catch (e) {
       this._fail(e);
       throw new ControllerFailed(this._failure);
+    } finally {
+      activate(previous);
     }
     this._last = action;
     if (action instanceof Stop) this._finish();
@@ -168,7 +169,7 @@ export class Session {
       return ctx.lastTokens[ctx.lastTokens.length - 1];
     }
     if (last instanceof Generate) {
-      return ctx.segmentText !== null ? ctx.segmentText : this.host.decode(Array.from(ctx.lastTokens));
+      return ctx.segmentText !== null ? ctx.segmentText : this.host.decode(ctx.lastTokens);
     }
     if (last instanceof Fork) return ctx.branch;
     return undefined;

@@ -11,7 +11,7 @@
 // exported function returns `result`'s ok value and throws its err value, and an
 // imported function that returns `err` throws.
 
-import { AllTokens, Allow, Bitmask, Deny, Fork, Generate, Matching, Sample, Splice, Stop } from "../actions.js";
+import { AllTokens, Allow, Bitmask, Deny, Fork, Generate, Matching, Sample, Splice, Stop, listOf } from "../actions.js";
 import { formatLog } from "../host.js";
 import { ControllerFailed, Session, describeError, findController } from "../session.js";
 
@@ -23,7 +23,7 @@ export function controllerExport(module, filename, wit) {
 
   class Runner {
     constructor(arg, prompt) {
-      this.session = new Session(spec, host, arg, Array.from(prompt));
+      this.session = new Session(spec, host, arg, prompt);
     }
 
     // Never throws anything but the err string: an uncaught exception would trap (a
@@ -32,7 +32,7 @@ export function controllerExport(module, filename, wit) {
       try {
         const action = this.session.step(
           input.backtrack,
-          Array.from(input.tokens),
+          input.tokens, // a Uint32Array: the session copies it
           input.segmentText ?? null,
           input.branch ?? null,
         );
@@ -62,7 +62,7 @@ export class WitHost {
   }
 
   tokenize(text) {
-    return Array.from(this.wit.tokenizer.tokenize(text));
+    return listOf(this.wit.tokenizer.tokenize(text));
   }
 
   decode(tokens) {
@@ -130,17 +130,22 @@ function installConsole(log) {
   }
 }
 
+// Frozen arrays pass as they are: componentize-js only reads a list it lowers.
+const SAMPLE_ALL = Object.freeze({ tag: "sample", val: Object.freeze({ tag: "all" }) });
+
 export function toWit(action) {
-  if (action instanceof Sample) return { tag: "sample", val: tokenSetToWit(action.tokens) };
+  if (action instanceof Sample) {
+    return action.tokens instanceof AllTokens ? SAMPLE_ALL : { tag: "sample", val: tokenSetToWit(action.tokens) };
+  }
   if (action instanceof Generate) {
     const grammar = action.grammar === null ? undefined : grammarToWit(action.grammar);
     return {
       tag: "generate",
-      val: { grammar, maxTokens: action.maxTokens, stop: Array.from(action.stop) },
+      val: { grammar, maxTokens: action.maxTokens, stop: action.stop },
     };
   }
   if (action instanceof Splice) {
-    return { tag: "splice", val: { backtrack: action.backtrack, ffTokens: Array.from(action.tokens) } };
+    return { tag: "splice", val: { backtrack: action.backtrack, ffTokens: action.tokens } };
   }
   if (action instanceof Stop) return { tag: "stop" };
   if (action instanceof Fork) return { tag: "fork", val: action.n };
@@ -149,9 +154,9 @@ export function toWit(action) {
 
 export function tokenSetToWit(tokens) {
   if (tokens instanceof AllTokens) return { tag: "all" };
-  if (tokens instanceof Allow) return { tag: "allow", val: Array.from(tokens.tokens) };
-  if (tokens instanceof Deny) return { tag: "deny", val: Array.from(tokens.tokens) };
-  if (tokens instanceof Bitmask) return { tag: "bitmask", val: Array.from(tokens.words) };
+  if (tokens instanceof Allow) return { tag: "allow", val: tokens.tokens };
+  if (tokens instanceof Deny) return { tag: "deny", val: tokens.tokens };
+  if (tokens instanceof Bitmask) return { tag: "bitmask", val: tokens.words };
   if (tokens instanceof Matching) {
     return { tag: tokens.negated ? "not-host-set" : "host-set", val: tokens.handle };
   }
@@ -159,6 +164,6 @@ export function tokenSetToWit(tokens) {
 }
 
 export function grammarToWit(grammar) {
-  if (grammar.kind === "choice") return { tag: "choice", val: Array.from(grammar.value) };
+  if (grammar.kind === "choice") return { tag: "choice", val: grammar.value };
   return { tag: grammar.kind, val: grammar.value };
 }
