@@ -186,6 +186,7 @@ def lay_out(src: Path, glue: Path, tmp: Path) -> None:
     for sibling in sorted(src.resolve().parent.iterdir()):
         if sibling.is_file() and sibling.suffix in JS_SUFFIXES:
             shutil.copyfile(sibling, tmp / sibling.name)
+    shutil.copyfile(src, tmp / src.name)  # under its own name, should it be a link
     sdk = glue.parents[1]
     shutil.copytree(sdk, tmp / SDK_DIR_NAME)
     (tmp / SDK_SPECIFIER).write_text(
