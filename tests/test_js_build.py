@@ -220,6 +220,11 @@ Stack:
   setUp@helpers.js:3:1
   @topthrow.js:4:1
 """ + NODE_TAIL
+TOP_LEVEL_HERE = HEAD + """\
+topthrow.js:3:1 TypeError: can't access property "y", x is null
+Stack:
+  @topthrow.js:3:1
+""" + NODE_TAIL
 MISSING_MODULE = HEAD + """\
 ReferenceError: Error loading module "./missing.js" (resolved path "missing.js"): No such \
 file or directory
@@ -234,6 +239,9 @@ def test_componentize_js_errors_keep_the_exception_and_the_users_frames() -> Non
         'helpers.js:3: TypeError: can\'t access property "y", x is null\n'
         "  at helpers.js:3 in setUp\n"
         "  at topthrow.js:4"
+    )
+    assert componentize_js_error(TOP_LEVEL_HERE) == (
+        'topthrow.js:3: TypeError: can\'t access property "y", x is null'
     )
     assert componentize_js_error(MISSING_MODULE) == (
         'ReferenceError: Error loading module "./missing.js" (resolved path "missing.js"): '

@@ -265,8 +265,11 @@ def componentize_js_error(output: str, max_lines: int = 15) -> str:
             elif in_stack:
                 m = _STACK_FRAME.match(text)
                 if m and not m.group(2).startswith("__aici"):
-                    frames.append(f"  at {m.group(2)}:{m.group(3)}"
-                                  + (f" in {m.group(1)}" if m.group(1) else ""))
+                    where = f"{m.group(2)}:{m.group(3)}"
+                    if m.group(1):
+                        frames.append(f"  at {where} in {m.group(1)}")
+                    elif not (error and error[0].startswith(f"{where}: ")):
+                        frames.append(f"  at {where}")  # top-level code elsewhere
             else:
                 m = _LOCATED.match(text)
                 if m and m.group(1).startswith("__aici"):
