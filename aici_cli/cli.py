@@ -348,11 +348,16 @@ def wit(out_dir: str | None) -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Output .wasm (default: SOURCE with a .wasm suffix).")
 def build(source: str, output: str | None) -> None:
-    """Build a Python controller (a module with one @controller) into a .wasm component.
+    """Build a controller into a .wasm component, by the file's extension.
+
+    A Python module (.py) with one @controller builds with componentize-py; a JavaScript
+    module (.js, .mjs) whose default export is the controller builds with componentize-js
+    (install it with `make setup` or `npm ci --prefix controllers/js`).
 
     \b
     Example:
       aici-batch build controllers/examples/yes_no.py -o yes_no.wasm
+      aici-batch build controllers/js/examples/yes_no.js -o yes_no_js.wasm
       aici-batch run prompts.jsonl --controller yes_no.wasm
     """
     from aici_cli.control.build import BuildError, build_controller

@@ -1,15 +1,20 @@
-"""Shared fixtures: one tiny random model per test session; the `real_model` and `ray`
-markers."""
+"""Shared fixtures: one tiny random model per test session; the example controllers built
+once per session; the JavaScript toolchain's presence; the `real_model` and `ray` markers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 from tiny_model import build_tiny_model
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "controllers" / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+# Set by .ci/run (after `make setup` installed the JavaScript toolchain): there the
+# JavaScript tests fail instead of skipping when node or componentize-js is missing.
+REQUIRE_JS = "AICI_REQUIRE_JS"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -49,19 +54,68 @@ def stub_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Pat
     return calls
 
 
+def require_js(problem: str | None) -> None:
+    """Skip (or, with AICI_REQUIRE_JS set, fail) a JavaScript test that cannot run here."""
+    if problem is None:
+        return
+    if os.environ.get(REQUIRE_JS):
+        pytest.fail(f"{problem} ({REQUIRE_JS} is set: the JavaScript tests must run)")
+    pytest.skip(problem)
+
+
 @pytest.fixture(scope="session")
-def example_wasm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`example_wasm("vote")`: controllers/examples/vote.py built into a component, once per
-    test session (a build takes about 10 s; compiling it is cached on disk afterwards)."""
-    from aici_cli.control.build import build_controller
+def node() -> str:
+    """The node executable (the JavaScript SDK's unit tests need nothing else)."""
+    found = shutil.which("node")
+    require_js(None if found else "node not found: the JavaScript SDK's tests need node >= 18")
+    assert found is not None
+    return found
 
-    out_dir = tmp_path_factory.mktemp("wasm")
-    built: dict[str, Path] = {}
 
-    def get(name: str) -> Path:
-        if name not in built:
-            built[name] = build_controller(EXAMPLES / f"{name}.py",
-                                           out_dir / f"{name}.wasm").out
-        return built[name]
+@pytest.fixture(scope="session")
+def js_toolchain() -> None:
+    """node and the pinned componentize-js (`make setup` / `npm ci --prefix controllers/js`)."""
+    from aici_cli.control.build_js import toolchain_problem
 
-    return get
+    require_js(toolchain_problem())
+
+
+class Builds(Mapping[str, Path]):
+    """Example components by name, each built on first use (a test that needs one example
+    does not wait for the others)."""
+
+    def __init__(self, src_dir: Path, suffix: str, out_dir: Path) -> None:
+        self._src_dir, self._suffix, self._out_dir = src_dir, suffix, out_dir
+        self._names = tuple(sorted(p.stem for p in src_dir.glob(f"*{suffix}")))
+        self._done: dict[str, Path] = {}
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._done:
+            from aici_cli.control.build import build_controller
+
+            src = self._src_dir / f"{name}{self._suffix}"
+            self._done[name] = build_controller(src, self._out_dir / f"{name}.wasm").out
+        return self._done[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Builds:
+    """The Python examples (controllers/examples), built once per session (~10 s each)."""
+    return Builds(ROOT / "controllers" / "examples", ".py", tmp_path_factory.mktemp("wasm"))
+
+
+@pytest.fixture(scope="session")
+def built_js(tmp_path_factory: pytest.TempPathFactory, js_toolchain: None) -> Builds:
+    """The JavaScript examples (controllers/js/examples), built once per session (~15 s
+    each; wasmtime's first compile of each takes ~30 s more: builds differ byte for byte,
+    so each is compiled afresh)."""
+    return Builds(ROOT / "controllers" / "js" / "examples", ".js",
+                  tmp_path_factory.mktemp("wasm-js"))

@@ -1,53 +1,17 @@
 """The example controllers, built with the real toolchain, run through `aici-batch run`.
 
 Building takes about 10 s per example and compiling it in wasmtime a few more (cached on
-disk afterwards), so the components are built once per session.
+disk afterwards), so the components are built once per session (`built`, in conftest.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import pytest
-from click.testing import CliRunner
-
-from aici_cli.cli import main
-
-
-class Built(dict[str, Path]):
-    """The examples' components by name, each built on first use (`example_wasm`)."""
-
-    def __init__(self, build: Callable[[str], Path]) -> None:
-        super().__init__()
-        self.build = build
-
-    def __missing__(self, name: str) -> Path:
-        self[name] = self.build(name)
-        return self[name]
-
-
-@pytest.fixture(scope="session")
-def built(example_wasm: Callable[[str], Path]) -> dict[str, Path]:
-    return Built(example_wasm)
-
-
-def run_controller(model_dir: Path, wasm: Path, lines: list[dict[str, Any]],
-                   *extra: str) -> tuple[int, dict[int, dict[str, Any]]]:
-    stdin = "".join(json.dumps(line) + "\n" for line in lines)
-    res = CliRunner().invoke(main, [
-        "run", "-", "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
-        "--controller", str(wasm), "-q", *extra,
-    ], input=stdin)
-    results = {}
-    for line in res.stdout.splitlines():
-        r = json.loads(line)
-        results[r["index"]] = r
-    return res.exit_code, results
+from controller_runs import run_controller
 
 
 def test_yes_no_segments_and_outputs(tiny_model_dir: Path, built: dict[str, Path]) -> None:
@@ -180,11 +144,9 @@ def test_vote_on_the_default_model(built: dict[str, Path]) -> None:
     question = {"role": "user", "content": "Is the sky blue on a clear day? Answer yes or no."}
     lines = [{"messages": [question], "seed": 7,
               "controller_arg": {"pattern": "(yes|no|Yes|No)", "max_tokens": 3}}]
-    res = CliRunner().invoke(main, [
-        "run", "-", "--controller", str(built["vote"]), "--temperature", "0.8", "-q",
-    ], input="".join(json.dumps(line) + "\n" for line in lines))
-    assert res.exit_code == 0, res.output
-    r = json.loads(res.stdout)
+    code, results = run_controller(None, built["vote"], lines, "--temperature", "0.8")
+    assert code == 0
+    r = results[1]
     assert r["finish_reason"] == "stop" and r["branches"] == 5
     answers = [c["outputs"]["answer"] for c in r["choices"]]
     assert all(a in ("yes", "no", "Yes", "No") and c["text"] == a

@@ -1,4 +1,6 @@
-"""Build a Python controller into a WebAssembly component with componentize-py.
+"""Build a controller into a WebAssembly component: Python with componentize-py here,
+JavaScript with componentize-js in `build_js.py` (`build_controller` picks by the file's
+extension).
 
 The user writes one module with one `@controller`; the build adds what the component
 model needs around it, in a temporary directory:
@@ -120,7 +122,10 @@ def check_source(src: Path) -> str:
     if not src.is_file():
         raise BuildError(f"{src}: no such file")
     if src.suffix != ".py":
-        raise BuildError(f"{src}: not a Python file (.py)")
+        raise BuildError(
+            f"{src}: not a Python file (.py) or a JavaScript module (.js, .mjs): "
+            "`aici-batch build` picks the toolchain by the extension"
+        )
     try:
         tree = ast.parse(src.read_bytes(), filename=str(src))
     except SyntaxError as exc:
@@ -154,11 +159,16 @@ def build_controller(
 ) -> BuildResult:
     """Build the controller in `src` into the component `out` (written only on success).
 
+    A `.js` or `.mjs` source is a JavaScript controller (`build_js.build_js_controller`).
     Raises `BuildError` for every expected failure: a bad source, componentize-py missing,
     failing (its last meaningful lines, e.g. the `@controller` message) or timing out.
     """
     started = time.perf_counter()
     src, out = Path(src), Path(out)
+    if src.suffix in (".js", ".mjs"):
+        from aici_cli.control.build_js import build_js_controller
+
+        return build_js_controller(src, out, _checked_wit_dir(wit_dir), timeout=timeout)
     check_source(src)
     wit = _checked_wit_dir(wit_dir)
     exe = _componentize_py()
