@@ -28,6 +28,14 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `ray` tests last: a Ray driver in this process installs native fault handlers
+    (SIGILL among them) over wasmtime's, so a wasm trap after it would kill the process.
+    (`make test` runs them in a process of their own.) The sort is stable: the order
+    within each group stays."""
+    items.sort(key=lambda item: item.get_closest_marker("ray") is not None)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny Llama + byte-level BPE tokenizer with a chat template (~0.1 s to build).

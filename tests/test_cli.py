@@ -372,3 +372,18 @@ def test_workers_need_ray(tmp_path: Path) -> None:
     res = invoke(["run", "-", "--workers", "2"], jsonl(GOOD[:1]))
     assert res.exit_code == 2
     assert "--workers needs --ray" in res.output
+
+
+def test_score_alone_ranks_the_choices_each_line_brings() -> None:
+    # `--score` without `--choices` is a run of lines that carry their own choices (the
+    # eval example): not a bad option. With a constraint that is not choices, it is.
+    from aici_cli.config import JobDefaults
+    from aici_cli.control.constraint import Constraint
+    from aici_cli.jobs.defaults import defaults_problem
+
+    assert defaults_problem(JobDefaults(score=True), strict_json=True) is None
+    assert defaults_problem(
+        JobDefaults(score=True, constraint=Constraint("choice", ["a", "b"])), True) is None
+    problem = defaults_problem(
+        JobDefaults(score=True, constraint=Constraint("regex", "a+")), True)
+    assert problem is not None and "choices" in problem

@@ -92,6 +92,9 @@ def _as_line(defaults: JobDefaults) -> dict[str, Any]:
         line[_FIELDS[constraint.kind]] = constraint.value
         if defaults.score and constraint.kind == "choice":
             line.update(score=True, n=1)  # a scored line ranks once; its `n` is moot
+    elif constraint is None and defaults.score:
+        # `--score` alone ranks the choices each line brings: check it with a stand-in pair.
+        line["choices"] = ["a", "b"]
     return line
 
 
