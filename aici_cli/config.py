@@ -44,6 +44,18 @@ class EngineConfig:
 
 MIB = 1024 * 1024
 
+# A line field -> the run option that sets its default, for messages that name the option
+# (the up-front check of the defaults, jobs/defaults.py; a resume's mismatch, made_with.py).
+FIELD_OPTIONS = {
+    "json_schema": "--json-schema", "regex": "--regex", "choices": "--choices",
+    "stop": "--stop", "max_tokens": "--max-tokens", "temperature": "--temperature",
+    "top_p": "--top-p", "seed": "--seed", "top_k": "--top-k", "min_p": "--min-p",
+    "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
+    "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens",
+    "ignore_eos": "--ignore-eos", "n": "--n", "logprobs": "--logprobs", "score": "--score",
+    "schema_fallback": "--schema-fallback",
+}
+
 
 @dataclass(frozen=True)
 class JobDefaults:

@@ -24,19 +24,13 @@ import hashlib
 import json
 from typing import Any
 
-from aici_cli.config import EngineConfig, JobDefaults, RunConfig
+from aici_cli.config import FIELD_OPTIONS, EngineConfig, JobDefaults, RunConfig
 
 FIELD = "made_with"
 
 # A record key -> the run option that sets it (for messages).
 _OPTIONS = {
-    "model": "--model", "json_schema": "--json-schema", "regex": "--regex",
-    "choices": "--choices", "stop": "--stop", "max_tokens": "--max-tokens",
-    "temperature": "--temperature", "top_p": "--top-p", "seed": "--seed", "top_k": "--top-k",
-    "min_p": "--min-p", "frequency_penalty": "--frequency-penalty",
-    "presence_penalty": "--presence-penalty", "repetition_penalty": "--repetition-penalty",
-    "min_tokens": "--min-tokens", "ignore_eos": "--ignore-eos", "n": "--n",
-    "score": "--score", "logprobs": "--logprobs", "schema_fallback": "--schema-fallback",
+    "model": "--model", **FIELD_OPTIONS,
     "json_permissive": "--json-permissive", "close_at_limit": "--close-at-limit",
     "loop_guard": "--loop-guard", "schema_retries": "--schema-retries",
     "logprobs_mode": "--logprobs-mode", "controller": "--controller",

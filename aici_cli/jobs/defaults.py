@@ -16,21 +16,13 @@ import json
 import re
 from typing import Any
 
-from aici_cli.config import JobDefaults
+from aici_cli.config import FIELD_OPTIONS, JobDefaults
 from aici_cli.control.constraint import Constraint
 from aici_cli.jobs.parse import read_jobs
 from aici_cli.jobs.types import LineError
 
 # A line field -> the run option that sets its default.
-OPTIONS = {
-    "json_schema": "--json-schema", "regex": "--regex", "choices": "--choices",
-    "stop": "--stop", "max_tokens": "--max-tokens", "temperature": "--temperature",
-    "top_p": "--top-p", "seed": "--seed", "top_k": "--top-k", "min_p": "--min-p",
-    "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
-    "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens",
-    "ignore_eos": "--ignore-eos", "n": "--n", "logprobs": "--logprobs",
-    "top_logprobs": "--logprobs", "score": "--score", "schema_fallback": "--schema-fallback",
-}
+OPTIONS = {**FIELD_OPTIONS, "top_logprobs": "--logprobs"}
 # The line field of each constraint kind a run option can set.
 _FIELDS = {"json_schema": "json_schema", "regex": "regex", "choice": "choices"}
 _FIELD = re.compile(r"field '(\w+)((?:\[\d+\])*)'")
