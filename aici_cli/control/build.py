@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,16 +183,23 @@ def build_controller(
         (tmp / f"{ENTRY_MODULE}.py").write_text(entry, encoding="utf-8")
         built = tmp / "controller.wasm"
         cmd = build_command(exe, wit, tmp, src.resolve().parent, built)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise BuildError(f"componentize-py did not finish within {timeout:.0f} s") from None
-        if proc.returncode != 0 or not built.is_file():
-            detail = componentize_error(proc.stdout + "\n" + proc.stderr)
-            raise BuildError(f"building {src} failed:\n{detail}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(built), str(out))
+        run_toolchain(cmd, "componentize-py", componentize_error, src, built, out, timeout)
     return BuildResult(out, out.stat().st_size, time.perf_counter() - started)
+
+
+def run_toolchain(cmd: list[str], tool: str, explain: Callable[[str], str], src: Path,
+                  built: Path, out: Path, timeout: float, cwd: Path | None = None) -> None:
+    """Run a componentizer's command line and move the component it built to `out`; a
+    failure is a BuildError with the tool's output cut to what says why (`explain`)."""
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"{tool} did not finish within {timeout:.0f} s") from None
+    if proc.returncode != 0 or not built.is_file():
+        detail = explain(proc.stdout + "\n" + proc.stderr)
+        raise BuildError(f"building {src} failed:\n{detail}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(built), str(out))
 
 
 def build_command(exe: str, wit: Path, entry_dir: Path, src_dir: Path, out: Path) -> list[str]:

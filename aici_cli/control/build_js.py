@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aici_cli.control.build import BuildError, BuildResult
+from aici_cli.control.build import BuildError, BuildResult, run_toolchain
 
 WORLD = "controller-world"
 JS_SUFFIXES = (".js", ".mjs")
@@ -169,15 +169,8 @@ def build_js_controller(
         check_syntax(tools.node, tmp, src)
         built = tmp / "controller.wasm"
         cmd = build_command(tools, wit, built)
-        try:
-            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise BuildError(f"componentize-js did not finish within {timeout:.0f} s") from None
-        if proc.returncode != 0 or not built.is_file():
-            detail = componentize_js_error(proc.stdout + "\n" + proc.stderr)
-            raise BuildError(f"building {src} failed:\n{detail}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(built), str(out))
+        run_toolchain(cmd, "componentize-js", componentize_js_error, src, built, out, timeout,
+                      cwd=tmp)
     return BuildResult(out, out.stat().st_size, time.perf_counter() - started)
 
 
