@@ -161,12 +161,13 @@ def main() -> None:
                    "the distribution the line's penalties, logit_bias and constraint leave, "
                    "renormalized over the allowed tokens (a fast-forwarded token then has "
                    "logprob 0).")
-@click.option("--close-at-limit", is_flag=True,
-              help="When max_tokens is about to cut a JSON value off, finish it with the "
-                   "shortest completion the schema allows (`stats.closed_early`).")
-@click.option("--loop-guard", is_flag=True,
-              help="When a JSON value's tokens loop (one short n-gram repeated), finish the "
-                   "value at once (`stats.closed_early`).")
+@click.option("--close-at-limit/--no-close-at-limit", default=True, show_default=True,
+              help="Finish a JSON-schema, grammar or tool-call line before max_tokens cuts "
+                   "it off, with a completion its constraint allows (`stats.closed_early`, "
+                   "`close_reason: limit`).")
+@click.option("--loop-guard/--no-loop-guard", default=True, show_default=True,
+              help="Finish such a line's value at once when its text loops (a unit of any "
+                   "length repeated; `close_reason: loop`).")
 @click.option("--deterministic", is_flag=True,
               help="Batch-invariant passes: a line's tokens are the same whatever its batch "
                    "size, neighbours, row, drafts, prefix-cache hits or --resume (costs "

@@ -26,11 +26,11 @@ class EngineConfig:
     # Logprobs from the model's distribution ("raw", as OpenAI and vLLM) or from the one
     # the constraint leaves ("masked": renormalized over the allowed tokens).
     logprobs_mode: str = "raw"
-    # Finish a JSON value with the shortest completion found when max_tokens is about to
-    # cut it off, and on a loop (control/grammar/closing.py). Opt-in: both can change an
-    # output that would have finished on its own.
-    close_at_limit: bool = False
-    loop_guard: bool = False
+    # Finish a constrained value (JSON schema, grammar, tool calls) before max_tokens cuts
+    # it off, and when it loops (control/grammar/early_close.py). On by default: an
+    # output that finishes on its own without looping is unchanged by either.
+    close_at_limit: bool = True
+    loop_guard: bool = True
     # Batch-invariant forward passes (engine/invariant.py): a line's tokens do not depend
     # on its batch, row, drafts or prefix-cache hits. Off by default: it costs throughput.
     deterministic: bool = False

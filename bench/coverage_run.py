@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_split import HALVES, in_half  # noqa: E402
+
 DATA = REPO.parent / "shared" / "data" / "jsonschemabench"
 SUBSETS = ("Github_trivial", "Github_easy", "Glaiveai2K", "Snowplow", "WashingtonPost")
 COMPILE_ERRORS = {"invalid_schema", "unsupported_schema"}
@@ -39,11 +42,13 @@ def prompt_for(schema: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def sample_schemas(data: Path, subsets: list[str], per_subset: int,
-                   seed: int) -> list[tuple[str, str, dict[str, Any]]]:
+                   seed: int, half: str = "held") -> list[tuple[str, str, dict[str, Any]]]:
+    """`per_subset` schemas of each subset, drawn from one half of the fixed split
+    (data_split.py): report on `held`, tune on `tune`."""
     rng = random.Random(seed)
     picked = []
     for subset in subsets:
-        files = sorted((data / subset).glob("*.json"))
+        files = sorted(f for f in (data / subset).glob("*.json") if in_half(f, half))
         for f in rng.sample(files, min(per_subset, len(files))):
             try:
                 schema = json.loads(f.read_text())
@@ -58,6 +63,9 @@ def main() -> int:
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--subsets", default=",".join(SUBSETS))
     ap.add_argument("--per-subset", type=int, default=20)
+    ap.add_argument("--half", choices=HALVES, default="held",
+                    help="which half of the fixed split (bench/data_split.py): report on "
+                         "held, tune on tune")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -77,7 +85,8 @@ def main() -> int:
     if not args.data.is_dir():
         print(f"no schemas at {args.data}", file=sys.stderr)
         return 2
-    picked = sample_schemas(args.data, args.subsets.split(","), args.per_subset, args.seed)
+    picked = sample_schemas(args.data, args.subsets.split(","), args.per_subset, args.seed,
+                            args.half)
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = args.out / "prompts.jsonl"
     with prompts.open("w") as f:

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from aici_cli.cli import main
 from aici_cli.config import EngineConfig
 from aici_cli.control.constraint import Constraint
-from aici_cli.control.grammar.closing import closing_order, is_loop, json_state
+from aici_cli.control.grammar.closing import closing_order, json_state
+from aici_cli.control.grammar.loops import find_loop
 from aici_cli.engine.loop import Engine
 from aici_cli.jobs import Job, load_schema
 from aici_cli.models import LoadedModel, load_model
@@ -56,26 +57,19 @@ def test_json_state_and_what_closes_it() -> None:
     assert closing_order('{"a": ')[0] == "0"
 
 
-def test_a_loop_is_a_short_ngram_repeated_many_times() -> None:
-    assert is_loop([7, 8] * 12)
-    assert is_loop([1, 2, 3] + [5] * 24)
-    assert not is_loop([7, 8] * 11)  # 22 tokens: too short to call it a loop
-    assert not is_loop(list(range(40)))
-    assert not is_loop([1, 2, 3, 4, 5, 6, 7, 8, 9] * 6)  # period 9: longer than a loop's
-
-
 @pytest.mark.parametrize("max_tokens", [28, 48])  # room for the smallest values
 def test_values_the_limit_would_cut_are_finished_and_valid(lm: LoadedModel,
                                                            max_tokens: int) -> None:
     lines = jobs(max_tokens)
-    plain = run(lm, lines)
-    closed = run(lm, lines, close_at_limit=True)
+    plain = run(lm, lines, close_at_limit=False, loop_guard=False)
+    closed = run(lm, lines, loop_guard=False)
     schemas = [STRING, NESTED, ROWS]
     assert any(r["finish_reason"] == "length" for r in plain.values())
     for j, schema in zip(lines, schemas):
         before, after = plain[j.index], closed[j.index]
         if before["finish_reason"] == "length":
             assert after["finish_reason"] == "stop" and after["stats"]["closed_early"] is True
+            assert after["stats"]["close_reason"] == "limit"
             assert after["valid"] is True
             jsonschema.validate(json.loads(after["text"]), schema)
             assert after["stats"]["output_tokens"] <= max_tokens
@@ -85,8 +79,8 @@ def test_values_the_limit_would_cut_are_finished_and_valid(lm: LoadedModel,
 
 def test_the_loop_guard_changes_only_looping_outputs(lm: LoadedModel) -> None:
     lines = [dataclasses.replace(j, logprobs=0) for j in jobs(60)]  # the token ids, too
-    plain = run(lm, lines)
-    guarded = run(lm, lines, loop_guard=True)
+    plain = run(lm, lines, close_at_limit=False, loop_guard=False)
+    guarded = run(lm, lines, close_at_limit=False)
     assert any(r["stats"].get("closed_early") for r in guarded.values())
     for j in lines:
         before, after = plain[j.index], guarded[j.index]
@@ -94,9 +88,11 @@ def test_the_loop_guard_changes_only_looping_outputs(lm: LoadedModel) -> None:
             assert after["text"] == before["text"]
             continue
         assert after["valid"] is True and after["finish_reason"] == "stop"
+        assert after["stats"]["close_reason"] == "loop"
         # Up to where the guard fired, the same tokens as unguarded, and a loop there.
         ids = [e["id"] for e in after["logprobs"]]
-        fired = next(n for n in range(1, len(ids) + 1) if is_loop(ids[:n]))
+        text = lm.tokenizer.decode
+        fired = next(n for n in range(1, len(ids) + 1) if find_loop(text(ids[:n])))
         assert ids[:fired] == [e["id"] for e in before["logprobs"]][:fired]
 
 
@@ -105,9 +101,35 @@ def test_close_at_limit_through_the_cli(tiny_model_dir: Path, tmp_path: Path) ->
     src.write_text(json.dumps({"prompt": "Data:", "json_schema": NESTED, "max_tokens": 30,
                                "n": 2, "temperature": 1.0}) + "\n")
     res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model",
-                                    str(tiny_model_dir), "--dtype", "float32",
-                                    "--close-at-limit", "-q"])
+                                    str(tiny_model_dir), "--dtype", "float32", "-q"])
     assert res.exit_code == 0, res.output
     [result] = [json.loads(x) for x in out.read_text().splitlines()]
     jsonschema.validate(result, load_schema("result-line"))
     assert all(c["valid"] for c in result["choices"])
+
+
+def test_closing_is_the_default_and_each_switch_turns_it_off(tiny_model_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """By default a line the limit would cut ends closed; `--no-close-at-limit` gives the
+    cut-off output back (and `--no-loop-guard` alone keeps closing at the limit)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "prompt": "Data:", "json_schema": s,
+                                       "max_tokens": 28}) + "\n"
+                           for i, s in enumerate([STRING, NESTED, ROWS])))
+
+    def results(*flags: str) -> dict[str, dict[str, Any]]:
+        out = tmp_path / f"out{len(flags)}{'-'.join(flags)}.jsonl"
+        res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model",
+                                        str(tiny_model_dir), "--dtype", "float32", "-q",
+                                        *flags])
+        assert res.exit_code in (0, 1), res.output
+        return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+    default, no_guard = results(), results("--no-loop-guard")
+    off = results("--no-close-at-limit", "--no-loop-guard")
+    assert any(r["finish_reason"] == "length" for r in off.values())
+    assert not any(r["finish_reason"] == "length" for r in default.values())
+    assert not any(r["finish_reason"] == "length" for r in no_guard.values())
+    for r in [*default.values(), *no_guard.values()]:
+        assert r["valid"] is True
+    assert all(r["stats"].get("close_reason") != "loop" for r in no_guard.values())

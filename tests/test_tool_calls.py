@@ -11,13 +11,21 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 from click.testing import CliRunner
 from tiny_model import CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE, build_tiny_model
 
 from aici_cli.cli import main
 from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
-from aici_cli.control.tool_calls import ToolCall, call_text, calls_text, parse_calls
+from aici_cli.control.tool_calls import (
+    SEPARATOR,
+    ToolCall,
+    call_text,
+    calls_text,
+    complete_calls,
+    parse_calls,
+)
 from aici_cli.jobs import load_schema
 from aici_cli.jobs.tools import tool_constraint
 from aici_cli.models import LoadedModel, load_model, render_prompt
@@ -313,20 +321,22 @@ def test_tool_choices_through_run_in_both_formats(tiny_model_dir: Path, tools_mo
             assert line["valid"] is True
 
 
-def test_calls_finished_early_with_loop_guard(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_calls_finished_early_by_the_loop_guard(tiny_model_dir: Path, tmp_path: Path) -> None:
     """vLLM's run-batch tool-calling request: a free-text argument the tiny greedy model
     repeats until its limit; `--loop-guard` closes it into a valid call."""
     src, out = DATA / "vllm_tool_calling.jsonl", tmp_path / "out.jsonl"
     [request] = [json.loads(x) for x in src.read_text().splitlines()]
     schema = request["body"]["tools"][0]["function"]["parameters"]
-    code, [line] = _run(tiny_model_dir, src, out, "--max-tokens", "200")
+    code, [line] = _run(tiny_model_dir, src, out, "--max-tokens", "200", "--no-loop-guard",
+                        "--no-close-at-limit")
     assert code == 0 and line["error"] is None
     [choice] = line["response"]["body"]["choices"]
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
-    code, [line] = _run(tiny_model_dir, src, out, "--loop-guard")
+    code, [line] = _run(tiny_model_dir, src, out)  # the guard is on by default
     jsonschema.validate(line, OUTPUT_SCHEMA)
     [choice] = line["response"]["body"]["choices"]
     assert choice["finish_reason"] == "tool_calls" and line["aici"]["stats"]["closed_early"]
+    assert line["aici"]["stats"]["close_reason"] == "loop"
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_current_weather"
     jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
@@ -462,3 +472,41 @@ def test_default_model_calls_a_required_tool(tmp_path: Path) -> None:
     for call in choice["message"]["tool_calls"]:
         assert call["function"]["name"] == "get_current_weather"
         jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+def test_a_call_cut_off_keeps_the_whole_calls_before_it() -> None:
+    calls = [ToolCall("get_weather", '{"unit": "f"}'), ToolCall("ping", "{}"),
+             ToolCall("get_weather", '{"unit": "c", "now": true}')]
+    text = calls_text(calls)
+    for end in range(len(text) + 1):
+        whole = [k for k in range(len(calls) + 1) if len(calls_text(calls[:k])) <= end]
+        got, rest = complete_calls(text[:end])
+        assert got == calls[: whole[-1]], text[:end]
+        assert rest == (len(calls_text(got)) if got else 0)
+
+
+def test_a_line_cut_inside_a_call_reports_the_whole_calls(lm: LoadedModel) -> None:
+    """max_tokens cut the output inside its third call (closing off): the result keeps the
+    two whole calls as `tool_calls`, names the dropped one, and stays `length`."""
+    from aici_cli.engine.generation import Finish, Generation
+    from aici_cli.engine.result_line import generation_result
+    from aici_cli.jobs import Job
+
+    compiler = GrammarCompiler(lm.tokenizer, lm.vocab_size, sorted(lm.eos_token_ids))
+    whole = [ToolCall("get_weather", '{"unit": "c", "now": true}'),
+             ToolCall("switch", '{"on": false}')]
+    cut = calls_text(whole) + SEPARATOR + call_text("get_weather", '{"unit": "f"}')[:40]
+    constraint = _constraint(tool_choice="required")
+    controller = GrammarController(compiler.compile(constraint))
+    fields = controller.report(cut)
+    assert fields["calls"] == whole and fields["dropped_call"].startswith("<tool_call>")
+    job = Job(index=1, id="t", prompt="", messages=MESSAGES, max_tokens=80, temperature=0.0,
+              top_p=1.0, seed=0, constraint=constraint)
+    gen = Generation(job, [], controller, torch.Generator(), started=0.0)
+    gen.output = lm.tokenizer(cut, add_special_tokens=False)["input_ids"]
+    gen.finish = Finish("length")
+    result = generation_result(gen, lm.tokenizer, 0.0)
+    assert result["finish_reason"] == "length"
+    assert [c["function"]["arguments"] for c in result["tool_calls"]] == [
+        c.arguments for c in whole]
+    jsonschema.validate(result, RESULT_SCHEMA)

@@ -85,7 +85,7 @@ class Controller(Protocol):
         """Fields to merge into the result line when the sequence ends (e.g. json, valid)."""
         ...
 
-    def stats(self) -> dict[str, float | bool]:
+    def stats(self) -> dict[str, float | bool | str]:
         """Extra figures for the result's `stats`: where `controller_ms` went (ms), or
         flags such as `closed_early`."""
         ...
@@ -137,7 +137,7 @@ class ControllerBase:
     def report(self, text: str) -> dict[str, Any]:
         return {}
 
-    def stats(self) -> dict[str, float | bool]:
+    def stats(self) -> dict[str, float | bool | str]:
         return {}
 
     def close(self) -> None:

@@ -88,28 +88,34 @@ def _regex_literal(text: str) -> str:
 def parse_calls(text: str) -> list[ToolCall] | None:
     """The calls an output makes, or None when it is not calls (plain text, or calls cut
     off before their end). Reads exactly the form `lark_grammar` allows."""
+    calls, rest = complete_calls(text)
+    return calls if calls and rest == len(text) else None
+
+
+def complete_calls(text: str) -> tuple[list[ToolCall], int]:
+    """The whole calls an output starts with, and where the text after them begins (at
+    its end when every call is whole; else at what follows the last whole call: a call cut
+    off, or what is no call)."""
     decoder = json.JSONDecoder()
     calls: list[ToolCall] = []
-    pos = 0
+    done = pos = 0  # `done`: the end of the last whole call
     while True:
         if not text.startswith(_HEAD, pos):
-            return None
+            return calls, done
         try:
             name, pos = decoder.raw_decode(text, pos + len(_HEAD))
             if not isinstance(name, str) or not text.startswith(_ARGUMENTS, pos):
-                return None
+                return calls, done
             start = pos + len(_ARGUMENTS)
             arguments, pos = decoder.raw_decode(text, start)
         except (ValueError, RecursionError):
-            return None
+            return calls, done
         if not isinstance(arguments, dict) or not text.startswith(_TAIL, pos):
-            return None
+            return calls, done
         calls.append(ToolCall(name, text[start:pos]))
-        pos += len(_TAIL)
-        if pos == len(text):
-            return calls
-        if not text.startswith(SEPARATOR, pos):
-            return None
+        done = pos = pos + len(_TAIL)
+        if pos == len(text) or not text.startswith(SEPARATOR, pos):
+            return calls, done
         pos += len(SEPARATOR)
 
 

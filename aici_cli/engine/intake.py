@@ -11,7 +11,7 @@ from aici_cli.config import EngineConfig
 from aici_cli.control.base import Controller
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.closing import Closer
-from aici_cli.control.grammar.controller import Closing
+from aici_cli.control.grammar.early_close import Closing
 from aici_cli.engine.rows import Prepared
 from aici_cli.engine.scoring import choice_sequences
 from aici_cli.errors import ControllerError, GrammarError, ModelError
@@ -35,6 +35,10 @@ def token_ids_problem(job: Job, vocab_size: int) -> str | None:
             return (f"field '{field}' has token id(s) {outside[:5]} outside the model's "
                     f"vocabulary (ids 0 to {vocab_size - 1})")
     return None
+
+
+# The constraint kinds whose lines are closed at the limit and guarded against loops.
+CLOSABLE = ("json_schema", "regex", "lark", "tool_calls")
 
 
 class LineIntake:
@@ -134,12 +138,13 @@ class LineIntake:
                                  self.config.fast_forward, self._closing(job))
 
     def _closing(self, job: Job) -> Closing | None:
-        """When a JSON line's value (or a tool call's arguments) may be finished early
-        (`--close-at-limit`, `--loop-guard`)."""
+        """When a constrained line (JSON schema, regex, Lark grammar, tool calls) may be
+        finished early (`--close-at-limit`, `--loop-guard`, both on by default). A choice
+        is a few tokens from the start: nothing to close."""
         cfg = self.config
         if not (cfg.close_at_limit or cfg.loop_guard) or job.constraint is None or (
-                job.constraint.kind not in ("json_schema", "tool_calls")):
+                job.constraint.kind not in CLOSABLE):
             return None
         if self._closer is None:
-            self._closer = Closer(self.lm.tokenizer)
+            self._closer = Closer(self.lm.tokenizer, self.compiler.tokenizer.decode_bytes)
         return Closing(self._closer, job.max_tokens, cfg.close_at_limit, cfg.loop_guard)

@@ -38,7 +38,8 @@ def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, 
     result["stats"] = gen.stats.as_dict()
     if gen.controller is not None:
         for name, value in gen.controller.stats().items():
-            result["stats"][name] = value if isinstance(value, bool) else round(value, 3)
+            result["stats"][name] = (round(value, 3) if isinstance(value, float)
+                                     else value)
         gen.controller.close()
     if gen.logprobs is not None:
         result["logprobs"] = gen.logprobs + [None] * (len(gen.output) - len(gen.logprobs))
@@ -85,6 +86,8 @@ def summed_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
         for key, value in r.get("stats", {}).items():
             if isinstance(value, bool):  # a flag: set when any row's is
                 stats[key] = stats.get(key, False) or value
+            elif isinstance(value, str):  # a reason (close_reason): the first row's
+                stats.setdefault(key, value)
             else:
                 stats[key] = round(stats.get(key, 0) + value, 3)
     stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),

@@ -9,16 +9,12 @@ decides every token, so the completion is valid for the schema; it is not always
 shortest one, and a grammar that cannot be completed from the list (a `minLength` string,
 a long `pattern`) gets none, and is cut off as before.
 
-Used two ways (both opt-in, both marked in the result as `stats.closed_early`):
-- at the limit (`--close-at-limit`): when the tokens left are about what the completion
-  needs, the completion is fast-forwarded and the sequence ends;
-- on a loop (`--loop-guard`): when the output's last tokens repeat one short n-gram many
-  times, the value is closed at once.
+When and from where a completion is used (at the limit, on a loop) is early_close.py's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -38,22 +34,6 @@ AFTER_VALUE_IN_ARRAY = (']', ',', ' ')
 AFTER_VALUE = ('}', ']', ',', ' ')
 CLOSING_TEXTS = tuple(dict.fromkeys(IN_STRING + AFTER_OPEN_OBJECT + AFTER_OPEN_ARRAY + VALUE
                                     + AFTER_VALUE_IN_OBJECT + AFTER_VALUE_IN_ARRAY))
-
-# Completions are looked for only this close to the limit (each costs a matcher copy and
-# a few token checks); a completion longer than this is not found.
-HORIZON = 96
-
-# Tokens kept in hand beyond the completion's length: the completion can grow by a few
-# tokens from one step to the next (a new nested object), and must still fit.
-MARGIN = 4
-
-# A loop: the last tokens are one n-gram of at most MAX_PERIOD tokens repeated, covering
-# at least MIN_LOOP_TOKENS tokens and MIN_REPEATS repeats. A 135M model's loops
-# ("0,0,0,...", "1234567890123...", a word again and again) are far longer.
-MAX_PERIOD = 8
-MIN_REPEATS = 6
-MIN_LOOP_TOKENS = 24
-
 
 def json_state(text: str) -> tuple[bool, list[str], str]:
     """Where a JSON prefix stands: inside a string, the open brackets, and the last
@@ -104,8 +84,13 @@ def closing_order(text: str) -> tuple[str, ...]:
 class Closer:
     """Completions from a matcher's state; one per run (it only holds token ids)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any,
+                 decode_bytes: Callable[[list[int]], bytes] | None = None) -> None:
+        """`tokenizer`: the model's (HF); `decode_bytes`: tokens to their exact bytes (the
+        grammar tokenizer's, llguidance `LLTokenizer.decode_bytes`), for the loop guard."""
         self.tokenizer = tokenizer
+        self.decode_bytes: Callable[[list[int]], bytes] = decode_bytes or (
+            lambda ids: str(tokenizer.decode(list(ids))).encode())
         self.ids: dict[str, int] = {}
         for text in CLOSING_TEXTS:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -113,7 +98,7 @@ class Closer:
                 self.ids[text] = ids[0]
 
     def completion(self, matcher: llguidance.LLMatcher, text: str,
-                   limit: int = HORIZON) -> list[int] | None:
+                   limit: int) -> list[int] | None:
         """Tokens (at most `limit`) that take a copy of `matcher`, whose output so far
         reads `text`, to a state where the grammar is complete; None when none is found.
         The matcher is not changed."""
@@ -154,16 +139,3 @@ def _first_allowed(m: llguidance.LLMatcher) -> int | None:
                          bitorder="little")
     allowed = np.flatnonzero(bits)
     return int(allowed[0]) if allowed.size else None
-
-
-def is_loop(tokens: Sequence[int]) -> bool:
-    """Whether `tokens` ends in one n-gram (n <= MAX_PERIOD) repeated MIN_REPEATS times
-    and over at least MIN_LOOP_TOKENS tokens."""
-    for period in range(1, MAX_PERIOD + 1):
-        span = max(period * MIN_REPEATS, MIN_LOOP_TOKENS)
-        if len(tokens) < span:
-            break
-        tail = tokens[len(tokens) - span :]
-        if all(tail[i] == tail[i % period] for i in range(span)):
-            return True
-    return False

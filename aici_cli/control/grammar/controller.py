@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -12,20 +11,10 @@ import torch
 
 from aici_cli.control import tool_calls
 from aici_cli.control.base import ControllerBase, Directive
-from aici_cli.control.grammar.closing import HORIZON, MARGIN, Closer, is_loop
 from aici_cli.control.grammar.compiler import CompiledGrammar
+from aici_cli.control.grammar.early_close import Closing, EarlyClose
 from aici_cli.control.grammar.limits import is_limit_error, tidy_error
 from aici_cli.errors import ControllerError
-
-
-@dataclass(frozen=True)
-class Closing:
-    """When to finish the value early (see `closing.py`): near `max_tokens`, on a loop."""
-
-    closer: Closer
-    max_tokens: int
-    at_limit: bool = True
-    loop_guard: bool = False
 
 
 class GrammarController(ControllerBase):
@@ -36,11 +25,13 @@ class GrammarController(ControllerBase):
         self.grammar = grammar
         self._matcher = grammar.template.deep_copy()
         self.fast_forward = fast_forward
-        self.closing = closing
-        # Every token the matcher consumed, in order: kept only when closing may need it
-        # (the length against max_tokens, loops), not on every constrained row's step.
-        self.output: list[int] = []
-        self.closed_early = False
+        # Every token the matcher consumed and the closing plan (early_close.py): kept only
+        # when the line may be closed early, not on every constrained row's step.
+        self._early = EarlyClose(closing) if closing is not None else None
+
+    @property
+    def closed_early(self) -> bool:
+        return self._early is not None and self._early.reason is not None
 
     def _next(self) -> Directive:
         m = self._matcher
@@ -48,41 +39,23 @@ class GrammarController(ControllerBase):
             raise self.matcher_fault()
         if m.is_stopped():
             return Directive(stop=True)
-        if not self.fast_forward:
-            closing = self._close_early()
-            return Directive(ff_tokens=tuple(closing), stop=self.closed_early)
-        ff_tokens = m.compute_ff_tokens()  # forced by the grammar: no need to sample them
-        if m.is_error() or (ff_tokens and not m.consume_tokens(ff_tokens)):
-            raise self.matcher_fault()
-        if self.closing is not None:
-            self.output += ff_tokens
-            ff_tokens += self._close_early()
-        return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped() or self.closed_early)
-
-    def _close_early(self) -> list[int]:
-        """The tokens that complete the value now, when `closing` says it is time (and a
-        completion is found); consumed into the matcher. [] otherwise."""
-        c = self.closing
-        m = self._matcher
-        if c is None or m.is_stopped() or m.is_accepting():
-            return []
-        left = c.max_tokens - len(self.output)
-        completion = None
-        if c.loop_guard and is_loop(self.output):
-            completion = c.closer.completion(m, self._text(), min(HORIZON, left))
-        elif c.at_limit and left <= HORIZON:
-            completion = c.closer.completion(m, self._text(), left)
-            if completion is not None and left - len(completion) > MARGIN:
-                completion = None  # not yet: the model may still finish on its own
-        if not completion or not m.consume_tokens(completion):
-            return []
-        self.output += completion
-        self.closed_early = True
-        return completion
-
-    def _text(self) -> str:
-        assert self.closing is not None
-        return str(self.closing.closer.tokenizer.decode(self.output))
+        ff_tokens: list[int] = []
+        if self.fast_forward:
+            ff_tokens = m.compute_ff_tokens()  # forced by the grammar: no need to sample them
+            if m.is_error() or (ff_tokens and not m.consume_tokens(ff_tokens)):
+                raise self.matcher_fault()
+        early = self._early
+        if early is None:
+            return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
+        early.consumed(ff_tokens)
+        close = early.decide(m)
+        if close is None:
+            return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
+        if close.backtrack > len(ff_tokens):  # back into what the engine already holds
+            return Directive(backtrack=close.backtrack - len(ff_tokens),
+                             ff_tokens=tuple(close.tokens), stop=True)
+        kept = ff_tokens[: len(ff_tokens) - close.backtrack]
+        return Directive(ff_tokens=tuple(kept + close.tokens), stop=True)
 
     def matcher_fault(self) -> ControllerError:
         """The error of a matcher in its error state, typed by cause.
@@ -106,12 +79,15 @@ class GrammarController(ControllerBase):
     def advance(self, tokens: Sequence[int]) -> Directive:
         if not self._matcher.consume_tokens(list(tokens)):
             raise self.matcher_fault()
-        if self.closing is not None:
-            self.output += tokens
+        if self._early is not None:
+            self._early.consumed(tokens)
         return self._next()
 
-    def stats(self) -> dict[str, float | bool]:
-        return {"closed_early": True} if self.closed_early else {}
+    def stats(self) -> dict[str, float | bool | str]:
+        """`closed_early` and `close_reason` ("limit" or "loop") when it was."""
+        if self._early is None or self._early.reason is None:
+            return {}
+        return {"closed_early": True, "close_reason": self._early.reason}
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` the grammar accepts from the current state, consuming
@@ -164,17 +140,24 @@ class GrammarController(ControllerBase):
         """`calls` (the ToolCalls read from the output; the result line gives them ids) and
         `valid` (every call names a tool and its arguments validate against that tool's
         `parameters`), for an output that calls tools; nothing for a text answer. An output
-        cut off inside its calls has no calls and is not valid."""
+        cut off inside a call (at max_tokens) keeps the calls before it, and says the cut
+        one was dropped (`dropped_call`); one with no whole call has none and is not
+        valid."""
         if not text.startswith(tool_calls.OPEN):
             return {}
-        calls = tool_calls.parse_calls(text)
-        if calls is None:
+        calls, rest = tool_calls.complete_calls(text)
+        if not calls:
             return {"valid": False}
         validators = self.grammar.tools
         valid = all(c.name in validators and _is_valid(validators[c.name],
                                                        json.loads(c.arguments), warnings)
                     for c in calls)
-        return {"calls": calls, "valid": valid}
+        fields: dict[str, Any] = {"calls": calls, "valid": valid}
+        if rest < len(text):
+            fields["dropped_call"] = text[rest:].lstrip(tool_calls.SEPARATOR)[:200]
+            warnings.append(f"a tool call cut off at max_tokens was dropped; the "
+                            f"{len(calls)} whole call(s) before it are kept")
+        return fields
 
 
 def _is_valid(validator: Any, value: Any, warnings: list[str]) -> bool:

@@ -212,10 +212,10 @@ class WasmController(ControllerBase):
                 fields["outputs"] = dict(self.guest.outputs)
         return fields
 
-    def stats(self) -> dict[str, float | bool]:
+    def stats(self) -> dict[str, float | bool | str]:
         """Where `controller_ms` went: inside the guest, and running its segments."""
         guest_ms = self.guest.guest_ms if self.guest is not None else 0.0
-        out: dict[str, float | bool] = {"guest_ms": guest_ms, "segment_ms": self.segment_ms}
+        out: dict[str, float | bool | str] = {"guest_ms": guest_ms, "segment_ms": self.segment_ms}
         if self.replay_ms:
             out["replay_ms"] = self.replay_ms
         return out

@@ -1,0 +1,131 @@
+"""When to finish a constrained value early, and with what: a sequence's closing plan.
+
+Two promises, for every JSON-schema, grammar and tool-call line (on by default):
+
+- **Nothing cut off at the limit.** The sequence always holds a *plan*: a position in its
+  output and a completion from there (closing.py's `Closer`) that ends within
+  `max_tokens`. The plan is renewed every `REPLAN_EVERY` tokens, and at every token once
+  the budget left is within `NEAR` tokens of the plan's completion. When the completion
+  from the current position leaves at most `MARGIN` tokens spare, it is fast-forwarded
+  and the sequence ends. When no completion from the current position fits (the model
+  opened one more nested object than the budget can close, or the walk finds none), the
+  sequence goes back to the plan's position and takes the plan's completion: a backtrack
+  of the tokens since, never a cut-off output. Only a value whose very first completion
+  does not fit `max_tokens` can still end cut off.
+- **Loops end** (`loops.find_loop` on the output's text): the value is closed at once.
+
+Cost: a completion walk (a matcher copy and a few token checks per completion token) every
+`REPLAN_EVERY` tokens, and at each token near the limit; the loop check is microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llguidance
+
+from aici_cli.control.grammar.closing import Closer
+from aici_cli.control.grammar.loops import WINDOW, find_loop
+
+# A fresh plan is made at least this often (tokens), so a backtrack to it loses little.
+REPLAN_EVERY = 8
+# Tokens in hand beyond the completion at which the plan is checked at every token.
+NEAR = 16
+# Tokens kept in hand beyond the completion's length when closing at the limit: the
+# model may still end the value on its own within them.
+MARGIN = 4
+# The longest completion looked for (tokens): bounds a walk's cost where the closer finds
+# no way to the end (it then tries every token up to here).
+WALK_LIMIT = 256
+
+
+@dataclass(frozen=True)
+class Closing:
+    """What a line may finish early for (`--close-at-limit`, `--loop-guard`), its budget,
+    and the run's closer."""
+
+    closer: Closer
+    max_tokens: int
+    at_limit: bool = True
+    loop_guard: bool = True
+
+
+@dataclass(frozen=True)
+class Close:
+    """A decision to finish now: drop the last `backtrack` tokens, then append `tokens`
+    (already consumed by the matcher) and stop. `reason`: "limit" or "loop"."""
+
+    backtrack: int
+    tokens: list[int]
+    reason: str
+
+
+class EarlyClose:
+    """One sequence's closing state; see the module docstring. Sees every token the
+    matcher consumes (`consumed`), in order, and decides after each batch of them
+    (`decide`)."""
+
+    def __init__(self, closing: Closing) -> None:
+        self.closing = closing
+        self.token_bytes = closing.closer.decode_bytes
+        self.tokens: list[int] = []
+        self._text = bytearray()  # the output's bytes
+        self._ends: list[int] = []  # len(self._text) after each token
+        self._plan: tuple[int, list[int]] | None = None  # (position, completion)
+        self.reason: str | None = None  # set once the sequence was closed early
+
+    def consumed(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(t)
+            self._text += self.token_bytes([t])
+            self._ends.append(len(self._text))
+
+    def text(self, tail: int | None = None) -> str:
+        raw = self._text if tail is None else self._text[-tail:]
+        return bytes(raw).decode("utf-8", "replace")
+
+    def decide(self, m: llguidance.LLMatcher) -> Close | None:
+        """Whether to finish now, from `m`, the matcher after every token so far. A
+        returned `Close` is already applied to `m` (rolled back, completion consumed)."""
+        c = self.closing
+        if m.is_stopped() or m.is_accepting() or m.is_error():
+            return None
+        pos = len(self.tokens)
+        left = c.max_tokens - pos
+        if c.loop_guard and find_loop(self.text(tail=4 * WINDOW)) is not None:
+            done = self._complete(m, left)
+            if done is not None:
+                return self._close(m, 0, done, "loop")
+        if not c.at_limit:
+            return None
+        plan = self._plan
+        near = plan is not None and left <= len(plan[1]) + NEAR
+        if plan is not None and not near and pos - plan[0] < REPLAN_EVERY:
+            return None
+        done = self._complete(m, left)
+        if done is not None:
+            self._plan = (pos, done)
+            if left - len(done) <= MARGIN:
+                return self._close(m, 0, done, "limit")
+            return None
+        if plan is not None and near:  # no way on from here fits: back to the plan
+            return self._close(m, pos - plan[0], plan[1], "limit")
+        return None
+
+    def _complete(self, m: llguidance.LLMatcher, left: int) -> list[int] | None:
+        done = self.closing.closer.completion(m, self.text(), min(left, WALK_LIMIT))
+        return done if done else None
+
+    def _close(self, m: llguidance.LLMatcher, backtrack: int, tokens: list[int],
+               reason: str) -> Close | None:
+        if backtrack:
+            m.rollback(backtrack)
+            del self.tokens[len(self.tokens) - backtrack :]
+            del self._ends[len(self._ends) - backtrack :]
+            del self._text[self._ends[-1] if self._ends else 0 :]
+        if not m.consume_tokens(tokens):
+            return None
+        self.consumed(tokens)
+        self.reason = reason
+        return Close(backtrack, tokens, reason)

@@ -1,0 +1,94 @@
+"""Knowing a loop when one is written: the loop guard's detector.
+
+A small model that loops inside a constrained value repeats *text*, not tokens: a digit
+run `"1234567890123…"` whose period (10 characters) is no whole number of tokens, a key
+that grows `_self_self_self`, a run of U+205F spaces, list items `, dark, dark`, whole
+key/value pairs again and again. So the detector works on the decoded text: the output
+loops when its tail is one unit of `p` characters (1 <= p <= MAX_PERIOD) repeated,
+covering at least `min_span(p)` characters. The unit may start anywhere (inside a token,
+inside a string, across a separator), so any period is caught, whatever the
+tokenization, and the verdict at a given character does not depend on how many tokens a
+step appended (drafts on or off).
+
+Thresholds (`min_span`): a unit repeated at least MIN_REPEATS times *and* over at least
+MIN_SPAN characters. Tuned on the `tune` half of the schema split (bench/data_split.py):
+there, no output that finished on its own holds such a tail at any point of its writing,
+while every loop a 135M model writes is far longer (hundreds of characters). The rate on
+the held-out half is measured by `bench/loop_guard.py`.
+
+Cost: one `str.rfind` per call in the common case (no recent repeat of the last
+MIN_SPAN // 2 characters), a few slice compares otherwise; microseconds per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The longest unit looked for (characters): a repeated key/value pair or list item.
+MAX_PERIOD = 200
+# A loop covers at least this many characters ...
+MIN_SPAN = 32
+# ... and holds its unit at least this many times.
+MIN_REPEATS = 4
+# How much of the output's tail is looked at (characters): the longest loop that must be
+# seen whole is MIN_REPEATS units of MAX_PERIOD.
+WINDOW = MAX_PERIOD * MIN_REPEATS + MAX_PERIOD
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A loop at the end of a text: its unit of `period` characters covers the last
+    `span` characters (span >= period * MIN_REPEATS and >= MIN_SPAN)."""
+
+    period: int
+    span: int
+
+
+def min_span(period: int) -> int:
+    """The characters a unit of `period` characters must cover to count as a loop."""
+    return max(MIN_SPAN, MIN_REPEATS * period)
+
+
+def periodic_tail(text: str, period: int) -> int:
+    """How many of `text`'s last characters repeat with `period`: the largest s such that
+    text[-s:] equals the text `period` characters earlier, plus `period` (the first
+    unit). 0 when not even one character repeats."""
+    n = len(text)
+    if period >= n or text[-1] != text[-1 - period]:
+        return 0
+    # Grow a matched span by doubling, then bisect: slice compares run in C.
+    lo, hi = 1, 1
+    while hi <= n - period and text[n - hi :] == text[n - hi - period : n - period]:
+        lo, hi = hi, hi * 2
+    hi = min(hi, n - period + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if text[n - mid :] == text[n - mid - period : n - period]:
+            lo = mid
+        else:
+            hi = mid
+    return lo + period
+
+
+def find_loop(text: str) -> Loop | None:
+    """The loop `text` ends in, or None. Shortest qualifying period first."""
+    tail = text[-WINDOW:]
+    n = len(tail)
+    if n < MIN_SPAN:
+        return None
+    # A loop of period p covering s >= p + probe characters has its last `probe` characters
+    # again exactly p earlier: the candidate periods are where they recur.
+    probe = MIN_SPAN // 2
+    key = tail[n - probe :]
+    bound = n - 1  # earlier occurrences only: those that start before n - probe
+    while True:
+        at = tail.rfind(key, 0, bound)
+        if at < 0:
+            return None
+        period = n - probe - at
+        if period > MAX_PERIOD:
+            return None
+        span = periodic_tail(tail, period)
+        if span >= min_span(period):
+            return Loop(period, span)
+        bound = at + probe - 1

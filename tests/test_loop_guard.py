@@ -1,0 +1,178 @@
+"""The loop guard's detector (`loops.find_loop`) and the grammar controller that uses it.
+
+Properties, on generated inputs:
+- the fast detector agrees with the definition (a unit of p <= MAX_PERIOD characters
+  repeated over at least `min_span(p)` characters at the end), computed by brute force;
+- every kind of loop a small model writes (digit runs with no token-aligned period,
+  whitespace runs, a growing key, repeated list items and key/value pairs) is caught,
+  whatever JSON comes before it;
+- a controller fed a looping output closes the value at once, validly, and one fed a
+  value that does not loop never closes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aici_cli.control.constraint import Constraint
+from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.control.grammar.closing import Closer
+from aici_cli.control.grammar.early_close import Closing
+from aici_cli.control.grammar.loops import MAX_PERIOD, find_loop, min_span
+from aici_cli.models import LoadedModel, load_model
+
+PROPS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow])
+
+
+def loops_by_definition(text: str) -> bool:
+    """Brute force: some period p has text[-s:] == text[-s-p:-p] for s = span - p."""
+    for p in range(1, MAX_PERIOD + 1):
+        s = 0
+        while s < len(text) - p and text[len(text) - 1 - s] == text[len(text) - 1 - s - p]:
+            s += 1
+        if s > 0 and s + p >= min_span(p):
+            return True
+    return False
+
+
+@PROPS
+@given(st.text(alphabet="ab, 0\"", max_size=120))
+def test_the_detector_agrees_with_the_definition(text: str) -> None:
+    assert (find_loop(text) is not None) == loops_by_definition(text)
+
+
+@PROPS
+@given(st.lists(st.sampled_from(["ab", "a", "b", "ab, ", "x"]), max_size=60).map("".join))
+def test_the_detector_agrees_with_the_definition_on_repetitive_text(text: str) -> None:
+    assert (find_loop(text) is not None) == loops_by_definition(text)
+
+
+# What comes before a loop: any JSON text.
+PREFIXES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=6,
+).map(lambda v: json.dumps({"data": v})[:-1] + ', "x": ')
+
+UNITS = st.one_of(
+    st.sampled_from(["1234567890", "0", "7", "01", "\u205f", " ", "\u3000", "_self",
+                     ", dark", "1, ", "\"tautaue\", ", "2000000; ", "ab"]),
+    st.text(alphabet="abcdefghij0123456789 ,:\"", min_size=1, max_size=40),  # any unit
+    st.builds(lambda k, v: f'"{k}": {json.dumps(v)}, ', st.text("abcxyz", min_size=1,
+                                                                 max_size=12),
+              st.integers() | st.text(max_size=10)),  # a repeated key/value pair
+)
+
+
+@PROPS
+@given(PREFIXES, UNITS, st.integers(0, 3))
+def test_every_kind_of_loop_is_caught(prefix: str, unit: str, extra: int) -> None:
+    times = -(-min_span(len(unit)) // len(unit)) + extra
+    loop = find_loop(prefix + unit * times)
+    assert loop is not None
+    assert len(unit) % loop.period == 0  # the unit itself, or a smaller period within it
+
+
+# ------------------------------------------------------------------ the controller
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "code": {"type": "string"}, "n": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "scores": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["name"]}
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def compiler(lm: LoadedModel) -> GrammarCompiler:
+    return GrammarCompiler(lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+
+
+def feed(lm: LoadedModel, compiler: GrammarCompiler, text: str,
+         max_tokens: int = 10_000) -> tuple[GrammarController, list[int]]:
+    """A JSON-schema controller with closing on, fed `text`'s tokens one at a time as a
+    model would sample them (until it stops); returns it and the output."""
+    closer = Closer(lm.tokenizer, compiler.tokenizer.decode_bytes)
+    grammar = compiler.compile(Constraint("json_schema", SCHEMA))
+    controller = GrammarController(grammar, closing=Closing(closer, max_tokens))
+    # The text's own tokens, by the byte offset each starts at: the model writes the next
+    # one from wherever the output (with the grammar's forced tokens) has got to.
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    starts, at = {}, 0
+    for t in ids:
+        starts[at] = t
+        at += len(compiler.tokenizer.decode_bytes([t]))
+    target = text.encode()
+    output: list[int] = []
+    directive = controller.start([])
+    output += directive.ff_tokens
+    while not directive.stop:
+        written = compiler.tokenizer.decode_bytes(output)
+        token = starts.get(len(written))
+        if not target.startswith(written) or token is None:
+            break  # done, or the grammar forced something else (its own completion)
+        if not controller.matcher().validate_tokens([token]):
+            break  # the grammar would not let the model write this token
+        output.append(token)
+        directive = controller.advance([token])
+        if directive.backtrack:
+            del output[len(output) - directive.backtrack :]
+        output += directive.ff_tokens
+    return controller, output
+
+
+LOOPS = [
+    '{"name": "a", "code": "' + "1234567890" * 12,
+    '{"name": "' + "\u205f" * 60,
+    '{"name": "x", "n": 1' + "0" * 80,
+    '{"name": "x", "tags": ["light"' + ', "dark"' * 30,
+    '{"name": "x", "scores": [' + "1, " * 40,
+    '{"name": "dereferenced_by' + "_self" * 20,
+    '{"name": "' + "2000000; " * 12,
+]
+
+
+@pytest.mark.parametrize("text", LOOPS)
+def test_a_looping_output_is_closed_at_once_and_valid(lm: LoadedModel,
+                                                      compiler: GrammarCompiler,
+                                                      text: str) -> None:
+    controller, output = feed(lm, compiler, text)
+    assert controller.stats() == {"closed_early": True, "close_reason": "loop"}
+    written = lm.tokenizer.decode(output)
+    jsonschema.validate(json.loads(written), SCHEMA)
+    # Closed soon after the loop became one, not at some later point.
+    assert len(written) < len(text) + 40
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.fixed_dictionaries(
+    {"name": st.text(alphabet="abcdefgh XYZ.-", max_size=40)},
+    optional={"n": st.floats(-1e6, 1e6, allow_nan=False).map(lambda x: round(x, 3)),
+              "tags": st.lists(st.sampled_from(["red", "green", "blue", "amber"]),
+                               max_size=3, unique=True),
+              "scores": st.lists(st.integers(-999, 999), max_size=4, unique=True)}))
+def test_a_value_that_does_not_loop_is_never_closed(lm: LoadedModel,
+                                                    compiler: GrammarCompiler,
+                                                    value: dict[str, Any]) -> None:
+    order = list(SCHEMA["properties"])  # the grammar keeps the schema's property order
+    value = dict(sorted(value.items(), key=lambda kv: order.index(kv[0])))
+    text = json.dumps(value)
+    if loops_by_definition(text):
+        return  # hypothesis wrote a loop itself ("aaaa..."): not this property's case
+    controller, output = feed(lm, compiler, text)
+    assert controller.stats() == {}
+    assert json.loads(lm.tokenizer.decode(output)) == value
