@@ -34,6 +34,9 @@ class EngineConfig:
     # Batch-invariant forward passes (engine/invariant.py): a line's tokens do not depend
     # on its batch, row, drafts or prefix-cache hits. Off by default: it costs throughput.
     deterministic: bool = False
+    # With `deterministic`: first check that this machine's kernels keep the promise
+    # (engine/invariance_check.py, cached per machine); the check's own engines do not.
+    check_invariance: bool = True
     # Times a line generated with a relaxed schema (`--schema-fallback relax`) is generated
     # again, with another seed, when its output does not validate (engine/retry.py).
     schema_retries: int = 2

@@ -16,11 +16,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from aici_cli.cli import main
 from aici_cli.config import EngineConfig
 from aici_cli.control.constraint import Constraint
+from aici_cli.engine import invariance_check
 from aici_cli.engine.invariant import TILE_ROWS, invariant_linear
 from aici_cli.engine.loop import Engine
+from aici_cli.errors import ModelError
 from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel, load_model
 
@@ -104,3 +110,74 @@ def test_tokens_and_logprobs_are_the_same_in_any_batch(lm: LoadedModel) -> None:
                 f"line {key} at batch {batch_size}, drafts {drafts}, "
                 f"prefix cache {prefix_cache}:\n{json.dumps(got[key])}\n"
                 f"!= {json.dumps(tokens)}")
+
+
+# ------------------------------------------------------- any batch, order, cache state
+
+@settings(max_examples=5, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(order=st.permutations(range(6)), batch_size=st.integers(2, 7),
+       drafts=st.sampled_from([0, 4]), lookahead=st.sampled_from([1, 3, 64]),
+       warm=st.booleans())
+def test_any_batch_order_and_cache_state_gives_the_tokens_of_batch_1(
+        lm: LoadedModel, reference: dict[str, Any], order: list[int], batch_size: int,
+        drafts: int, lookahead: int, warm: bool) -> None:
+    """Lines in any arrival order, at any batch size, lookahead and drafts, with the rows'
+    caches cold or already holding other lines' prefixes (`warm`: the same engine ran
+    the lines once before): every line's tokens and raw logprobs are batch 1's."""
+    engine = Engine(lm, EngineConfig(batch_size=batch_size, deterministic=True,
+                                     draft_tokens=drafts, lookahead=lookahead))
+    lines = [jobs()[i] for i in order]
+    if warm:
+        engine.run(list(reversed(lines)), lambda r: None)
+    results: list[dict[str, Any]] = []
+    engine.run(lines, results.append)
+    got = {r["id"]: _tokens(r) for r in results}
+    assert got == reference
+
+
+@pytest.fixture(scope="module")
+def reference(lm: LoadedModel) -> dict[str, Any]:
+    return signatures(lm, 1, draft_tokens=0, prefix_cache=False)
+
+
+# ------------------------------------------------------------- the machine check
+
+def test_the_machine_check_passes_here_and_is_cached(lm: LoadedModel, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path))
+    Engine(lm, EngineConfig(deterministic=True))
+    [verdict] = list((tmp_path / "invariance").glob("*.json"))
+    assert json.loads(verdict.read_text())["ok"] is True
+
+    def checked(*args: Any) -> None:
+        raise AssertionError("checked again: the verdict was not cached")
+
+    monkeypatch.setattr(invariance_check, "kernel_problem", checked)
+    Engine(lm, EngineConfig(deterministic=True))
+
+
+def test_a_machine_whose_gemm_rounds_by_row_count_is_refused(
+        lm: LoadedModel, tiny_model_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake BLAS whose rounding depends on how many rows share the GEMM (as some CPUs'
+    and GPUs' do): the mode refuses with a one-line reason, in the library and the CLI."""
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path))
+
+    def by_row_count(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        out = invariant_linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        return out + (1e-3 if rows % 2 else 0.0)
+
+    monkeypatch.setattr(invariance_check, "invariant_linear", by_row_count)
+    with pytest.raises(ModelError, match="cannot be guaranteed on this machine: .*rounds"):
+        Engine(lm, EngineConfig(deterministic=True))
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    res = CliRunner().invoke(main, ["run", str(src), "--model", str(tiny_model_dir),
+                                    "--dtype", str(lm.dtype).removeprefix("torch."),
+                                    "--deterministic", "-q"])
+    assert res.exit_code == 2
+    assert "--deterministic cannot be guaranteed on this machine" in res.output
+    assert len(res.output.strip().splitlines()) == 1

@@ -40,6 +40,7 @@ from aici_cli.engine.clock import Now, StepClock, ms
 from aici_cli.engine.draft import accept_draft, propose_drafts
 from aici_cli.engine.generation import Finish, Generation, SampleGroup
 from aici_cli.engine.intake import ControllerFactory, Emit, LineIntake
+from aici_cli.engine.invariance_check import check_run, ensure_invariant
 from aici_cli.engine.logprobs import entry, fed_offsets, fill_fed, log_softmax
 from aici_cli.engine.masks import MaskVerdict, TokenMasks, apply_masks, controller_fault
 from aici_cli.engine.passes import ModelPass, PassOutput
@@ -74,6 +75,9 @@ class Engine:
     def __init__(self, lm: LoadedModel, config: EngineConfig,
                  controller_factory: ControllerFactory | None = None,
                  now: Now = time.perf_counter) -> None:
+        if config.deterministic and config.check_invariance:
+            ensure_invariant(lm, functools.partial(
+                check_run, functools.partial(Engine, lm), config))
         self.lm = lm
         self.config = config
         self.now = now

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from aici_cli.cache_paths import cache_dir
 from aici_cli.errors import ModelError
 from aici_cli.file_lock import exclusive_lock
 from aici_cli.models import sources
@@ -48,20 +49,6 @@ SOURCE_FILE = "aici-batch-source.json"
 # a live conversion writes its files within a minute for the default model (a few
 # minutes for a multi-GB GGUF), so an hour leaves a wide margin.
 STALE_TMP_SECONDS = 3600.0
-
-
-def cache_dir() -> Path:
-    """`$AICI_BATCH_CACHE`, else `$XDG_CACHE_HOME/aici-batch`, else `~/.cache/aici-batch`.
-
-    Not created here; callers that write create what they need.
-    """
-    explicit = os.environ.get("AICI_BATCH_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
-        return Path(xdg).expanduser() / "aici-batch"
-    return Path.home() / ".cache" / "aici-batch"
 
 
 def models_dir() -> Path:

@@ -15,12 +15,11 @@ from pathlib import Path
 import wasmtime
 from wasmtime.component import Component
 
+from aici_cli.cache_paths import cache_dir
 from aici_cli.file_lock import exclusive_lock
 
 
 def default_cache_dir() -> Path:
-    from aici_cli.models.conversion_cache import cache_dir
-
     return cache_dir()
 
 
