@@ -4,11 +4,14 @@ For a sample of schemas from each subset it writes one prompt line per schema (a
 for a JSON object matching the schema, which is also enforced), runs `aici-batch` on the
 default model, and reports per subset:
   declared coverage  share of schemas compiled without error;
-  compliance         share of schemas whose output is valid JSON that validates;
+  compliance         share of schemas whose output is valid JSON that validates (and
+                     `unclosed`: counting only outputs the model finished itself);
+  cut off            outputs the token limit cut (goal 0 at the default options), and
+                     closed early (at the limit, on a loop);
   forward passes per output token (below 1.0 by what fast-forward saved), tokens/s,
   grammar compile time p50/p99, and step time outside the forward pass p50/p99.
 
-    python bench/coverage_run.py --per-subset 20 --max-tokens 512
+    python bench/coverage_run.py --half held --per-subset 20 --max-tokens 512
 """
 
 from __future__ import annotations
@@ -70,10 +73,10 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-ff", action="store_true")
-    ap.add_argument("--close-at-limit", action="store_true",
-                    help="finish a JSON value the token limit is about to cut off")
-    ap.add_argument("--loop-guard", action="store_true",
-                    help="finish a JSON value whose tokens loop")
+    ap.add_argument("--no-close-at-limit", action="store_true",
+                    help="let the token limit cut values off (closing is on by default)")
+    ap.add_argument("--no-loop-guard", action="store_true",
+                    help="let values loop to the limit (the guard is on by default)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", type=Path, default=REPO / "out" / "coverage")
     args = ap.parse_args()
@@ -99,7 +102,8 @@ def main() -> int:
     config = RunConfig(
         input=str(prompts), output=str(args.out / "results.jsonl"), model=args.model,
         engine=EngineConfig(batch_size=args.batch_size, fast_forward=not args.no_ff,
-                            close_at_limit=args.close_at_limit, loop_guard=args.loop_guard),
+                            close_at_limit=not args.no_close_at_limit,
+                            loop_guard=not args.no_loop_guard),
         defaults=JobDefaults(max_tokens=args.max_tokens),
         stats_out=str(args.out / "stats.json"), quiet=True,
     )
@@ -123,6 +127,11 @@ def main() -> int:
             "finished_valid": f"{sum(bool(r.get('valid')) for r in stopped)}/{len(stopped)}",
             "truncated": sum(r["finish_reason"] == "length" for r in compiled),
             "closed_early": sum(bool(r["stats"].get("closed_early")) for r in rs),
+            "closed_limit": sum(r["stats"].get("close_reason") == "limit" for r in rs),
+            "closed_loop": sum(r["stats"].get("close_reason") == "loop" for r in rs),
+            # Compliance counting only outputs the model finished itself as valid.
+            "compliance_unclosed": round(sum(bool(r.get("valid")) and not r["stats"].get(
+                "closed_early") for r in rs) / len(rs), 3),
             "passes_per_token": round(passes / out_tokens, 3) if out_tokens else None,
             "ff_tokens": sum(r["stats"]["ff_tokens"] for r in rs),
             "output_tokens": out_tokens,
@@ -135,12 +144,14 @@ def main() -> int:
     report["ttft_ms"] = {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)}
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
-    print(f"{'subset':16} {'n':>4} {'declared':>9} {'compliance':>10} {'stop&valid':>11} "
-          f"{'trunc':>6} {'closed':>7} {'pass/tok':>9}")
+    print(f"{'subset':16} {'n':>4} {'declared':>9} {'compliance':>10} {'unclosed':>9} "
+          f"{'stop&valid':>11} {'cut off':>8} {'closed':>7} {'(limit':>6} {'loop)':>5} "
+          f"{'pass/tok':>9}")
     for subset, s in report["subsets"].items():
         print(f"{subset:16} {s['schemas']:>4} {s['declared_coverage']:>9.3f} "
-              f"{s['compliance']:>10.3f} {s['finished_valid']:>11} {s['truncated']:>6} "
-              f"{s['closed_early']:>7} {s['passes_per_token']!s:>9}")
+              f"{s['compliance']:>10.3f} {s['compliance_unclosed']:>9.3f} "
+              f"{s['finished_valid']:>11} {s['truncated']:>8} {s['closed_early']:>7} "
+              f"{s['closed_limit']:>6} {s['closed_loop']:>5} {s['passes_per_token']!s:>9}")
     summ = outcome.summary
     print(f"tokens/s {summ['tokens_per_s']}, wall {summ['wall_s']} s, batched passes "
           f"{summ['forward_passes']}, output tokens {summ['output_tokens']}, "
