@@ -68,6 +68,7 @@ class Generation:
     score_from: int | None = None
     choice: str = ""
     logprob: float = 0.0
+    greedy: bool = True  # every choice token the most likely one (an empty choice: vacuously)
     # With logprobs: one record per output token so far (None where none could be read).
     logprobs: list[dict[str, Any] | None] | None = None
     closing: bool = False  # finished, and took one more pass to read its last logprobs

@@ -241,7 +241,7 @@ class Engine:
             if gen is None:  # failed (out of memory even alone)
                 continue
             gen.took_part(times)
-            gen.logprob = choice_logprob(gen, out.scored_logits(k))
+            gen.logprob, gen.greedy = choice_logprob(gen, out.scored_logits(k))
             gen.finish = Finish("stop")
 
     @staticmethod
@@ -395,7 +395,7 @@ class Engine:
         result = generation_result(gen, self.lm.tokenizer, self.now())
         if gen.score_from is not None and result["finish_reason"] != "error":
             result["score"] = score_fields(gen.choice, gen.logprob,
-                                           len(gen.prompt) - gen.score_from)
+                                           len(gen.prompt) - gen.score_from, gen.greedy)
         branches = gen.line
         if branches is not None:
             if branches.failed:

@@ -51,17 +51,21 @@ def scored_offsets(gen: Generation) -> list[int]:
     return list(range(gen.score_from - 1 - gen.length, len(gen.prompt) - 1 - gen.length))
 
 
-def choice_logprob(gen: Generation, logits: torch.Tensor) -> float:
-    """The choice's log-probability from `logits` [c, V] at `scored_offsets`."""
+def choice_logprob(gen: Generation, logits: torch.Tensor) -> tuple[float, bool]:
+    """The choice's log-probability from `logits` [c, V] at `scored_offsets`, and whether
+    each of its c tokens is the most likely one there (lm-evaluation-harness's
+    `is_greedy`: greedy decoding would write the choice; a tie counts as the first id)."""
     assert gen.score_from is not None
     targets = torch.tensor(gen.prompt[gen.score_from :], device=logits.device)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return float(logprobs.gather(1, targets[:, None]).sum())
+    greedy = bool((logprobs.argmax(dim=-1) == targets).all())
+    return float(logprobs.gather(1, targets[:, None]).sum()), greedy
 
 
-def score_fields(option: str, logprob: float, tokens: int) -> dict[str, Any]:
+def score_fields(option: str, logprob: float, tokens: int, greedy: bool) -> dict[str, Any]:
     return {"choice": option, "logprob": round(logprob, 6), "tokens": tokens,
-            "logprob_per_token": round(logprob / tokens, 6) if tokens else 0.0}
+            "logprob_per_token": round(logprob / tokens, 6) if tokens else 0.0,
+            "greedy": greedy}
 
 
 def combine_scores(results: list[dict[str, Any]]) -> dict[str, Any]:
