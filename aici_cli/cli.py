@@ -406,6 +406,33 @@ def report(results: str, stats_file: str | None, plot_file: str | None, as_json:
         Console().print(report_table(summary))
 
 
+@main.command("lm-eval", context_settings={"ignore_unknown_options": True,
+                                           "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def lm_eval_command(args: tuple[str, ...]) -> None:
+    """Run lm-evaluation-harness tasks on this engine: lm-eval's own options, with
+    `--model aici-batch` and this engine's batch size unless given (needs the `lm-eval`
+    extra). `aici-batch lm-eval --help` lists lm-eval's options; see docs/lm-eval.md.
+
+    \b
+    Examples:
+      aici-batch lm-eval --tasks hellaswag --model_args model=smollm2-135m-instruct
+      aici-batch lm-eval --tasks mytask --include_path tasks/ --output_path out/
+    """
+    from aici_cli.evals import harness_problem
+
+    problem = harness_problem()
+    if problem is not None:
+        raise FatalError(problem)
+    from aici_cli.evals.harness import run_harness
+    from aici_cli.evals.requests import RequestError
+
+    try:
+        run_harness(args)
+    except (RequestError, ModelError, UsageError) as e:
+        raise FatalError(str(e)) from None
+
+
 @main.command("models")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON instead.")
 @click.option("--prune", is_flag=True,

@@ -9,3 +9,15 @@
 Needs the `lm-eval` extra (`pip install 'aici-batch[lm-eval]'`); nothing outside this
 package imports it.
 """
+
+from __future__ import annotations
+
+
+def harness_problem() -> str | None:
+    """Why lm-eval cannot run here (it is not installed), or None. (Importing `lm_eval`
+    itself is light: its evaluator loads on first use.)"""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return "lm-eval is not installed: pip install 'aici-batch[lm-eval]'"
+    return None

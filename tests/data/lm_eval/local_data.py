@@ -33,3 +33,8 @@ def capitals(**kwargs: Any) -> Any:
 def yes_no(**kwargs: Any) -> Any:
     """Generation: a yes/no question answered under a constraint."""
     return _splits("yes_no")
+
+
+def passages(**kwargs: Any) -> Any:
+    """Perplexity: short passages scored whole (loglikelihood_rolling)."""
+    return _splits("passages")
