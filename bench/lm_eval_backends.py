@@ -4,9 +4,10 @@ A few-shot multiple-choice task written here (MMLU's shape: the question with it
 options lettered A-D, the answer one letter, so four one-token choices; the same first
 `--shots` examples before every question, lm-eval's `first_n` sampler), evaluated by real
 `lm_eval.simple_evaluate` with `--model aici-batch` and with `--model hf`: same model, fp32,
-same batch size. Reports each backend's wall time (model loading apart), the ratio, the
-largest per-request loglikelihood difference, whether every `is_greedy` agrees, and both
-accuracies. Results land in out/lm_eval_backends.json.
+same batch size. Reports each backend's wall and CPU time (model loading apart), the
+ratios, the largest per-request loglikelihood difference, whether every `is_greedy`
+agrees, and both accuracies. Results land in out/lm_eval_backends.json. Run it with
+`OMP_NUM_THREADS=1` on a shared machine (the load average is in the output).
 
     python bench/lm_eval_backends.py                      # 200 questions, 5-shot, batch 8
     python bench/lm_eval_backends.py --questions 40       # a quicker look
@@ -90,20 +91,28 @@ def write_task(folder: Path, n: int, shots: int) -> None:
         (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
 
 
-def evaluate(lm: Any, folder: Path) -> tuple[float, dict[str, Any]]:
+def evaluate(lm: Any, folder: Path) -> tuple[float, float, dict[str, Any]]:
+    """Wall and CPU seconds of one `simple_evaluate` (the CPU time, of every thread of
+    the process, is what another busy process on a shared machine disturbs least)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     tasks = TaskManager(include_path=str(folder), include_defaults=False)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = lm_eval.simple_evaluate(model=lm, tasks=["bench_arithmetic_mc"], task_manager=tasks,
                                   log_samples=True, bootstrap_iters=0)
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, time.process_time() - c0, out
 
 
 def answers(out: dict[str, Any]) -> list[tuple[float, bool]]:
     samples = sorted(out["samples"]["bench_arithmetic_mc"], key=lambda s: s["doc_id"])
     return [tuple(r[0]) for s in samples for r in s["resps"]]
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def main() -> None:
@@ -128,13 +137,13 @@ def main() -> None:
         ours = AiciBatchLM(model=args.model, dtype="float32", device="cpu",
                            batch_size=args.batch_size)
         load_ours = time.perf_counter() - t0
-        ours_s, ours_out = evaluate(ours, folder)
+        ours_s, ours_cpu, ours_out = evaluate(ours, folder)
         prefill = ours.engine.step_times
         path = ours.lm.model.name_or_path
         t0 = time.perf_counter()
         hf = HFLM(pretrained=path, dtype="float32", device="cpu", batch_size=args.batch_size)
         load_hf = time.perf_counter() - t0
-        hf_s, hf_out = evaluate(hf, folder)
+        hf_s, hf_cpu, hf_out = evaluate(hf, folder)
 
     mine, theirs = answers(ours_out), answers(hf_out)
     acc = ours_out["results"]["bench_arithmetic_mc"]["acc,none"]
@@ -145,6 +154,10 @@ def main() -> None:
         "requests": len(mine),
         "aici_batch_s": round(ours_s, 2), "hf_s": round(hf_s, 2),
         "speedup": round(hf_s / ours_s, 2),
+        "aici_batch_cpu_s": round(ours_cpu, 2), "hf_cpu_s": round(hf_cpu, 2),
+        "cpu_speedup": round(hf_cpu / ours_cpu, 2),
+        "load_average": os.getloadavg(),
+        "torch_threads": _torch_threads(),
         "load_s": {"aici_batch": round(load_ours, 2), "hf": round(load_hf, 2)},
         "max_abs_loglikelihood_diff": max(abs(a[0] - b[0]) for a, b in zip(mine, theirs)),
         "is_greedy_agree": all(a[1] == b[1] for a, b in zip(mine, theirs)),
