@@ -62,5 +62,9 @@ def run_harness(args: Sequence[str]) -> None:
     """Run lm-eval's command line on `args`; it exits as lm-eval does."""
     from lm_eval.__main__ import cli_evaluate
 
+    saved = sys.argv  # lm-eval's parser reads sys.argv itself
     sys.argv = ["aici-batch lm-eval", *harness_argv(args)]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
