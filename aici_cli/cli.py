@@ -380,31 +380,108 @@ def build(source: str, output: str | None) -> None:
               help="Draw the per-step time split and step-time distribution (needs "
                    "matplotlib).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead.")
-def report(results: str, stats_file: str | None, plot_file: str | None, as_json: bool) -> None:
+@click.option("--fail-under", "fail_under", multiple=True, metavar="METRIC=VALUE",
+              help="Exit 3 when METRIC is below VALUE (error_rate: above it): accuracy, "
+                   "compliance, compliance_ran, error_rate, tokens_per_s (needs --stats). "
+                   "Repeatable; VALUE may be a percentage (70%).")
+@click.option("--baseline", type=click.Path(dir_okay=False), default=None,
+              help="The last run's results: lines matched by id and input digest, changed "
+                   "answers each way, the accuracy delta with a paired bootstrap 95% "
+                   "interval and McNemar's p-value.")
+@click.option("--fail-on-regression", is_flag=True,
+              help="With --baseline: exit 3 when accuracy fell and McNemar's p is below "
+                   "--alpha.")
+@click.option("--alpha", type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+              default=0.05, show_default=True,
+              help="The significance level of --fail-on-regression.")
+@click.option("--junit", "junit_file", type=click.Path(dir_okay=False), default=None,
+              help="Write JUnit XML: one test case per line, failed when wrong, invalid or "
+                   "an error.")
+@click.option("--markdown", "markdown_file", type=click.Path(dir_okay=False), default=None,
+              help="Write the report as Markdown; without it, appended to "
+                   "$GITHUB_STEP_SUMMARY when that is set.")
+def report(results: str, stats_file: str | None, plot_file: str | None, as_json: bool,
+           fail_under: tuple[str, ...], baseline: str | None, fail_on_regression: bool,
+           alpha: float, junit_file: str | None, markdown_file: str | None) -> None:
     """Summarize a finished run from its RESULTS file ('-' for stdin): lines, errors,
-    compliance where schemas applied, tokens/s, forward passes per token, step timings.
+    compliance where schemas applied, tokens/s, forward passes per token, step timings;
+    in CI, gate on it, compare it with the last run, write JUnit and Markdown.
 
     \b
     Examples:
       aici-batch report results.jsonl
       aici-batch report results.jsonl --stats stats.json --plot steps.png
+      aici-batch report results.jsonl --fail-under accuracy=0.7 --junit junit.xml
+      aici-batch report results.jsonl --baseline prev.jsonl --fail-on-regression
+
+    \b
+    Exit status: 0 when every gate passed, 2 when the report could not be made (bad
+    option, unreadable file, a line that is not a result), 3 when a gate failed (one line
+    per failed gate on stderr; the JUnit and Markdown files are still written).
     """
     from rich.console import Console
 
     from aici_cli.errors import ReportError
-    from aici_cli.report import report as build_report
     from aici_cli.report import report_table
+    from aici_cli.report_checks import CiOptions, ci_report
+    from aici_cli.report_gate import parse_gate
+    from aici_cli.report_markdown import comparison_lines
 
     try:
-        summary = build_report(results, stats_file, plot_to=Path(plot_file) if plot_file else None)
+        options = CiOptions(gates=tuple(parse_gate(g) for g in fail_under), baseline=baseline,
+                            fail_on_regression=fail_on_regression, alpha=alpha,
+                            junit=junit_file, markdown=markdown_file)
+        out = ci_report(results, stats_file, Path(plot_file) if plot_file else None, options)
     except ReportError as e:
         raise FatalError(str(e)) from None
     except OSError as e:
         raise FatalError(f"cannot read {e.filename}: {e.strerror}") from None
     if as_json:
-        click.echo(json.dumps(summary, indent=2))
+        click.echo(json.dumps(out.summary, indent=2))
     else:
-        Console().print(report_table(summary))
+        console = Console()
+        console.print(report_table(out.summary))
+        for line in comparison_lines(out.comparison) if out.comparison else []:
+            console.print(f"baseline: {line}", markup=False, highlight=False)
+        for gate in out.gates:
+            console.print(f"gate: {gate.reason}", markup=False, highlight=False)
+    for reason in out.failures:
+        click.echo(f"aici-batch report: gate failed: {reason}", err=True)
+    sys.exit(out.exit_code)
+
+
+@main.command("lm-eval", context_settings={"ignore_unknown_options": True,
+                                           "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
+    """Run lm-evaluation-harness tasks on this engine: lm-eval's own options (listed
+    below this help), with `--model aici-batch`, `--device auto` and this engine's batch
+    size unless given (needs the `lm-eval` extra); see docs/lm-eval.md.
+
+    \b
+    Examples:
+      aici-batch lm-eval --tasks hellaswag --model_args model=smollm2-135m-instruct
+      aici-batch lm-eval --tasks mytask --include_path tasks/ --output_path out/
+    """
+    from aici_cli.evals import harness_problem
+
+    problem = harness_problem()
+    if args[:1] in (("-h",), ("--help",)):
+        click.echo(ctx.get_help())
+        if problem is not None:
+            return
+        click.echo("\nlm-eval's own options:\n")
+        args = ("run", "--help")
+    if problem is not None:
+        raise FatalError(problem)
+    from aici_cli.evals.harness import run_harness
+    from aici_cli.evals.requests import RequestError
+
+    try:
+        run_harness(args)
+    except (RequestError, ModelError, UsageError) as e:
+        raise FatalError(str(e)) from None
 
 
 @main.command("models")

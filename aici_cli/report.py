@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,10 +183,13 @@ class _Tally(RunTally):
         }
 
 
-def _tally(lines: Iterable[str]) -> _Tally:
+def _tally(lines: Iterable[str],
+           on_result: Callable[[dict[str, Any]], None] | None = None) -> _Tally:
     tally = _Tally()
     for result in parse_results(lines):
         tally.add(result)
+        if on_result is not None:
+            on_result(result)
     return tally
 
 
@@ -248,24 +251,26 @@ def merge_run_summary(summary: dict[str, Any], stats: dict[str, Any]) -> dict[st
 
 
 def report(results_path: str | Path, stats_path: str | Path | None = None,
-           plot_to: str | Path | None = None) -> dict[str, Any]:
+           plot_to: str | Path | None = None,
+           on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Summarize a results file ("-": stdin), merging a run summary when given.
 
     The stats file is used only when passed explicitly: guessing one by name could
     silently pair results with a stale run. With `plot_to` the figure is drawn from the
     same single pass (stdin cannot be read twice); matplotlib is checked before reading
-    so a missing one fails fast.
+    so a missing one fails fast. `on_result` sees every result line of that pass
+    (the CI outputs' per-line views, `report_lines.py`).
     """
     if plot_to is not None:
         pyplot_figure()  # fails fast without matplotlib
     stats = _read_stats(Path(stats_path)) if stats_path is not None else None
     if str(results_path) == "-":
-        tally = _tally(sys.stdin)
+        tally = _tally(sys.stdin, on_result)
     else:
         path = Path(results_path)
         try:
             with path.open(encoding="utf-8") as fh:
-                tally = _tally(fh)
+                tally = _tally(fh, on_result)
         except OSError as e:
             raise ReportError(f"{path}: cannot read the results: {e.strerror or e}") from None
         except UnicodeDecodeError as e:

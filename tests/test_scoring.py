@@ -124,3 +124,37 @@ def test_score_through_the_cli_with_answers_and_accuracy(tiny_model_dir: Path,
     assert summary["answered"] == 3 and summary["accuracy"] == round(correct / 3, 4)
     report = CliRunner().invoke(main, ["report", str(out), "--json"])
     assert json.loads(report.output)["accuracy"] == summary["accuracy"]
+
+
+def one_token_options(lm: LoadedModel, prompt: str, candidates: list[str]) -> list[str]:
+    """The candidates that add exactly one token to the prompt's tokens."""
+    context = lm.tokenizer(prompt)["input_ids"]
+    return [c for c in candidates
+            if lm.tokenizer(prompt + c)["input_ids"][:-1] == context
+            and len(lm.tokenizer(prompt + c)["input_ids"]) == len(context) + 1]
+
+
+def test_one_token_choices_share_one_row(lm: LoadedModel) -> None:
+    """Choices of one token each (MMLU's letters) are scored from one row's next-token
+    logits: one pass per line, the same scores, and `greedy` for the model's own pick."""
+    prompts = [PREFIX + f"Q: What colour is {q}? A:" for q in ("coal", "milk", "the sea")]
+    options = one_token_options(lm, prompts[0], [" the", " a", " model", " token", " yes",
+                                                 " no", " key", " name", " value", " id"])
+    assert len(options) >= 3 and all(one_token_options(lm, p, options) == options
+                                     for p in prompts)
+    jobs = [job(i + 1, p, options) for i, p in enumerate(prompts)]
+    results, engine = run(lm, jobs, batch_size=2)
+    for j in jobs:
+        result = results[j.index]
+        assert result["stats"]["forward_passes"] == 1
+        assert result["stats"]["prompt_tokens"] == len(lm.tokenizer(j.prompt)["input_ids"]) + 1
+        with torch.inference_mode():
+            ids = lm.tokenizer(j.prompt)["input_ids"]
+            logits = lm.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        best = int(logits.argmax())
+        for s in result["scores"]:
+            expected, tokens = direct_logprob(lm, j.prompt or "", s["choice"])
+            assert tokens == 1 and abs(s["logprob"] - expected) < TOL
+            token = lm.tokenizer(j.prompt + s["choice"])["input_ids"][-1]
+            assert s["greedy"] == (token == best)
+    assert len(engine.step_times) <= len(jobs)

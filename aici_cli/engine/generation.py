@@ -68,6 +68,11 @@ class Generation:
     score_from: int | None = None
     choice: str = ""
     logprob: float = 0.0
+    greedy: bool = True  # every choice token the most likely one (an empty choice: vacuously)
+    # A line whose choices are one token each after the same context: one row scores them
+    # all (`prompt` is the context and the first one); their tokens, and then their scores.
+    token_choices: list[int] | None = None
+    token_scores: list[tuple[float, bool]] | None = None
     # With logprobs: one record per output token so far (None where none could be read).
     logprobs: list[dict[str, Any] | None] | None = None
     closing: bool = False  # finished, and took one more pass to read its last logprobs

@@ -54,6 +54,9 @@ from aici_cli.engine.scoring import (
     combine_scores,
     score_fields,
     scored_offsets,
+    shared_token_choices,
+    token_choice_results,
+    token_choice_scores,
 )
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job, LineError
@@ -245,7 +248,10 @@ class Engine:
             if gen is None:  # failed (out of memory even alone)
                 continue
             gen.took_part(times)
-            gen.logprob = choice_logprob(gen, out.scored_logits(k))
+            if gen.token_choices is not None:
+                gen.token_scores = token_choice_scores(out.scored_logits(k), gen.token_choices)
+            else:
+                gen.logprob, gen.greedy = choice_logprob(gen, out.scored_logits(k))
             gen.finish = Finish("stop")
 
     @staticmethod
@@ -382,6 +388,13 @@ class Engine:
         if sequences is None:
             return []
         group = SampleGroup(len(options), scoring=True)
+        tokens = shared_token_choices(sequences)
+        if tokens is not None:  # one row scores them all
+            ids, start = sequences[0]
+            gen = Generation(job, ids, None, row_generator(job.seed, 0), started=self.now(),
+                             group=group, score_from=start, choice=options[0])
+            gen.token_choices = tokens
+            return [gen]
         waiting = []
         for i, (option, (ids, start)) in enumerate(zip(options, sequences)):
             gen = Generation(job, ids, None, row_generator(job.seed, i), started=self.now(),
@@ -397,9 +410,10 @@ class Engine:
         """Emit a finished generation's result, or, for a sample, the line's result once
         its last sample finishes, or start the line's next attempt (retry.py)."""
         result = generation_result(gen, self.lm.tokenizer, self.now())
-        if gen.score_from is not None and result["finish_reason"] != "error":
+        if (gen.score_from is not None and result["finish_reason"] != "error"
+                and gen.token_choices is None):
             result["score"] = score_fields(gen.choice, gen.logprob,
-                                           len(gen.prompt) - gen.score_from)
+                                           len(gen.prompt) - gen.score_from, gen.greedy)
         branches = gen.line
         if branches is not None:
             if branches.failed:
@@ -414,7 +428,11 @@ class Engine:
                 return
         group = gen.group
         if group is not None:
-            group.results[gen.sample] = result
+            if gen.token_choices is not None:
+                options = list(gen.job.constraint.value) if gen.job.constraint else []
+                group.results[:] = token_choice_results(result, options, gen.token_scores)
+            else:
+                group.results[gen.sample] = result
             if not group.done:
                 return
             combine = combine_scores if group.scoring else combine_samples
