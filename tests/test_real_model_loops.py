@@ -1,0 +1,60 @@
+"""The loops the default model writes on dev schemas (the `tune` half of the split) end
+closed and valid at the default options, and without the guard they run to the limit.
+
+Marked `real_model`: the default SmolLM2 model, bf16, greedy, three lines of up to 384
+tokens each.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from aici_cli.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from coverage_run import prompt_for  # noqa: E402
+from data_split import half_of  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
+# Each loops on the default model: a digit run inside a string with a minimum length, a
+# path repeated in a string, a key that keeps growing.
+LOOPING = ["Github_trivial/o89135.json", "Github_easy/o9369.json", "Snowplow/sp_51_Normalized.json"]
+
+
+def run(tmp_path: Path, *flags: str) -> dict[str, dict[str, Any]]:
+    src, out = tmp_path / "in.jsonl", tmp_path / f"out{len(flags)}.jsonl"
+    with src.open("w") as f:
+        for name in LOOPING:
+            schema = json.loads((DATA / name).read_text())
+            f.write(json.dumps({"id": name, "messages": prompt_for(schema),
+                                "json_schema": schema, "max_tokens": 384}) + "\n")
+    res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--dtype", "bfloat16",
+                                    "--device", "cpu", "-q", *flags])
+    assert res.exit_code in (0, 1), res.output
+    return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="JSONSchemaBench data not present")
+def test_the_default_model_s_loops_end_closed_and_valid(tmp_path: Path) -> None:
+    assert all(half_of(*name.split("/")) == "tune" for name in LOOPING)
+    guarded = run(tmp_path)
+    unguarded = run(tmp_path, "--no-loop-guard", "--no-close-at-limit")
+    for name in LOOPING:
+        schema = json.loads((DATA / name).read_text())
+        before, after = unguarded[name], guarded[name]
+        assert before["finish_reason"] == "length", before["text"][-80:]
+        assert after["finish_reason"] == "stop", after["text"][-80:]
+        assert after["stats"]["close_reason"] == "loop"
+        assert after["valid"] is True
+        jsonschema.validate(json.loads(after["text"]), schema)
+        # The guard fires once the loop is one: far before the limit.
+        assert after["stats"]["output_tokens"] < 384 // 2
