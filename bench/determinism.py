@@ -1,7 +1,8 @@
 """Batch invariance: how many of 16 JSON-schema outputs change with the batch, with and
 without `--deterministic`, and what the mode costs in throughput.
 
-The workload is the 16 first Glaive schemas of ../shared/data (a short request for a JSON
+The workload is the 16 first Glaive schemas of ../shared/data's held-out half (a short
+request for a JSON
 object each, greedy, chat template of the default model). For each dtype and mode it runs
 batch 1 and batch 8 (and the other sizes given) through the engine, counts the lines whose
 text or per-token logprobs differ from batch 1, and times batch 8 for the throughput
@@ -21,6 +22,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data_split import HALVES, in_half  # noqa: E402
 
 
 def short_request(stem: str) -> str:
@@ -29,12 +32,14 @@ def short_request(stem: str) -> str:
     return f"Give a JSON object for: {stem.rsplit('_', 1)[0].replace('_', ' ')}."
 
 
-def glaive_jobs(n: int, max_tokens: int, logprobs: int | None = 0) -> list[Any]:
-    """The n first Glaive schemas as chat requests for a JSON object, greedy."""
+def glaive_jobs(n: int, max_tokens: int, logprobs: int | None = 0,
+                half: str = "held") -> list[Any]:
+    """The n first Glaive schemas of `half` (by file name) as chat requests for a JSON
+    object, greedy."""
     from aici_cli.control.constraint import Constraint
     from aici_cli.jobs import Job
 
-    files = sorted(DATA.glob("*.json"))[:n]
+    files = sorted(f for f in DATA.glob("*.json") if in_half(f, half))[:n]
     jobs = []
     for i, f in enumerate(files):
         schema = json.loads(f.read_text())
@@ -73,6 +78,8 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--lines", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--half", choices=HALVES, default="held",
+                    help="schemas from this half of the fixed split (bench/data_split.py)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "determinism.json")
     args = ap.parse_args()
 
@@ -82,7 +89,7 @@ def main() -> int:
     report: list[dict[str, Any]] = []
     for dtype in args.dtypes.split(","):
         lm = load_model(None, "cpu", dtype)
-        jobs = glaive_jobs(args.lines, args.max_tokens)
+        jobs = glaive_jobs(args.lines, args.max_tokens, half=args.half)
         for deterministic in (False, True):
             ref: dict[str, Any] | None = None
             for bs in sizes:
