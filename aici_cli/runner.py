@@ -213,13 +213,25 @@ class LocalEngine:
     """The `Backend` of a run in this process: one loaded model and one `Engine`."""
 
     def __init__(self, config: RunConfig) -> None:
-        self.lm = load_model(config.model, config.device, config.dtype)
-        self.model_name = self.lm.name
-        self.engine = Engine(self.lm, config.engine)
-        self.call_times: list[float] = []  # ms of every wasm guest call in the run
-        if config.controller is not None:
-            self.engine.intake.controller_factory = wasm_factory(
-                config, self.engine, self.call_times, load_controller(config))
+        from aici_cli.tracing import open_tracing
+
+        self.tracing = open_tracing(config)  # None unless --trace or an OTLP endpoint
+        try:
+            started = time.perf_counter()
+            self.lm = load_model(config.model, config.device, config.dtype)
+            self.model_name = self.lm.name
+            self.engine = Engine(self.lm, config.engine)
+            if self.tracing is not None:
+                self.tracing.loaded(self.lm, started)
+                self.tracing.attach(self.engine)
+            self.call_times: list[float] = []  # ms of every wasm guest call in the run
+            if config.controller is not None:
+                self.engine.intake.controller_factory = wasm_factory(
+                    config, self.engine, self.call_times, load_controller(config))
+        except BaseException as e:
+            if self.tracing is not None:
+                self.tracing.close(failed=e)
+            raise
 
     def run(self, items: Iterator[Job | LineError | None], emit: Emit,
             should_admit: Callable[[], bool], note: Callable[[str], None]) -> None:
@@ -239,12 +251,16 @@ class LocalEngine:
                          self.engine.compile_ms, self.call_times)
 
     def close(self) -> None:
-        pass
+        if self.tracing is not None:
+            self.tracing.close()
 
 
 def _start_backend(config: RunConfig) -> Backend:
     if config.ray is None:
         return LocalEngine(config)
+    from aici_cli.tracing import open_tracing
+
+    open_tracing(config)  # refuses --trace with --ray
     from aici_cli.distributed import start_ray_backend  # checks that Ray is installed
 
     return start_ray_backend(config)
