@@ -165,6 +165,22 @@ def test_a_trace_file_holds_the_run_its_lines_and_steps(
     kinds = Counter(attrs(s)["aici.step.kind"] for s in steps)
     assert kinds["prefill"] >= 1 and kinds["decode"] >= 1
 
+    # The timeline reads the same file (plain JSON), and the results alone.
+    from aici_cli.report_timeline import read_results, read_trace
+
+    bars, step_blocks = read_trace(tmp_path / "trace.jsonl")
+    assert {b.index: b.reason for b in bars} == {
+        i: r["finish_reason"] for i, r in results.items()}
+    assert len(step_blocks) == summary["forward_passes"]
+    ran = {i for i, r in results.items() if r["stats"]["forward_passes"]}
+    assert {b.index for b in read_results(tmp_path / "out.jsonl")} == ran
+    for png, extra in (("trace.png", ["--trace", str(tmp_path / "trace.jsonl")]),
+                       ("results.png", [])):
+        res = CliRunner().invoke(main, ["report", str(tmp_path / "out.jsonl"), "--timeline",
+                                        str(tmp_path / png), *extra])
+        assert res.exit_code == 0, res.output
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
 
 def test_guest_calls_are_spans_of_their_line(tiny_model_dir: Path, tmp_path: Path) -> None:
     wasm = save(tmp_path, component(FORK_3, version="0.2.0"))
