@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import requests
 import wasmtime
@@ -23,6 +24,7 @@ from oci_registry import Registry, free_port
 from wat import Guest, component, save, u32s
 
 from aici_cli.cli import main
+from aici_cli.formats import load_schema
 from aici_cli.registry import RefError, parse_ref
 from aici_cli.registry.artifact import (
     CONFIG_MEDIA_TYPE,
@@ -153,6 +155,13 @@ def test_publish_pull_and_run_by_tag_and_by_digest(
             assert r["made_with"]["controller"] == pinned
         assert summary["controller"]["digest"] == digest
     assert [r["text"] for r in by_tag[1]] == [r["text"] for r in by_digest[1]]
+    code, from_file, err, _ = run(tiny_model_dir, str(wasm), tmp_path / "file")
+    assert code == 0, err
+    assert [r["text"] for r in from_file] == [r["text"] for r in by_tag[1]]
+    for _, results, _, summary in (by_tag, by_digest):
+        jsonschema.validate(summary, load_schema("stats"))
+        for r in results:
+            jsonschema.validate(r, load_schema("result-line"))
     assert by_tag[3]["controller"]["source"] == f"oci://{registry.host}/team/allow:v1@{digest}"
 
 
