@@ -119,6 +119,7 @@ class RunTracer(EngineTracer):
         self.run = self.tracer.start_span("run", attributes=attributes)
         self.run_context = trace.set_span_in_context(self.run)
         self.lines: dict[int, Any] = {}  # line index -> its open span
+        self.links: dict[int, Any] = {}  # line index -> a link to its span (made once)
         self.engine: Engine | None = None
         self.counts = {"lines": 0, "errors": 0, "input_tokens": 0, "output_tokens": 0}
         self.steps = 0
@@ -198,13 +199,12 @@ class RunTracer(EngineTracer):
                            timestamp=self.ns(time.perf_counter()))
 
     def step(self, clock: StepClock, times: StepTimes, gens: list[Generation | None]) -> None:
-        trace = self._trace
         served: dict[int, Any] = {}
         for gen in gens:
             if gen is not None and gen.job.index not in served:
-                span = self.lines.get(gen.job.index)
-                if span is not None:
-                    served[gen.job.index] = trace.Link(span.get_span_context())
+                link = self.links.get(gen.job.index)
+                if link is not None:
+                    served[gen.job.index] = link
         marks = clock.marks
         self.tracer.start_span(
             "step", context=self.run_context, start_time=self.ns(marks["start"]),
@@ -229,6 +229,7 @@ class RunTracer(EngineTracer):
             span = self.tracer.start_span(f"line {job.index}", context=self.run_context,
                                           attributes=self._request(job))
             self.lines[job.index] = span
+            self.links[job.index] = self._trace.Link(span.get_span_context())
         return span
 
     def _request(self, job: Job) -> dict[str, Any]:
@@ -269,7 +270,10 @@ class RunTracer(EngineTracer):
 
     def _finished(self, result: dict[str, Any]) -> None:
         index = result.get("index")
-        span = self.lines.pop(index, None) if isinstance(index, int) else None
+        span = None
+        if isinstance(index, int):
+            span = self.lines.pop(index, None)
+            self.links.pop(index, None)
         if span is None:  # a line that never got a row: bad input, answered at once
             span = self.tracer.start_span(f"line {index}", context=self.run_context,
                                           attributes={"aici.line.index": index,
