@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 import click
 
 from aici_cli import __version__
+from aici_cli.cli_registry import publish, pull
 from aici_cli.config import EngineConfig, JobDefaults, RayOptions
 from aici_cli.control.constraint import Constraint
 from aici_cli.errors import ClusterError, ModelError, UsageError
@@ -131,7 +132,12 @@ def main() -> None:
                    "default). By default undeclared keys are disallowed where a schema is "
                    "silent about them.")
 @click.option("--controller", type=click.Path(dir_okay=False), default=None,
-              help="A controller component (.wasm, see `aici-batch build`) run for every line.")
+              help="A controller component run for every line: a .wasm file (see `aici-batch "
+                   "build`) or an OCI artifact, oci://REGISTRY/NAME:TAG or "
+                   "oci://REGISTRY/NAME@sha256:... (see `aici-batch publish`), pulled once "
+                   "into the component cache; a tag resolves to one digest for the run.")
+@click.option("--plain-http", is_flag=True,
+              help="Pull an oci:// --controller over plain HTTP (a registry without TLS).")
 @click.option("--controller-arg", default="",
               help="Argument passed to the controller for lines without `controller_arg`.")
 @click.option("--controller-timeout-ms", type=click.IntRange(1), default=50, show_default=True,
@@ -175,6 +181,10 @@ def main() -> None:
 @click.option("--step-stats", is_flag=True, help="Add per-step records to each result line.")
 @click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
               help="Write the run summary (JSON) here.")
+@click.option("--trace", "trace", type=click.Path(dir_okay=False), default=None,
+              help="Write OpenTelemetry spans (OTLP JSON lines) here: the run, each line, "
+                   "each engine step, each controller call. With OTEL_EXPORTER_OTLP_ENDPOINT "
+                   "set, spans go to that collector (see docs/tracing.md).")
 @click.option("--resume", is_flag=True,
               help="Skip the lines whose result is already in the -o file and append the "
                    "rest (after an interrupted or killed run). A torn last line is cut off; "
@@ -209,12 +219,12 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         min_tokens: int, ignore_eos: bool, stop: tuple[str, ...], n: int, input_format: str,
         json_schema: str | None, regex: str | None, choices: str | None,
         score: bool, schema_fallback: str, schema_retries: int,
-        json_permissive: bool, controller: str | None, controller_arg: str,
+        json_permissive: bool, controller: str | None, plain_http: bool, controller_arg: str,
         controller_timeout_ms: int, max_branches: int, no_ff: bool, draft_tokens: int,
         no_prefix_cache: bool,
         lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
         loop_guard: bool, deterministic: bool, step_stats: bool,
-        stats_out: str | None,
+        stats_out: str | None, trace: str | None,
         resume: bool, resume_mixed: bool, exit_zero_on_line_errors: bool,
         ray_address: str | None,
         workers: int | None, gpus_per_worker: float, cpus_per_worker: float,
@@ -266,6 +276,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
         resume=resume, resume_mixed=resume_mixed,
         exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray,
+        plain_http=plain_http, trace=trace,
     )
     if resume_mixed and not resume:
         raise FatalError("--resume-mixed goes with --resume")
@@ -379,6 +390,12 @@ def build(source: str, output: str | None) -> None:
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), default=None,
               help="Draw the per-step time split and step-time distribution (needs "
                    "matplotlib).")
+@click.option("--timeline", "timeline_file", type=click.Path(dir_okay=False), default=None,
+              help="Draw the run's lines as bars over wall time, coloured by finish reason, "
+                   "with its engine steps underneath (from --trace's file when given; from "
+                   "the results alone otherwise, without steps). Needs matplotlib.")
+@click.option("--trace", "trace_file", type=click.Path(dir_okay=False), default=None,
+              help="The run's `run --trace` file, for --timeline.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead.")
 @click.option("--fail-under", "fail_under", multiple=True, metavar="METRIC=VALUE",
               help="Exit 3 when METRIC is below VALUE (error_rate: above it): accuracy, "
@@ -400,7 +417,8 @@ def build(source: str, output: str | None) -> None:
 @click.option("--markdown", "markdown_file", type=click.Path(dir_okay=False), default=None,
               help="Write the report as Markdown; without it, appended to "
                    "$GITHUB_STEP_SUMMARY when that is set.")
-def report(results: str, stats_file: str | None, plot_file: str | None, as_json: bool,
+def report(results: str, stats_file: str | None, plot_file: str | None,
+           timeline_file: str | None, trace_file: str | None, as_json: bool,
            fail_under: tuple[str, ...], baseline: str | None, fail_on_regression: bool,
            alpha: float, junit_file: str | None, markdown_file: str | None) -> None:
     """Summarize a finished run from its RESULTS file ('-' for stdin): lines, errors,
@@ -411,6 +429,7 @@ def report(results: str, stats_file: str | None, plot_file: str | None, as_json:
     Examples:
       aici-batch report results.jsonl
       aici-batch report results.jsonl --stats stats.json --plot steps.png
+      aici-batch report results.jsonl --trace trace.jsonl --timeline timeline.png
       aici-batch report results.jsonl --fail-under accuracy=0.7 --junit junit.xml
       aici-batch report results.jsonl --baseline prev.jsonl --fail-on-regression
 
@@ -427,11 +446,17 @@ def report(results: str, stats_file: str | None, plot_file: str | None, as_json:
     from aici_cli.report_gate import parse_gate
     from aici_cli.report_markdown import comparison_lines
 
+    if trace_file is not None and timeline_file is None:
+        raise FatalError("--trace goes with --timeline")
     try:
         options = CiOptions(gates=tuple(parse_gate(g) for g in fail_under), baseline=baseline,
                             fail_on_regression=fail_on_regression, alpha=alpha,
                             junit=junit_file, markdown=markdown_file)
         out = ci_report(results, stats_file, Path(plot_file) if plot_file else None, options)
+        if timeline_file is not None:
+            from aici_cli.report_timeline import draw_timeline
+
+            draw_timeline(results, Path(timeline_file), trace_file)
     except ReportError as e:
         raise FatalError(str(e)) from None
     except OSError as e:
@@ -605,6 +630,8 @@ def _options_from_environment(command: click.Command, prefix: str = "AICI_BATCH_
 
 
 _options_from_environment(run)
+main.add_command(publish)
+main.add_command(pull)
 
 
 def _silence_stdout() -> None:

@@ -133,3 +133,5 @@ class RunConfig:
     input_format: str = "auto"  # "aici", "openai" (batch requests), or "auto": by the lines
     exit_zero_on_line_errors: bool = False  # exit 0 though some lines ended in an error
     ray: RayOptions | None = None  # None: run in this process
+    plain_http: bool = False  # an oci:// controller's registry speaks HTTP, not HTTPS
+    trace: str | None = None  # OTLP JSON spans of the run go here (aici_cli/tracing.py)

@@ -63,13 +63,14 @@ class RunOutcome:
 def load_controller(config: RunConfig) -> ControllerComponent:
     """The `--controller` component, compiled (or loaded from the compile cache)."""
     from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
+    from aici_cli.registry.operations import controller_file
 
     assert config.controller is not None
+    path = controller_file(config.controller)
     try:
-        return ControllerComponent.load(config.controller,
-                                        Limits(call_ms=config.controller_call_ms))
-    except ComponentError as e:
-        raise UsageError(str(e)) from None
+        return ControllerComponent.load(path, Limits(call_ms=config.controller_call_ms))
+    except ComponentError as e:  # an oci:// one is named by its reference, not its cache file
+        raise UsageError(str(e).replace(str(path), config.controller)) from None
 
 
 def wasm_factory(config: RunConfig, engine: Engine, call_times: list[float],
@@ -157,6 +158,7 @@ def _run(config: RunConfig, stderr: IO[str],
          live: LiveInput[Job | LineError] | None = None) -> RunOutcome:
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
+    config = pin_controller(config)
     controller = controller_digest(config)
     mixed: list[str] = []  # with --resume-mixed: how earlier results were made otherwise
     if plan is not None:  # the options before the model loads, the model once it has
@@ -211,13 +213,25 @@ class LocalEngine:
     """The `Backend` of a run in this process: one loaded model and one `Engine`."""
 
     def __init__(self, config: RunConfig) -> None:
-        self.lm = load_model(config.model, config.device, config.dtype)
-        self.model_name = self.lm.name
-        self.engine = Engine(self.lm, config.engine)
-        self.call_times: list[float] = []  # ms of every wasm guest call in the run
-        if config.controller is not None:
-            self.engine.intake.controller_factory = wasm_factory(
-                config, self.engine, self.call_times, load_controller(config))
+        from aici_cli.tracing import open_tracing
+
+        self.tracing = open_tracing(config)  # None unless --trace or an OTLP endpoint
+        try:
+            started = time.perf_counter()
+            self.lm = load_model(config.model, config.device, config.dtype)
+            self.model_name = self.lm.name
+            self.engine = Engine(self.lm, config.engine)
+            if self.tracing is not None:
+                self.tracing.loaded(self.lm, started)
+                self.tracing.attach(self.engine)
+            self.call_times: list[float] = []  # ms of every wasm guest call in the run
+            if config.controller is not None:
+                self.engine.intake.controller_factory = wasm_factory(
+                    config, self.engine, self.call_times, load_controller(config))
+        except BaseException as e:
+            if self.tracing is not None:
+                self.tracing.close(failed=e)
+            raise
 
     def run(self, items: Iterator[Job | LineError | None], emit: Emit,
             should_admit: Callable[[], bool], note: Callable[[str], None]) -> None:
@@ -237,12 +251,16 @@ class LocalEngine:
                          self.engine.compile_ms, self.call_times)
 
     def close(self) -> None:
-        pass
+        if self.tracing is not None:
+            self.tracing.close()
 
 
 def _start_backend(config: RunConfig) -> Backend:
     if config.ray is None:
         return LocalEngine(config)
+    from aici_cli.tracing import open_tracing
+
+    open_tracing(config)  # refuses --trace with --ray
     from aici_cli.distributed import start_ray_backend  # checks that Ray is installed
 
     return start_ray_backend(config)
@@ -284,15 +302,47 @@ def _line_format(raw: bytes) -> str | None:
     return line_format(obj)
 
 
+def pin_controller(config: RunConfig) -> RunConfig:
+    """`config` with an `oci://` `--controller` resolved to one digest (a tag asks the
+    registry once, here) and pulled into the component cache, so every line of the run,
+    on every worker, uses that component."""
+    from aici_cli.registry.refs import is_oci
+
+    if not is_oci(config.controller):
+        return config
+    from dataclasses import replace
+
+    from aici_cli.registry.operations import pin_controller as pin
+
+    assert config.controller is not None
+    return replace(config, controller=str(pin(config.controller, config.plain_http).ref))
+
+
 def controller_digest(config: RunConfig) -> str | None:
-    """The digest of the `--controller` file, for `made_with` (None: no controller, or a
-    file that cannot be read, which loading it reports)."""
+    """What `made_with` records of the `--controller`: the digest of its file, or for a
+    (pinned) `oci://` one the artifact by digest (None: no controller, or a file that
+    cannot be read, which loading it reports)."""
     if config.controller is None:
         return None
+    from aici_cli.registry.refs import is_oci, parse_ref
+
+    if is_oci(config.controller):
+        return parse_ref(config.controller).by_digest()
     try:
         return digest(Path(config.controller).read_bytes())
     except OSError:
         return None
+
+
+def controller_summary(config: RunConfig) -> dict[str, str | None]:
+    """The summary's `controller`: what --controller named (an oci:// one pinned to the
+    digest the run used), and that digest (a file's: as `made_with` records it)."""
+    from aici_cli.registry.refs import is_oci, parse_ref
+
+    assert config.controller is not None
+    digest = (parse_ref(config.controller).digest if is_oci(config.controller)
+              else controller_digest(config))
+    return {"source": config.controller, "digest": digest}
 
 
 def _check_made_with(config: RunConfig, plan: ResumePlan, record: dict[str, Any],
@@ -448,6 +498,7 @@ def summarize(config: RunConfig, tally: RunTally, steps: list[StepTimes], wall: 
             "p99": round(percentile(compiled, 99), 3),
         }
     if config.controller is not None:
+        summary["controller"] = controller_summary(config)
         summary["guest_call_ms"] = {
             "calls": len(call_times),
             "p50": round(percentile(call_times, 50), 3),

@@ -26,6 +26,7 @@ class LineStats:
     draft_tokens: int = 0  # output tokens taken from verified drafts (no pass of their own)
     ttft_ms: float = 0.0
     total_ms: float = 0.0
+    started_ms: float = 0.0  # admission, in ms after the engine started (a timeline's x)
     forward_ms: float = 0.0
     mask_ms: float = 0.0
     controller_ms: float = 0.0

@@ -2,10 +2,10 @@
 without `--deterministic`, and what the mode costs in throughput.
 
 The workload is the 16 first Glaive schemas of ../shared/data's held-out half (a short
-request for a JSON object each, greedy, chat template of the default model). For each dtype and mode it runs
-batch 1 and batch 8 (and the other sizes given) through the engine, counts the lines whose
-text or per-token logprobs differ from batch 1, and times batch 8 for the throughput
-ratio, both modes side by side in one process.
+request for a JSON object each, greedy, chat template of the default model). For each
+dtype and mode it runs batch 1 and batch 8 (and the other sizes given) through the
+engine, counts the lines whose text or per-token logprobs differ from batch 1, and times
+batch 8 for the throughput ratio, both modes side by side in one process.
 
     python bench/determinism.py --dtypes bfloat16,float32 --batch-sizes 1,8 --max-tokens 128
 """

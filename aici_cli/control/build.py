@@ -184,7 +184,21 @@ def build_controller(
         built = tmp / "controller.wasm"
         cmd = build_command(exe, wit, tmp, src.resolve().parent, built)
         run_toolchain(cmd, "componentize-py", componentize_error, src, built, out, timeout)
+    _stamp_python(out, src, wit)
     return BuildResult(out, out.stat().st_size, time.perf_counter() - started)
+
+
+def _stamp_python(out: Path, src: Path, wit: Path) -> None:
+    """Record what built `out` inside it (`build_info.py`: `publish` annotates with it)."""
+    from importlib.metadata import version
+
+    from aici_cli import __version__
+    from aici_cli.control.build_info import BuildInfo, source_digest, stamp
+    from aici_cli.control.build_js import contract_version
+
+    stamp(out, BuildInfo("python", SDK_PACKAGE, __version__,
+                         f"componentize-py {version('componentize-py')}", src.name,
+                         source_digest(src), f"aici:controller@{contract_version(wit)}"))
 
 
 def run_toolchain(cmd: list[str], tool: str, explain: Callable[[str], str], src: Path,

@@ -171,7 +171,18 @@ def build_js_controller(
         cmd = build_command(tools, wit, built)
         run_toolchain(cmd, "componentize-js", componentize_js_error, src, built, out, timeout,
                       cwd=tmp)
+    _stamp_js(out, src, wit, tools)
     return BuildResult(out, out.stat().st_size, time.perf_counter() - started)
+
+
+def _stamp_js(out: Path, src: Path, wit: Path, tools: JsToolchain) -> None:
+    """Record what built `out` inside it (`build_info.py`: `publish` annotates with it)."""
+    from aici_cli.control.build_info import BuildInfo, source_digest, stamp
+
+    package = json.loads((js_root() / "package.json").read_text(encoding="utf-8"))
+    stamp(out, BuildInfo("javascript", package["name"], package["version"],
+                         f"componentize-js {tools.version}", src.name, source_digest(src),
+                         f"aici:controller@{contract_version(wit)}"))
 
 
 def lay_out(src: Path, glue: Path, tmp: Path) -> None:

@@ -10,7 +10,6 @@ import signal
 import threading
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -186,9 +185,10 @@ def component_bytes(config: RunConfig) -> bytes | None:
     if config.controller is None:
         return None
     from aici_cli.control.wasm.component_file import ComponentError, read_wasm
+    from aici_cli.registry.operations import controller_file
 
     try:
-        return read_wasm(Path(config.controller))
+        return read_wasm(controller_file(config.controller))
     except ComponentError as e:
         raise UsageError(str(e)) from None
 

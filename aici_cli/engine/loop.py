@@ -58,6 +58,7 @@ from aici_cli.engine.scoring import (
     token_choice_results,
     token_choice_scores,
 )
+from aici_cli.engine.trace_hooks import NO_TRACE, EngineTracer
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job, LineError
 from aici_cli.models.load import LoadedModel
@@ -101,6 +102,8 @@ class Engine:
         self.model_pass = ModelPass(lm, self.cache, self.rows, config.deterministic)
         self.masks = TokenMasks(config.batch_size, self.vocab_size)
         self.step_times: list[StepTimes] = []
+        self.tracer: EngineTracer = NO_TRACE  # trace hooks (trace_hooks.py): no-ops by default
+        self.origin = now()  # lines' `started_ms` count from here
         self._emit: Emit = lambda result: None  # the current run's
         self._dropping = False  # a forked line failed: drop its other sequences
 
@@ -124,6 +127,7 @@ class Engine:
         "nothing ready yet" (see `Source`): with such a source the run only ends on
         `should_admit`."""
         source: Source | None = iter(items)
+        emit = self.tracer.wrap_emit(emit)  # trace hook
         self._emit = emit
         launch = functools.partial(self._launch, emit=emit)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
@@ -197,6 +201,7 @@ class Engine:
         self._score(gens, scoring, out, times)  # scored choices: read once, then done
         self._close(gens, closing, times)
         self.step_times.append(clock.finish(times, controller_ms))
+        self.tracer.step(clock, times, gens)  # trace hook
         self._release(rows, gens, [*real, *verdict.deferred, *scoring, *closing], emit)
         self._drop_failed()
 
@@ -353,7 +358,8 @@ class Engine:
         job = line.job
         if job.score:
             return self._launch_scored(line, emit)
-        controllers = self.intake.controllers(job, emit)
+        with self.tracer.admission(job):  # trace hook
+            controllers = self.intake.controllers(job, emit)
         if controllers is None:
             return []
         group = SampleGroup(job.n) if job.n > 1 else None
@@ -364,6 +370,8 @@ class Engine:
             gen = Generation(job, line.prompt, controller, row_generator(job.seed, i),
                              started=self.now(), group=group, sample=i, earlier=line.earlier,
                              line=branches)
+            gen.stats.started_ms = ms(self.origin, gen.started)
+            self.tracer.admitted(gen)  # trace hook
             gen.rules = LogitRules.of(job, line.prompt, self.eos)
             if self.config.step_stats:
                 gen.steps = []
@@ -399,6 +407,8 @@ class Engine:
         for i, (option, (ids, start)) in enumerate(zip(options, sequences)):
             gen = Generation(job, ids, None, row_generator(job.seed, i), started=self.now(),
                              group=group, sample=i, score_from=start, choice=option)
+            gen.stats.started_ms = ms(self.origin, gen.started)
+            self.tracer.admitted(gen)  # trace hook
             if start == len(ids):  # an empty choice: nothing to score
                 gen.finish = Finish("stop")
                 self._finish(gen, emit)
@@ -590,6 +600,7 @@ class Engine:
         gen.took_part(times)
         if gen.stats.ttft_ms == 0.0:
             gen.stats.ttft_ms = ms(gen.started, self.now())
+            self.tracer.first_token(gen)  # trace hook
         ff_before = gen.stats.ff_tokens
         controller_ms = self._take_token(gen, token)
         gen.record_step(times, sampled=0 if self._ends(gen, token) else 1,

@@ -93,4 +93,5 @@ def summed_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
                            default=0.0)
     stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
+    stats["started_ms"] = min(r["stats"].get("started_ms", 0.0) for r in results)
     return stats

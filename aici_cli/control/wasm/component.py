@@ -133,6 +133,13 @@ class ControllerComponent:
         self._trial_instantiate()
         return self
 
+    def interfaces(self) -> tuple[list[str], list[str]]:
+        """The names the component exports and imports, sorted (what the OCI artifact's
+        config lists)."""
+        ty = self._component.type
+        engine = self._shared.engine
+        return sorted(ty.exports(engine)), sorted(ty.imports(engine))
+
     def instantiate(self, arg: str, prompt: list[int], services: HostServices,
                     line: LineScope | None = None) -> GuestInstance:
         """A new guest for one sequence: new Store, instantiate, `runner(arg, prompt)`.

@@ -34,6 +34,7 @@ from aici_cli.control.actions import (
     TokenSet,
 )
 from aici_cli.control.base import Controller, ControllerBase, Directive
+from aici_cli.control.call_trace import CallTrace
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.line_scope import LineScope
 from aici_cli.control.stop_strings import find_stop
@@ -92,6 +93,7 @@ class WasmController(ControllerBase):
         self.replay_ms = 0.0  # bringing this branch's guest to its fork point (replay)
         self.line: LineScope | None = None  # what the line's sequences share
         self._pending: StepInput | None = None  # sampled tokens the guest has not seen yet
+        self.trace: CallTrace | None = None  # a tracer's: told of every guest call
 
     # --- the engine's contract ---------------------------------------------------------
 
@@ -99,8 +101,11 @@ class WasmController(ControllerBase):
         self.line = line
 
     def start(self, prompt: Sequence[int]) -> Directive:
+        t0 = time.perf_counter()
         self.guest = self.component.instantiate(self.arg, list(prompt), self.services,
                                                 self.line)
+        if self.trace is not None:
+            self.trace("start", t0, time.perf_counter())
         return self._follow(self._call(StepInput()), Directive())
 
     def fork(self, n: int) -> list[Controller]:
@@ -116,7 +121,11 @@ class WasmController(ControllerBase):
                 branch.line = self.line
                 branch.guest = self.guest.replica()
                 branch.generated = branch.floor = self.generated
-                branch.replay_ms = (time.perf_counter() - t0) * 1000.0
+                t1 = time.perf_counter()
+                branch.replay_ms = (t1 - t0) * 1000.0
+                branch.trace = self.trace
+                if self.trace is not None:
+                    self.trace("fork replay", t0, t1, {"aici.fork.branches": n})
                 branches.append(branch)
         except ControllerError:
             for made in branches:
@@ -232,7 +241,10 @@ class WasmController(ControllerBase):
         try:
             return self.guest.mid_process(inp)
         finally:
-            self.call_times.append((time.perf_counter() - t0) * 1000.0)
+            t1 = time.perf_counter()
+            self.call_times.append((t1 - t0) * 1000.0)
+            if self.trace is not None:
+                self.trace("mid-process", t0, t1)
 
     def _follow(self, action: Action, acc: Directive) -> Directive:
         """Apply actions until one needs the model (sample or a running segment)."""
@@ -291,6 +303,10 @@ class WasmController(ControllerBase):
                 raise ControllerError(
                     "bad_action", f"segment grammar: {clip(e.message, 1000)}"
                 ) from None
+            finally:
+                if self.trace is not None:
+                    self.trace("grammar compile", t0, time.perf_counter(),
+                               {"aici.grammar.kind": spec.grammar.kind})
             grammar = GrammarController(compiled, self.fast_forward)
         self.segment = SegmentState(spec, grammar)
         d = grammar.start([]) if grammar is not None else Directive()
