@@ -83,7 +83,7 @@ def node() -> str:
 @pytest.fixture(scope="session")
 def js_toolchain() -> None:
     """node and the pinned componentize-js (`make setup` / `npm ci --prefix controllers/js`)."""
-    from aici_cli.control.build_js import toolchain_problem
+    from aici_cli.control.build.js import toolchain_problem
 
     require_js(toolchain_problem())
 
