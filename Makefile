@@ -40,6 +40,8 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy aici_cli controllers/aici_controller --ignore-missing-imports
+	# The layers of ARCHITECTURE.md and no import circle (pyproject.toml's [tool.importlinter]).
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q -m "not ray"
 	# A process of their own: a Ray driver installs native fault handlers (SIGILL among
 	# them) that would take wasmtime's trap signals from the wasm tests after it.
@@ -51,6 +53,8 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy aici_cli controllers/aici_controller --ignore-missing-imports
+	# The layers of ARCHITECTURE.md and no import circle (pyproject.toml's [tool.importlinter]).
+	$(BIN)/lint-imports
 
 # Benchmarks (not pass/fail): results land in out/. Peers need bench/peers/requirements.txt.
 bench: setup

@@ -12,16 +12,11 @@ from typing import Any, NoReturn
 import click
 
 from aici_cli import __version__
+from aici_cli.cli_errors import FatalError
 from aici_cli.cli_registry import publish, pull
 from aici_cli.config import EngineConfig, JobDefaults, RayOptions
 from aici_cli.control.constraint import Constraint
 from aici_cli.errors import ClusterError, ModelError, UsageError
-
-
-class FatalError(click.ClickException):
-    """A problem that stops the whole run: one line on stderr, exit code 2."""
-
-    exit_code = 2
 
 
 def _constraint(json_schema: str | None, regex: str | None,

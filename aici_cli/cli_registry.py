@@ -30,7 +30,7 @@ def credential_options(f: Any) -> Any:
 
 
 def _credentials(username: str | None, password_stdin: bool) -> Any:
-    from aici_cli.cli import FatalError
+    from aici_cli.cli_errors import FatalError
     from aici_cli.registry import Credentials
 
     if password_stdin and username is None:
@@ -67,7 +67,7 @@ def publish(component: str, ref: str, username: str | None, password_stdin: bool
       aici-batch publish yes_no.wasm localhost:5000/yes-no:dev --plain-http
       aici-batch run prompts.jsonl --controller oci://ghcr.io/team/yes-no@sha256:...
     """
-    from aici_cli.cli import FatalError
+    from aici_cli.cli_errors import FatalError
     from aici_cli.control.wasm.component_file import ComponentError
     from aici_cli.errors import UsageError
     from aici_cli.registry import parse_ref
@@ -108,7 +108,7 @@ def pull(ref: str, output: str | None, username: str | None, password_stdin: boo
       aici-batch pull ghcr.io/team/yes-no:1.0
       aici-batch pull localhost:5000/yes-no:dev --plain-http -o yes_no.wasm
     """
-    from aici_cli.cli import FatalError
+    from aici_cli.cli_errors import FatalError
     from aici_cli.errors import UsageError
     from aici_cli.registry import parse_ref
     from aici_cli.registry import pull as fetch

@@ -95,7 +95,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from aici_cli.control.build import build_controller
-    from aici_cli.control.build_js import toolchain_problem
+    from aici_cli.control.build.js import toolchain_problem
     from aici_cli.control.wasm import ControllerComponent
 
     args.out.mkdir(parents=True, exist_ok=True)

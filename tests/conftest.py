@@ -7,9 +7,13 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from tiny_model import build_tiny_model
+
+if TYPE_CHECKING:
+    from aici_cli.models import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 # Set by .ci/run (after `make setup` installed the JavaScript toolchain): there the
@@ -43,6 +47,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Session-scoped and shared: tests must not modify its files (copy it first).
     """
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def lm(tiny_model_dir: Path) -> LoadedModel:
+    """The tiny model loaded once for the session (fp32, cpu, ~1 s). Shared: tests must not
+    change its weights or settings."""
+    from aici_cli.models import load_model
+
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 @pytest.fixture
@@ -83,7 +96,7 @@ def node() -> str:
 @pytest.fixture(scope="session")
 def js_toolchain() -> None:
     """node and the pinned componentize-js (`make setup` / `npm ci --prefix controllers/js`)."""
-    from aici_cli.control.build_js import toolchain_problem
+    from aici_cli.control.build.js import toolchain_problem
 
     require_js(toolchain_problem())
 

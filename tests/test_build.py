@@ -14,8 +14,8 @@ import pytest
 import wasmtime
 from wasmtime import component as wc
 
-from aici_cli.control import build
-from aici_cli.control.build import BuildError, BuildResult, build_controller, wit_text
+from aici_cli.control.build import BuildError, BuildResult, build_controller, toolchain, wit_text
+from aici_cli.control.build import python as build
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTROLLERS = ROOT / "controllers"
@@ -216,7 +216,7 @@ def test_bad_sources_fail_with_clear_messages(
     def no_run(*args: object, **kwargs: object) -> None:
         raise AssertionError("componentize-py must not run for a bad source")
 
-    monkeypatch.setattr(build.subprocess, "run", no_run)
+    monkeypatch.setattr(toolchain.subprocess, "run", no_run)
     src = tmp_path / "bad.py"
     src.write_text(source, encoding="utf-8")
     with pytest.raises(BuildError) as info:
@@ -269,7 +269,7 @@ def test_wit_text_is_the_contract_and_its_storage_dependency(tmp_path: Path) -> 
     assert "package aici:controller@0.2.0;" in controller_wit
     assert "import aici:storage/storage@0.1.0;" in controller_wit
     assert "package aici:storage@0.1.0;" in storage_wit
-    written = build.write_wit(tmp_path / "wit")
+    written = toolchain.write_wit(tmp_path / "wit")
     assert [p.relative_to(tmp_path).as_posix() for p in written] == [
         "wit/controller.wit", "wit/deps/storage/storage.wit"]
     assert written[1].read_text(encoding="utf-8") == storage_wit
@@ -340,7 +340,7 @@ def built_v010(tmp_path_factory: pytest.TempPathFactory) -> Path:
                               RAW_V010.parent, RAW_V010.parent, out)
     cmd = [c.replace(f"{EXPORT}=aici_runner", "aici:controller/controller@0.1.0=raw_v010")
            .replace("aici_runner", "raw_v010") for c in cmd]
-    proc = build.subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = toolchain.subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 

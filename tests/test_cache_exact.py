@@ -8,7 +8,6 @@ compared with a cache-free forward pass over that row's whole token sequence.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,14 +16,9 @@ import torch
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 def reference_logits(lm: LoadedModel | SimpleNamespace, tokens: list[int]) -> torch.Tensor:

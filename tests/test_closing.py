@@ -18,7 +18,7 @@ from aici_cli.control.grammar.closing import closing_order, json_state
 from aici_cli.control.grammar.loops import find_loop
 from aici_cli.engine.loop import Engine
 from aici_cli.jobs import Job, load_schema
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 
 STRING = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
 NESTED = {"type": "object",
@@ -29,11 +29,6 @@ NESTED = {"type": "object",
           "required": ["n", "tags", "inner"]}
 ROWS = {"type": "array", "items": {"type": "object", "properties": {"a": {"type": "string"}},
                                    "required": ["a"]}}
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 def jobs(max_tokens: int) -> list[Job]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,12 +16,7 @@ from aici_cli.engine.clock import StepClock
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job, LineError
-from aici_cli.models import LoadedModel, load_model
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+from aici_cli.models import LoadedModel
 
 
 def job(index: int, prompt: str = "Hello there", **kw: Any) -> Job:

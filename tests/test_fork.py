@@ -24,7 +24,7 @@ from aici_cli.control.wasm import ControllerComponent, Limits
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 from aici_cli.runner import wasm_factory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,11 +152,6 @@ GUESTS = {
     ),
     "S": Guest("(call $sample-all)"),
 }
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

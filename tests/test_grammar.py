@@ -16,14 +16,9 @@ from aici_cli.control.grammar.schema_rewrite import close_objects, exclusive_one
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import GrammarError
 from aici_cli.jobs import Job
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,7 @@ def test_fresh_patterns_forever(cache: Path) -> None:
 def test_pattern_length_is_capped(cache: Path) -> None:
     runner = start(cache, Guest("(call $stop)"), pattern_chars=10)
     with pytest.raises(ValueError, match="pattern of 11 characters; at most 10 are allowed"):
-        runner._count_pattern("a" * 11)
+        runner.count_pattern("a" * 11)
 
 
 def test_unbounded_table_growth(cache: Path) -> None:

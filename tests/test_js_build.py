@@ -16,18 +16,18 @@ import pytest
 from click.testing import CliRunner
 
 from aici_cli.cli import main
-from aici_cli.control import build_js
 from aici_cli.control.build import BuildError, build_controller
-from aici_cli.control.build_js import (
+from aici_cli.control.build import js as build_js
+from aici_cli.control.build.js import (
     DISABLED_FEATURES,
     JsToolchain,
     build_command,
     check_js_source,
     componentize_js_error,
-    contract_version,
     find_toolchain,
     glue_file,
 )
+from aici_cli.control.build.toolchain import contract_version
 
 ROOT = Path(__file__).resolve().parents[1]
 JS = ROOT / "controllers" / "js"

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,14 +12,9 @@ from engine_runs import output_ids, run
 
 from aici_cli.control.constraint import Constraint
 from aici_cli.jobs import Job
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 def job(index: int, prompt: str, **kw: Any) -> Job:

@@ -13,7 +13,6 @@ Properties, on generated inputs:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -26,7 +25,7 @@ from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.early_close import Closing
 from aici_cli.control.grammar.loops import MAX_PERIOD, find_loop, min_span
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 
 PROPS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow])
@@ -89,11 +88,6 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"type": "string"}},
     "scores": {"type": "array", "items": {"type": "integer"}}},
     "required": ["name"]}
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

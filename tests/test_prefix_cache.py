@@ -9,7 +9,6 @@ cache was used at all, so a bypassed cache fails too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -22,18 +21,13 @@ from aici_cli.engine.cache import RowCache
 from aici_cli.engine.loop import Engine
 from aici_cli.engine.rows import Prepared, RowTable
 from aici_cli.jobs import Job
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 
 TOL = 1e-4
 PREFIX = ("Answer each question with one word.\n"
           "Q: What colour is the sky? A: blue\n"
           "Q: What colour is grass? A: green\n"
           "Q: What colour is snow? A: white\n")
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 def job(index: int, prompt: str | None = None, **kw: Any) -> Job:

@@ -22,15 +22,10 @@ from aici_cli.engine import loop
 from aici_cli.engine.penalties import LogitRules, apply_rules
 from aici_cli.engine.sampling import row_generator, sample
 from aici_cli.jobs import Job, load_schema
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 from aici_cli.openai_batch import COMPLETIONS
 
 NEG_INF = float("-inf")
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 def job(index: int, prompt: str = "the quick brown fox the quick brown fox the quick",

@@ -20,18 +20,13 @@ from aici_cli.engine.loop import Engine
 from aici_cli.engine.retry import RETRY_TEMPERATURE, next_attempt
 from aici_cli.errors import GrammarError
 from aici_cli.jobs import Job, load_schema
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 
 # Refused by llguidance as written: the lookaround. Relaxed, any short string goes; the
 # original matches none ("y" cannot also start with "x"), so no output may be valid.
 NEVER_VALID = {"type": "string", "maxLength": 4, "pattern": "^(?=x)y"}
 # Relaxed: either option; the original takes only "ab".
 ONLY_AB = {"enum": ["ab", "cd"], "pattern": "^(?=a)"}
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="module")

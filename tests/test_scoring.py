@@ -16,7 +16,7 @@ from aici_cli.config import EngineConfig
 from aici_cli.control.constraint import Constraint
 from aici_cli.engine.loop import Engine
 from aici_cli.jobs import Job
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 
 TOL = 1e-4
 PREFIX = ("Answer each question with one word.\n"
@@ -24,11 +24,6 @@ PREFIX = ("Answer each question with one word.\n"
           "Q: What colour is grass? A: green\n"
           "Q: What colour is snow? A: white\n")
 COLOURS = [" black", " white", " red", " green"]
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
 def job(index: int, prompt: str, options: list[str], **kw: Any) -> Job:

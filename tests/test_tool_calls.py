@@ -82,11 +82,6 @@ def tools_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tools"), TOOLS_CHAT_TEMPLATE)
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
-
-
 # ------------------------------------------------------------------ the text form
 
 def test_calls_are_read_back_exactly_as_the_grammar_writes_them() -> None:

@@ -19,7 +19,7 @@ from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar_check import lark_grammar, whitespace_problem
 from aici_cli.jobs import load_schema
-from aici_cli.models import LoadedModel, load_model
+from aici_cli.models import LoadedModel
 from aici_cli.openai_batch import CHAT, COMPLETIONS, line_format, to_line
 from aici_cli.runner import _detect_format
 
@@ -152,11 +152,6 @@ def test_grammars_are_lark_or_gbnf() -> None:
 
 
 # ------------------------------------------------------------------ compiled
-
-@pytest.fixture(scope="module")
-def lm(tiny_model_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
-
 
 def accepts(compiler: GrammarCompiler, lm: LoadedModel, constraint: Constraint,
             text: str) -> bool:

@@ -14,6 +14,8 @@ The modules, in the order a component meets them:
 - `signatures`: the contract's versions, imports and exports, checked at load.
 - `component`: `ControllerComponent` (load, trial instantiation, instantiate).
 - `host_functions`: the `tokenizer`, `host` and `storage` imports, bound once per component.
+- `host_calls`: `HostCalls`, what those imports ask of the calling instance (a protocol
+  `instance` implements, so neither imports the other).
 - `services`: what those imports are served from (`HostServices`, `TokenizerServices`).
 - `instance`: `GuestInstance`, one sequence's store, calls, deadlines and quotas, and the
   journal that replays it into a fork's new branch.

@@ -2,36 +2,28 @@
 `aici:storage/storage`), bound once per component.
 
 One `Linker` per component serves every guest instance of it: a host function finds the
-instance whose call is in progress on its thread in `current` (a guest call and the host
-functions it calls run on the same thread, so this is exact) and serves the call from
-that instance's services and quotas.
+instance whose call is in progress on its thread in `host_calls.current` (a guest call and
+the host functions it calls run on the same thread, so this is exact) and serves the call
+through that instance's `HostCalls` methods: its services and quotas.
 
 Host functions never let a Python exception reach wasmtime-py: it parks those in a
 process-global slot and re-raises them from whichever call looks next, which is a race
-between threads. They record the failure on the instance and trap the guest instead.
+between threads. They record the failure on the instance (`host_failed`) and trap the guest instead.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import wasmtime
 from wasmtime.component import Linker, Variant
 
 from aici_cli.control.wasm.faults import Fault
+from aici_cli.control.wasm.host_calls import HostCalls, current, to_u32
 from aici_cli.control.wasm.signatures import STORAGE_INTERFACE, Contract
 from aici_cli.errors import ControllerError
-
-if TYPE_CHECKING:
-    from aici_cli.control.wasm.instance import GuestInstance
-
-_U32_MAX = 0xFFFF_FFFF
-
-# The guest instance whose call is in progress on this thread (`.guest`), or None.
-current = threading.local()
 
 
 def make_linker(engine: wasmtime.Engine, contract: Contract, tokens_matching_tagged: bool,
@@ -41,15 +33,15 @@ def make_linker(engine: wasmtime.Engine, contract: Contract, tokens_matching_tag
     `tokens-matching` / storage `get` result is lowered as a `Variant`."""
     linker = Linker(engine)
 
-    def storage_get(g: GuestInstance, key: str) -> Any:
-        value = g._storage_get(key)
+    def storage_get(g: HostCalls, key: str) -> Any:
+        value = g.storage_get(key)
         if storage_get_tagged:
             return Variant("none") if value is None else Variant("some", value)
         return value
 
-    def tokens_matching(g: GuestInstance, pattern: str) -> Any:
+    def tokens_matching(g: HostCalls, pattern: str) -> Any:
         try:
-            g._count_pattern(pattern)
+            g.count_pattern(pattern)
             handle = g.services.tokens_matching(pattern)
         except ValueError as e:
             msg = str(e) or f"invalid pattern {pattern!r}"
@@ -58,7 +50,7 @@ def make_linker(engine: wasmtime.Engine, contract: Contract, tokens_matching_tag
         return Variant("ok", handle) if tokens_matching_tagged else handle
 
     tokenizer: dict[str, Callable[..., Any]] = {
-        "vocab-size": lambda g: g._vocab,
+        "vocab-size": lambda g: g.vocab_size(),
         "eos-token": lambda g: to_u32(g.services.eos_token(), "eos_token"),
         "tokenize": lambda g, text: [to_u32(t, "tokenize") for t in g.services.tokenize(text)],
         "decode": lambda g, tokens: _str(g.services.decode(list(tokens)), "decode"),
@@ -66,16 +58,16 @@ def make_linker(engine: wasmtime.Engine, contract: Contract, tokens_matching_tag
         "tokens-matching": tokens_matching,
     }
     host: dict[str, Callable[..., Any]] = {
-        "log": lambda g, message: g._log(message),
-        "set-output": lambda g, key, value: g._set_output(key, value),
+        "log": lambda g, message: g.log(message),
+        "set-output": lambda g, key, value: g.set_output(key, value),
     }
     interfaces = [(contract.tokenizer, tokenizer), (contract.host, host)]
     if contract.forks:
-        host["set-line-output"] = lambda g, key, value: g._set_line_output(key, value)
+        host["set-line-output"] = lambda g, key, value: g.set_line_output(key, value)
         storage: dict[str, Callable[..., Any]] = {
             "get": storage_get,
-            "set": lambda g, key, value: g._storage_set(key, bytes(value)),
-            "append": lambda g, key, value: to_u32(g._storage_append(key, bytes(value)),
+            "set": lambda g, key, value: g.storage_set(key, bytes(value)),
+            "append": lambda g, key, value: to_u32(g.storage_append(key, bytes(value)),
                                                    "append"),
         }
         interfaces.append((STORAGE_INTERFACE, storage))
@@ -90,35 +82,28 @@ def make_linker(engine: wasmtime.Engine, contract: Contract, tokens_matching_tag
 def _host_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wraps a host import: finds the calling instance, contains exceptions, keeps time.
 
-    A WasmtimeError traps the guest, and the instance's `_pending` error says why.
+    A WasmtimeError traps the guest, and the error given to `host_failed` says why.
     """
 
     def call(store: Any, *args: Any) -> Any:
-        guest: GuestInstance | None = getattr(current, "guest", None)
+        guest: HostCalls | None = getattr(current, "guest", None)
         if guest is None:
             raise wasmtime.WasmtimeError(f"host function {name} called outside a runner call")
         t0 = time.perf_counter()
         try:
             return fn(guest, *args)
         except Fault as e:
-            guest._pending = e.error
+            error = e.error
         except Exception as e:
-            guest._pending = ControllerError(
+            error = ControllerError(
                 "host_error", f"host function {name} failed: {type(e).__name__}: {e}"
             )
         finally:
-            guest._host_returned(time.perf_counter() - t0)
-        raise wasmtime.WasmtimeError(guest._pending.message)
+            guest.host_returned(time.perf_counter() - t0)
+        guest.host_failed(error)
+        raise wasmtime.WasmtimeError(error.message)
 
     return call
-
-
-def to_u32(value: Any, what: str) -> int:
-    """`value` (from a host service) as a u32; ValueError when it is out of range."""
-    v = int(value)
-    if not 0 <= v <= _U32_MAX:
-        raise ValueError(f"{what} returned {v}, which is not a u32")
-    return v
 
 
 def _str(value: Any, what: str) -> str:

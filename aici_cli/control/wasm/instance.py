@@ -47,7 +47,7 @@ from wasmtime.component import ResourceAny
 from aici_cli.control.actions import Action, StepInput
 from aici_cli.control.line_scope import LineScope
 from aici_cli.control.wasm.faults import Fault, Overrun, classify, clip
-from aici_cli.control.wasm.host_functions import current, to_u32
+from aici_cli.control.wasm.host_calls import HostCalls, current, to_u32
 from aici_cli.control.wasm.limits import size_text
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.control.wasm.values import split_result, step_record, to_action
@@ -214,7 +214,8 @@ class GuestInstance:
         self._budget_ms = budget_ms
         self._pending = None
         self._call_host_s = 0.0
-        current.guest = self
+        guest: HostCalls = self  # mypy checks here that an instance serves the host calls
+        current.guest = guest
         ticker.enter()  # before the deadline is set (see EpochTicker.enter)
         t0 = self._call_start = time.perf_counter()
         try:
@@ -269,7 +270,16 @@ class GuestInstance:
                 )
             )
 
-    def _host_returned(self, host_s: float) -> None:
+    # -- host calls: the `host_calls.HostCalls` protocol the host functions call --
+
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def host_failed(self, error: ControllerError) -> None:
+        """The call in progress ends with `error` (reported instead of wasmtime's trap)."""
+        self._pending = error
+
+    def host_returned(self, host_s: float) -> None:
         """Re-arms the deadline so that host time is not charged to the guest."""
         self._call_host_s += host_s
         store = self._store
@@ -280,7 +290,7 @@ class GuestInstance:
 
     # -- quotas: what a guest may leave in its result line --
 
-    def _log(self, message: str) -> None:
+    def log(self, message: str) -> None:
         """Keeps lines up to `log_bytes` (each line counts its newline, so floods of empty
         lines are bounded too); the line that crosses the cap keeps its head."""
         if self._log_cut:
@@ -296,7 +306,7 @@ class GuestInstance:
         self._log_used += len(data) + 1
         self.logs.append(message)
 
-    def _set_output(self, key: str, value: str) -> None:
+    def set_output(self, key: str, value: str) -> None:
         limits = self._limits
         if key not in self.outputs and len(self.outputs) >= limits.max_outputs:
             raise Fault(
@@ -326,14 +336,14 @@ class GuestInstance:
 
     # -- storage and the line's outputs (contract 0.2.0), shared by the line's guests --
 
-    def _storage_get(self, key: str) -> bytes | None:
+    def storage_get(self, key: str) -> bytes | None:
         if self._replay is not None:
             return self._replayed("get", key)
         value = self.line.get(key)
         self._record("get", key, value)
         return value
 
-    def _storage_set(self, key: str, value: bytes) -> None:
+    def storage_set(self, key: str, value: bytes) -> None:
         if self._replay is not None:
             self._replayed("set", key)  # applied when the forking guest made it
             return
@@ -341,7 +351,7 @@ class GuestInstance:
         _as_fault(lambda: self.line.set(key, value, limits.storage_keys, limits.storage_bytes))
         self._record("set", key, None)
 
-    def _storage_append(self, key: str, value: bytes) -> int:
+    def storage_append(self, key: str, value: bytes) -> int:
         if self._replay is not None:
             return int(self._replayed("append", key))
         limits = self._limits
@@ -351,7 +361,7 @@ class GuestInstance:
         self._record("append", key, length)
         return length
 
-    def _set_line_output(self, key: str, value: str) -> None:
+    def set_line_output(self, key: str, value: str) -> None:
         if self._replay is not None:
             return  # made once already, by the forking guest
         limits = self._limits
@@ -376,7 +386,7 @@ class GuestInstance:
             ))
         return entry[2]
 
-    def _count_pattern(self, pattern: str) -> None:
+    def count_pattern(self, pattern: str) -> None:
         """Raises ValueError (the guest's `err`) past the per-sequence pattern caps."""
         limits = self._limits
         if len(pattern) > limits.pattern_chars:

@@ -1,6 +1,5 @@
-"""Build a controller into a WebAssembly component: Python with componentize-py here,
-JavaScript with componentize-js in `build_js.py` (`build_controller` picks by the file's
-extension).
+"""Build a Python controller into a WebAssembly component with componentize-py
+(JavaScript is `js.py`; `build_controller` in `__init__.py` picks by the file's extension).
 
 The user writes one module with one `@controller`; the build adds what the component
 model needs around it, in a temporary directory:
@@ -23,15 +22,22 @@ import ast
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-WORLD = "controller-world"
+from aici_cli.control.build.info import BuildInfo, source_digest, stamp
+from aici_cli.control.build.toolchain import (
+    REPO_DIR,
+    WORLD,
+    BuildError,
+    BuildResult,
+    checked_wit_dir,
+    contract_version,
+    run_toolchain,
+)
+
 EXPORT_INTERFACE = "aici:controller/controller@0.2.0"
 ENTRY_MODULE = "aici_runner"  # also the name of the export's generated binding module
 USER_MODULE = "aici_user_controller"
@@ -60,55 +66,6 @@ class Runner(_bindings.Runner):
     def mid_process(self, input):
         return _wit.mid_process(self._session, input)
 '''
-
-
-class BuildError(Exception):
-    """A usage-level build failure with a message that says what to fix."""
-
-
-@dataclass(frozen=True)
-class BuildResult:
-    out: Path
-    size: int  # bytes
-    seconds: float  # wall time of the whole build
-
-
-def find_wit_dir() -> Path:
-    """The WIT contract: the repository's `wit/`, else package data `aici_cli/wit`."""
-    here = Path(__file__).resolve()
-    for candidate in (here.parents[2] / "wit", here.parents[1] / "wit"):
-        if any(candidate.glob("*.wit")):
-            return candidate
-    raise BuildError("the WIT contract was not found (expected wit/controller.wit)")
-
-
-def wit_files(wit_dir: Path | None = None) -> list[Path]:
-    """The contract's files, relative to `wit/`: `controller.wit` (package
-    aici:controller), then each dependency under `deps/` (aici:storage), in name order."""
-    root = wit_dir if wit_dir is not None else find_wit_dir()
-    own = sorted(root.glob("*.wit"))
-    deps = sorted(root.glob("deps/*/*.wit"))
-    return [p.relative_to(root) for p in own + deps]
-
-
-def wit_text() -> str:
-    """The contract's text: every file of `wit_files`, each after a `// path` line."""
-    root = find_wit_dir()
-    return "\n".join(f"// wit/{rel.as_posix()}\n" + (root / rel).read_text(encoding="utf-8")
-                     for rel in wit_files(root))
-
-
-def write_wit(out_dir: Path) -> list[Path]:
-    """Copy the contract to `out_dir` in the layout componentize-py and wit-parser read
-    (`controller.wit`, `deps/storage/storage.wit`); returns the files written."""
-    root = find_wit_dir()
-    written = []
-    for rel in wit_files(root):
-        target = out_dir / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text((root / rel).read_text(encoding="utf-8"), encoding="utf-8")
-        written.append(target)
-    return written
 
 
 def check_source(src: Path) -> str:
@@ -155,23 +112,18 @@ def check_source(src: Path) -> str:
     return found[0].name
 
 
-def build_controller(
+def build_python_controller(
     src: Path, out: Path, wit_dir: Path | None = None, *, timeout: float = 600
 ) -> BuildResult:
-    """Build the controller in `src` into the component `out` (written only on success).
-
-    A `.js` or `.mjs` source is a JavaScript controller (`build_js.build_js_controller`).
-    Raises `BuildError` for every expected failure: a bad source, componentize-py missing,
-    failing (its last meaningful lines, e.g. the `@controller` message) or timing out.
+    """Build the Python controller in `src` into the component `out` (written only on
+    success). Raises `BuildError` for every expected failure: a bad source, componentize-py
+    missing, failing (its last meaningful lines, e.g. the `@controller` message) or timing
+    out.
     """
     started = time.perf_counter()
     src, out = Path(src), Path(out)
-    if src.suffix in (".js", ".mjs"):
-        from aici_cli.control.build_js import build_js_controller
-
-        return build_js_controller(src, out, _checked_wit_dir(wit_dir), timeout=timeout)
     check_source(src)
-    wit = _checked_wit_dir(wit_dir)
+    wit = checked_wit_dir(wit_dir)
     exe = _componentize_py()
     sdk = _sdk_dir()
     with tempfile.TemporaryDirectory(prefix="aici-build-") as tmp_name:
@@ -189,31 +141,14 @@ def build_controller(
 
 
 def _stamp_python(out: Path, src: Path, wit: Path) -> None:
-    """Record what built `out` inside it (`build_info.py`: `publish` annotates with it)."""
+    """Record what built `out` inside it (`info.py`: `publish` annotates with it)."""
     from importlib.metadata import version
 
     from aici_cli import __version__
-    from aici_cli.control.build_info import BuildInfo, source_digest, stamp
-    from aici_cli.control.build_js import contract_version
 
     stamp(out, BuildInfo("python", SDK_PACKAGE, __version__,
                          f"componentize-py {version('componentize-py')}", src.name,
                          source_digest(src), f"aici:controller@{contract_version(wit)}"))
-
-
-def run_toolchain(cmd: list[str], tool: str, explain: Callable[[str], str], src: Path,
-                  built: Path, out: Path, timeout: float, cwd: Path | None = None) -> None:
-    """Run a componentizer's command line and move the component it built to `out`; a
-    failure is a BuildError with the tool's output cut to what says why (`explain`)."""
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise BuildError(f"{tool} did not finish within {timeout:.0f} s") from None
-    if proc.returncode != 0 or not built.is_file():
-        detail = explain(proc.stdout + "\n" + proc.stderr)
-        raise BuildError(f"building {src} failed:\n{detail}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(built), str(out))
 
 
 def build_command(exe: str, wit: Path, entry_dir: Path, src_dir: Path, out: Path) -> list[str]:
@@ -285,18 +220,9 @@ def _componentize_py() -> str:
     return found
 
 
-def _checked_wit_dir(given: Path | None) -> Path:
-    if given is None:
-        return find_wit_dir()
-    given = Path(given)
-    if not any(given.glob("*.wit")):
-        raise BuildError(f"{given}: no .wit files (expected the aici:controller contract)")
-    return given
-
-
 def _sdk_dir() -> Path:
     """The guest SDK package: in the repository's `controllers/`, else wherever installed."""
-    repo = Path(__file__).resolve().parents[2] / "controllers" / SDK_PACKAGE
+    repo = REPO_DIR / "controllers" / SDK_PACKAGE
     if (repo / "__init__.py").is_file():
         return repo
     spec = importlib.util.find_spec(SDK_PACKAGE)

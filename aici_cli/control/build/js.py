@@ -35,9 +35,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aici_cli.control.build import BuildError, BuildResult, run_toolchain
+from aici_cli.control.build.info import BuildInfo, source_digest, stamp
+from aici_cli.control.build.toolchain import (
+    REPO_DIR,
+    WORLD,
+    BuildError,
+    BuildResult,
+    contract_version,
+    run_toolchain,
+)
 
-WORLD = "controller-world"
 JS_SUFFIXES = (".js", ".mjs")
 # componentize-js 0.23's feature names: with all of them off the component imports no WASI.
 DISABLED_FEATURES = ("stdio", "random", "clocks", "http", "fetch-event")
@@ -60,7 +67,6 @@ _USAGE = (
     "or `export default class extends TokenController {{ ... }}`"
 )
 _DEFAULT_EXPORT = re.compile(r"\bexport\s+default\b|\bas\s+default\b")
-_CONTRACT = re.compile(r"^\s*package\s+aici:controller@(\d+\.\d+\.\d+)\s*;", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ class JsToolchain:
 
 def js_root() -> Path:
     """`controllers/js` of the repository (the SDK, its package.json and node_modules)."""
-    return Path(__file__).resolve().parents[2] / "controllers" / "js"
+    return REPO_DIR / "controllers" / "js"
 
 
 def find_toolchain(root: Path | None = None) -> JsToolchain:
@@ -110,15 +116,6 @@ def toolchain_problem() -> str | None:
     except BuildError as exc:
         return str(exc)
     return None
-
-
-def contract_version(wit: Path) -> str:
-    """The `aici:controller` version the WIT directory defines ("0.1.0")."""
-    for path in sorted(wit.glob("*.wit")):
-        m = _CONTRACT.search(path.read_text(encoding="utf-8"))
-        if m:
-            return m.group(1)
-    raise BuildError(f"{wit}: no `package aici:controller@...` in its .wit files")
 
 
 def glue_file(version: str, root: Path | None = None) -> Path:
@@ -176,9 +173,7 @@ def build_js_controller(
 
 
 def _stamp_js(out: Path, src: Path, wit: Path, tools: JsToolchain) -> None:
-    """Record what built `out` inside it (`build_info.py`: `publish` annotates with it)."""
-    from aici_cli.control.build_info import BuildInfo, source_digest, stamp
-
+    """Record what built `out` inside it (`info.py`: `publish` annotates with it)."""
     package = json.loads((js_root() / "package.json").read_text(encoding="utf-8"))
     stamp(out, BuildInfo("javascript", package["name"], package["version"],
                          f"componentize-js {tools.version}", src.name, source_digest(src),
