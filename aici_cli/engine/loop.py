@@ -345,6 +345,11 @@ class Engine:
             gen = gens[k]
             if gen is None or gen.finish is None or self._closing_pass(gen):
                 continue
+            if (gen.logprobs is not None and self.masked_logprobs
+                    and gen.finish.reason != "error"):
+                # Tokens fast-forwarded as the line ended (a grammar's last forced tokens,
+                # a closing completion) were never fed: forced, so logprob 0 when masked.
+                fill_fed(gen, None, self.token_bytes)
             self.rows.release(rows[k])
             self._finish(gen, emit)
             gens[k] = None
