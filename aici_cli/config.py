@@ -53,7 +53,7 @@ FIELD_OPTIONS = {
     "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
     "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens",
     "ignore_eos": "--ignore-eos", "n": "--n", "logprobs": "--logprobs", "score": "--score",
-    "schema_fallback": "--schema-fallback",
+    "schema_fallback": "--schema-fallback", "grammar": "--grammar",
 }
 
 
@@ -130,3 +130,6 @@ class RunConfig:
     input_format: str = "auto"  # "aici", "openai" (batch requests), or "auto": by the lines
     exit_zero_on_line_errors: bool = False  # exit 0 though some lines ended in an error
     ray: RayOptions | None = None  # None: run in this process
+    threads: int | None = None  # torch's CPU threads; None: the CPUs this process may use
+    ordered: bool = False  # results in input order (aici_cli/ordered.py)
+    progress_interval_s: float = 10.0  # off a terminal: a progress line this often; 0: none

@@ -14,7 +14,16 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from aici_cli.config import RunConfig
 from aici_cli.errors import UsageError
+
+Target = tuple[str, "str | os.PathLike[str] | None"]
+
+
+def run_outputs(config: RunConfig) -> list[Target]:
+    """The files `aici-batch run` writes, each with the option that names it; an option
+    that writes a file adds its pair here."""
+    return [("-o", config.output), ("--stats-out", config.stats_out)]
 
 
 def writable_problem(path: str | os.PathLike[str]) -> str | None:
@@ -35,7 +44,7 @@ def writable_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def check_writable(targets: Iterable[tuple[str, str | os.PathLike[str] | None]]) -> None:
+def check_writable(targets: Iterable[Target]) -> None:
     """Raise a one-line UsageError for the first `(option, path)` whose path cannot be
     written; None paths (an option not given) and "-" (stdout) pass."""
     for option, path in targets:

@@ -35,9 +35,19 @@ class SampleGroup:
     size: int
     scoring: bool = False  # the rows of a scored line's choices, not samples
     results: list[dict[str, Any] | None] = field(default_factory=list)
+    # Every pass any of the rows took part in, once (by identity: the engine keeps each
+    # StepTimes for the run), so the line's pass times count a shared pass once.
+    passes: dict[int, StepTimes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.results = [None] * self.size
+
+    def pass_times(self) -> dict[str, float]:
+        """The line's forward, mask and sample ms over the passes its rows took part in,
+        each pass once: they add up within the line's `total_ms`, where the rows' own
+        figures summed would count a pass they shared once per row."""
+        return {name: round(sum(getattr(t, name) for t in self.passes.values()), 3)
+                for name in ("forward_ms", "mask_ms", "sample_ms")}
 
     @property
     def done(self) -> bool:
@@ -116,6 +126,8 @@ class Generation:
         """This pass fed the pending tokens (they are in the cache now); count its time."""
         st = self.stats
         st.forward_passes += 1
+        if self.group is not None:
+            self.group.passes[id(times)] = times
         st.forward_ms += times.forward_ms
         st.mask_ms += times.mask_ms
         st.sample_ms += times.sample_ms
