@@ -7,7 +7,8 @@ that is then complete, each still in one write (and fsynced like any other).
 
 The buffer is bounded: once `limit` results wait for an earlier line, `full` is true and
 the run admits no new line until the earliest one finishes (its rows then run only the
-lines already started). The run admits in input order (`--lookahead 1`) so that the
+lines already started, which may still add their results: at most `limit` + the batch
+size - 1 wait). The run admits in input order (`--lookahead 1`) so that the
 earliest unfinished line always holds a row: a full buffer then always drains.
 
 Costs: memory for at most `limit` results; rows left idle while the buffer is full (a

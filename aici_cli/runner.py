@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
 
+import torch
+
 from aici_cli import __version__, threads
 from aici_cli.config import RunConfig
 from aici_cli.engine.intake import ControllerFactory, Emit
@@ -243,7 +245,7 @@ class LocalEngine:
     """The `Backend` of a run in this process: one loaded model and one `Engine`."""
 
     def __init__(self, config: RunConfig) -> None:
-        self.threads = threads.apply(config.threads)
+        threads.apply(config.threads)
         self.lm = load_model(config.model, config.device, config.dtype)
         self.model_name = self.lm.name
         self.engine = Engine(self.lm, config.engine)
@@ -268,7 +270,7 @@ class LocalEngine:
     def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
         summary = summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
                             self.engine.compile_ms, self.call_times)
-        summary["threads"] = self.threads
+        summary["threads"] = torch.get_num_threads()  # what torch used, not what was asked
         return summary
 
     def close(self) -> None:
