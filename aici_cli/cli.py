@@ -239,8 +239,10 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
 
     \b
     Examples:
-      aici-batch run prompts.jsonl -o results.jsonl --json-schema person.schema.json
-      cat prompts.jsonl | aici-batch run - > results.jsonl
+      aici-batch run examples/prompts.jsonl -o results.jsonl \\
+          --json-schema examples/person.schema.json
+      cat prompts.jsonl | aici-batch run > results.jsonl
+      aici-batch run prompts.jsonl -o results.jsonl --ordered --threads 1   # a shared CI box
       aici-batch run prompts.jsonl --model ./my-hf-model --batch-size 16 --stats-out s.json
       aici-batch run prompts.jsonl --controller yes_no.wasm --controller-arg '{"n": 3}'
       aici-batch run prompts.jsonl -o results.jsonl --resume   # after Ctrl-C or a crash
@@ -309,6 +311,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         if problem is not None:
             raise FatalError(problem)
         check_writable(run_outputs(config))
+        loading = _start_up(config)
         from aici_cli.runner import run_batch  # heavy imports (torch) only here
     except KeyboardInterrupt:
         _exit_interrupted(signal.SIGINT)
@@ -316,7 +319,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         raise FatalError(str(e)) from None
 
     try:
-        outcome = run_batch(config, handle_signals=True, t0=t0)
+        outcome = run_batch(config, handle_signals=True, t0=t0, loading=loading)
     except (UsageError, ModelError, ClusterError) as e:
         raise FatalError(str(e)) from None
     except BrokenPipeError:
@@ -325,9 +328,25 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         sys.exit(0)
     except KeyboardInterrupt as e:  # before any line ran: nothing to finish or flush
         _exit_interrupted(getattr(e, "signum", signal.SIGINT))
+    finally:
+        loading.finish(ok=False)  # stopped where the run stopped before its model was ready
     if outcome.summary_error is not None:
         click.echo(f"Error: {outcome.summary_error}", err=True)
     sys.exit(outcome.exit_code)
+
+
+def _start_up(config: Any) -> Any:
+    """A model spec that names nothing is refused before the heavy imports (one line, at
+    once); then the start-up note starts, so that the seconds of imports and loading are
+    said on stderr (`ui.ModelLoading`)."""
+    from aici_cli.models.resolve import spec_problem
+    from aici_cli.ui import ModelLoading, loading_what
+
+    if config.ray is None:
+        problem = spec_problem(config.model)
+        if problem is not None:
+            raise FatalError(problem)
+    return ModelLoading(sys.stderr, config.quiet, loading_what(config.model)).start()
 
 
 def _input_or_stdin(input: str | None) -> str:

@@ -39,7 +39,7 @@ from aici_cli.out_paths import check_writable, run_outputs
 from aici_cli.results import ResultWriter
 from aici_cli.resume import InputLines, OutputFile, ResumeError, ResumePlan
 from aici_cli.stats import RunTally, StepTimes, percentile
-from aici_cli.ui import ModelLoading, RunDisplay, failure_line, load_progress
+from aici_cli.ui import ModelLoading, RunDisplay, failure_line, load_progress, loading_what
 
 if TYPE_CHECKING:
     from aici_cli.control.wasm import ControllerComponent
@@ -125,7 +125,8 @@ def _check_resume(config: RunConfig) -> None:
 
 def run_batch(config: RunConfig, stderr: IO[str] | None = None,
               on_result: Callable[[dict[str, Any]], None] | None = None,
-              handle_signals: bool = False, t0: float | None = None) -> RunOutcome:
+              handle_signals: bool = False, t0: float | None = None,
+              loading: ModelLoading | None = None) -> RunOutcome:
     """Run every input line to exactly one result line. Raises `UsageError`/`ModelError`
     for problems that stop the whole run before any line is read.
 
@@ -133,7 +134,8 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     and new results are appended. With `handle_signals` (the CLI), SIGINT/SIGTERM end the
     run early but cleanly (see `Interrupts`); the outcome says so. `t0` (a
     `time.perf_counter()`) is when the caller started, for the summary's start-up time
-    (the CLI's, so that its imports count)."""
+    (the CLI's, so that its imports count); `loading` the start-up note it started, which
+    ends once the model is ready."""
     stderr = stderr or sys.stderr
     started = _Start() if t0 is None else _Start(t0=t0)
     _check_resume(config)
@@ -157,7 +159,8 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
             raise UsageError(f"the output {config.output} is the input file")
         interrupts = Interrupts() if handle_signals else None
         with interrupts or contextlib.nullcontext():
-            return _run(config, stderr, on_result, source, output, interrupts, live, started)
+            return _run(config, stderr, on_result, source, output, interrupts, live, started,
+                        loading)
     finally:
         if output is not None:
             output.close()
@@ -183,7 +186,7 @@ def _run(config: RunConfig, stderr: IO[str],
          on_result: Callable[[dict[str, Any]], None] | None, source: BinaryIO,
          output: OutputFile | None, interrupts: Interrupts | None,
          live: LiveInput[Job | LineError] | None = None,
-         started: _Start | None = None) -> RunOutcome:
+         started: _Start | None = None, loading: ModelLoading | None = None) -> RunOutcome:
     started = started or _Start()
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
@@ -191,9 +194,8 @@ def _run(config: RunConfig, stderr: IO[str],
     mixed: list[str] = []  # with --resume-mixed: how earlier results were made otherwise
     if plan is not None:  # the options before the model loads, the model once it has
         _check_made_with(config, plan, run_record(config, "", controller), OPTION_KEYS, mixed)
-    what = f"model {config.model}" if config.model else "the default model"
-    with reporting_to(load_progress(stderr, config.quiet)), \
-            ModelLoading(stderr, config.quiet, what):
+    loading = loading or ModelLoading(stderr, config.quiet, loading_what(config.model))
+    with reporting_to(load_progress(stderr, config.quiet)), loading:
         backend = _start_backend(config)
     started.load_s = time.perf_counter() - started.t0  # imports, model, controller
     try:

@@ -69,6 +69,16 @@ class StepTimes:
         return max(0.0, self.step_ms - self.forward_ms)
 
 
+def shared_pass_times(passes: Iterable[StepTimes]) -> dict[str, float]:
+    """The forward, mask and sample ms of a line run as several rows (samples, scored
+    choices, a fork's branches) over the passes any of its rows took part in, each pass
+    once: they add up within the line's `total_ms`, where the rows' own figures summed
+    would count a shared pass once per row."""
+    passes = list(passes)
+    return {name: round(sum(getattr(t, name) for t in passes), 3)
+            for name in ("forward_ms", "mask_ms", "sample_ms")}
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100); 0.0 for no values."""
     if not values:

@@ -60,10 +60,17 @@ class ConsoleProgress(LoadProgress):
                 bar.advance(task)
 
 
+def loading_what(model: str | None) -> str:
+    """What start-up gets ready, as the loading note names it."""
+    return f"model {model}" if model else "the default model"
+
+
 class ModelLoading:
-    """The start-up phase, said once it has taken `after_s` (it takes seconds, and a CI
-    log would show nothing meanwhile; a model that is not found fails at once, with its
-    one-line error alone) and then when it ends, with its time. A context manager."""
+    """The start-up phase, said once it has taken `after_s` (imports and a model take
+    seconds, and a log would show nothing meanwhile; a run that fails at once shows its
+    one-line error alone) and then when it ends, with its time. `start` may come early
+    (the CLI starts it before its heavy imports) and `finish` later; as a context manager
+    it does both."""
 
     def __init__(self, stream: IO[str], quiet: bool, what: str, after_s: float = 0.5) -> None:
         self.console = Console(file=stream, stderr=True)
@@ -73,6 +80,7 @@ class ModelLoading:
         self._said = False
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
+        self._t0: float | None = None
 
     def _say(self) -> None:
         with self._lock:
@@ -82,7 +90,9 @@ class ModelLoading:
             self.console.print(f"aici-batch: loading {self.what}...", markup=False,
                                highlight=False, soft_wrap=True)
 
-    def __enter__(self) -> ModelLoading:
+    def start(self) -> ModelLoading:
+        if self._t0 is not None:
+            return self
         self._t0 = time.perf_counter()
         if not self.quiet:
             self._timer = threading.Timer(self.after_s, self._say)
@@ -90,16 +100,22 @@ class ModelLoading:
             self._timer.start()
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        seconds = time.perf_counter() - self._t0
+    def finish(self, ok: bool = True) -> None:
+        seconds = time.perf_counter() - (self._t0 or time.perf_counter())
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-            said = self._said
-        if said and exc_type is None:
+            said, self._said = self._said, False
+        if said and ok:
             self.console.print(f"aici-batch: {self.what} ready in {seconds:.1f} s",
                                markup=False, highlight=False, soft_wrap=True)
+
+    def __enter__(self) -> ModelLoading:
+        return self.start()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.finish(ok=exc_type is None)
 
 
 class RunDisplay:

@@ -30,8 +30,8 @@ def _spin() -> None:
         pass
 
 
-def _run(args: argparse.Namespace, threads: int, work: Path) -> dict[str, Any]:
-    stats = work / f"stats-{threads}.json"
+def _run(args: argparse.Namespace, threads: int, work: Path, busy: int) -> dict[str, Any]:
+    stats = work / f"stats-{busy}-{threads}.json"
     exe = Path(sys.executable).with_name("aici-batch")
     cmd = [str(exe) if exe.exists() else sys.executable, *([] if exe.exists() else
                                                            ["-m", "aici_cli"]),
@@ -42,8 +42,8 @@ def _run(args: argparse.Namespace, threads: int, work: Path) -> dict[str, Any]:
         cmd += ["--model", args.model]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
-    if done.returncode not in (0, 1):
-        raise SystemExit(f"run failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    if done.returncode != 0 or not stats.exists():
+        raise SystemExit(f"run failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
     summary = json.loads(stats.read_text())
     return {"threads": threads, "process_s": round(time.perf_counter() - t0, 2),
             "forward_ms_p50": summary["steps"]["forward_ms"]["p50"],
@@ -79,7 +79,7 @@ def main() -> int:
                 p.start()
             try:
                 for threads in (int(t) for t in args.threads.split(",")):
-                    row = {"busy": busy, **_run(args, threads, work)}
+                    row = {"busy": busy, **_run(args, threads, work, busy)}
                     rows.append(row)
                     print(f"busy {busy}  --threads {threads}: forward p50 "
                           f"{row['forward_ms_p50']:7.1f} ms, step p50 {row['step_ms_p50']:7.1f}"

@@ -14,7 +14,7 @@ from aici_cli.control.base import Controller, Directive
 from aici_cli.engine.penalties import LogitRules
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job
-from aici_cli.stats import LineStats, StepTimes
+from aici_cli.stats import LineStats, StepTimes, shared_pass_times
 
 if TYPE_CHECKING:
     from aici_cli.engine.branches import LineBranches
@@ -43,11 +43,7 @@ class SampleGroup:
         self.results = [None] * self.size
 
     def pass_times(self) -> dict[str, float]:
-        """The line's forward, mask and sample ms over the passes its rows took part in,
-        each pass once: they add up within the line's `total_ms`, where the rows' own
-        figures summed would count a pass they shared once per row."""
-        return {name: round(sum(getattr(t, name) for t in self.passes.values()), 3)
-                for name in ("forward_ms", "mask_ms", "sample_ms")}
+        return shared_pass_times(self.passes.values())
 
     @property
     def done(self) -> bool:
@@ -128,6 +124,8 @@ class Generation:
         st.forward_passes += 1
         if self.group is not None:
             self.group.passes[id(times)] = times
+        if self.line is not None:
+            self.line.passes[id(times)] = times
         st.forward_ms += times.forward_ms
         st.mask_ms += times.mask_ms
         st.sample_ms += times.sample_ms
