@@ -137,7 +137,7 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     (the CLI's, so that its imports count); `loading` the start-up note it started, which
     ends once the model is ready."""
     stderr = stderr or sys.stderr
-    started = _Start() if t0 is None else _Start(t0=t0)
+    started = _Start.since(t0)
     _check_resume(config)
     check_writable(run_outputs(config))  # before an hour's work, not after it
     if config.ordered:  # the earliest unfinished line always holds a row (ordered.py)
@@ -174,12 +174,19 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
 
 @dataclass
 class _Start:
-    """When the run began, and how long start-up (the model loading) took."""
+    """When the run began (UTC, ISO 8601; and as a `perf_counter`), and how long start-up
+    (imports, the model loading) took."""
 
-    at: str = dataclasses.field(default_factory=lambda: datetime.datetime.now(
-        datetime.timezone.utc).isoformat(timespec="seconds"))
-    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    at: str
+    t0: float
     load_s: float = 0.0
+
+    @classmethod
+    def since(cls, t0: float | None = None) -> _Start:
+        now = time.perf_counter()
+        t0 = now if t0 is None else t0
+        wall = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=now - t0)
+        return cls(at=wall.isoformat(timespec="seconds"), t0=t0)
 
 
 def _run(config: RunConfig, stderr: IO[str],
@@ -187,7 +194,7 @@ def _run(config: RunConfig, stderr: IO[str],
          output: OutputFile | None, interrupts: Interrupts | None,
          live: LiveInput[Job | LineError] | None = None,
          started: _Start | None = None, loading: ModelLoading | None = None) -> RunOutcome:
-    started = started or _Start()
+    started = started or _Start.since()
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
     controller = controller_digest(config)
@@ -499,7 +506,7 @@ def _run_facts(summary: dict[str, Any], config: RunConfig, started: _Start | Non
                interrupted: bool) -> dict[str, Any]:
     """The run summary with what a log needs beside the figures: the version, when the run
     started, start-up and total time, whether it was interrupted or ordered."""
-    started = started or _Start()
+    started = started or _Start.since()
     return {**summary, "version": __version__, "started_at": started.at,
             "load_s": round(started.load_s, 3),
             "total_s": round(time.perf_counter() - started.t0, 3),
