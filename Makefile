@@ -64,6 +64,8 @@ bench: setup
 	$(BIN)/python bench/ray_scaling.py
 	$(BIN)/python bench/controller_costs.py
 	$(BIN)/python bench/peers.py --repeats 2
+	$(BIN)/python bench/threads.py --threads 1,2 --busy 0,1
+	$(BIN)/python bench/ordered_cost.py --repeats 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache $(JS_DIR)/node_modules

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,30 +20,27 @@ from aici_cli.control.constraint import Constraint
 from aici_cli.errors import ClusterError, ModelError, UsageError
 
 
-def _constraint(json_schema: str | None, regex: str | None,
-                choices: str | None) -> Constraint | None:
-    given = [x for x in (json_schema, regex, choices) if x is not None]
+def _constraint(json_schema: str | None, regex: str | None, choices: str | None,
+                grammar: str | None = None, quiet: bool = False) -> Constraint | None:
+    given = [x for x in (json_schema, regex, choices, grammar) if x is not None]
     if len(given) > 1:
-        raise FatalError("give at most one of --json-schema, --regex, --choices")
-    if json_schema is not None:
-        try:
-            schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
-        except OSError as e:
-            raise FatalError(f"cannot read --json-schema {json_schema}: {e.strerror}") from None
-        except ValueError as e:
-            raise FatalError(f"--json-schema {json_schema} is not JSON: {e}") from None
-        except RecursionError:
-            raise FatalError(f"--json-schema {json_schema} is nested too deeply") from None
-        if not isinstance(schema, (dict, bool)):
-            raise FatalError(f"--json-schema {json_schema} must hold a JSON object")
-        return Constraint("json_schema", schema)
-    if regex is not None:
-        return Constraint("regex", regex)
-    if choices is not None:
-        options = [c for c in choices.split(",") if c]
-        if not options:
-            raise FatalError("--choices needs at least one non-empty choice")
-        return Constraint("choice", options)
+        raise FatalError("give at most one of --json-schema, --regex, --choices, --grammar")
+    from aici_cli.option_values import choices_option, grammar_option, schema_option
+
+    try:
+        if json_schema is not None:
+            schema, note = schema_option(json_schema)
+            if note is not None and not quiet:
+                click.echo(f"aici-batch: {note}", err=True)
+            return Constraint("json_schema", schema)
+        if regex is not None:
+            return Constraint("regex", regex)
+        if choices is not None:
+            return Constraint("choice", choices_option(choices))
+        if grammar is not None:
+            return Constraint("lark", grammar_option(grammar))
+    except UsageError as e:
+        raise FatalError(str(e)) from None
     return None
 
 
@@ -53,7 +51,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("input", metavar="INPUT")
+@click.argument("input", metavar="[INPUT]", required=False)
 @click.option("-o", "--output", default="-", show_default=True,
               help="Result JSONL file; '-' is stdout.")
 @click.option("--model", default=None,
@@ -107,7 +105,12 @@ def main() -> None:
 @click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False), default=None,
               help="JSON Schema file enforced on every line without its own constraint.")
 @click.option("--regex", default=None, help="Regular expression enforced on every line.")
-@click.option("--choices", default=None, help="Comma-separated choices, e.g. 'yes,no'.")
+@click.option("--choices", default=None,
+              help="Choices, comma-separated ('yes, no': spaces around commas are trimmed) "
+                   "or a JSON array ('[\"a, b\", \" c\"]', kept exactly); each must differ.")
+@click.option("--grammar", "grammar", type=click.Path(dir_okay=False), default=None,
+              help="Grammar file (Lark, or GBNF as llama.cpp writes it) enforced on every "
+                   "line without its own constraint.")
 @click.option("--score", is_flag=True,
               help="Rank each line's choices by the log-probability the model gives them "
                    "after the prompt instead of generating (multiple-choice evals): `text` "
@@ -153,6 +156,13 @@ def main() -> None:
               help="Lines read ahead of admission, so that lines whose prefix is cached run "
                    "first (results are written as lines finish; `index` keeps each line's "
                    "number). 1 admits in input order.")
+@click.option("--ordered", is_flag=True,
+              help="Write results in input order (admits in input order, holds at most "
+                   "1,024 finished results for an earlier line; see docs/running.md).")
+@click.option("--threads", type=click.IntRange(1, 4096), default=None,
+              help="CPU threads for the model's work. Default: the CPUs this process may "
+                   "use (affinity and cgroup quota), or OMP_NUM_THREADS. Lower it when "
+                   "other jobs share the CPU.")
 @click.option("--logprobs", "logprobs", type=click.IntRange(0, 20), default=None,
               help="Give every generated token its log-probability and its K most likely "
                    "alternatives (lines may set `logprobs`/`top_logprobs` themselves).")
@@ -207,30 +217,38 @@ def main() -> None:
 @click.option("--cpus-per-worker", type=click.FloatRange(0.0, min_open=True), default=1.0,
               show_default=True,
               help="CPUs Ray reserves for each worker; also its torch threads.")
-@click.option("-q", "--quiet", is_flag=True, help="Nothing on stderr but errors.")
+@click.option("--progress-interval", type=click.FloatRange(0.0), default=10.0,
+              show_default=True, metavar="SECONDS",
+              help="Off a terminal (a CI log, a pipe): one progress line every SECONDS "
+                   "(lines done/total, tok/s, errors); 0: none.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="Nothing on stderr but errors (and the one line that counts failed lines).")
 def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
         max_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
         frequency_penalty: float, presence_penalty: float, repetition_penalty: float,
         min_tokens: int, ignore_eos: bool, stop: tuple[str, ...], n: int, input_format: str,
-        json_schema: str | None, regex: str | None, choices: str | None,
+        json_schema: str | None, regex: str | None, choices: str | None, grammar: str | None,
         score: bool, schema_fallback: str, schema_retries: int,
         json_permissive: bool, controller: str | None, plain_http: bool, controller_arg: str,
         controller_timeout_ms: int, max_branches: int, no_ff: bool, draft_tokens: int,
         no_prefix_cache: bool,
-        lookahead: int, logprobs: int | None, logprobs_mode: str, close_at_limit: bool,
+        lookahead: int, ordered: bool, threads: int | None, logprobs: int | None,
+        logprobs_mode: str, close_at_limit: bool,
         loop_guard: bool, deterministic: bool, step_stats: bool,
         stats_out: str | None, trace: str | None,
         resume: bool, resume_mixed: bool, exit_zero_on_line_errors: bool,
         ray_address: str | None,
         workers: int | None, gpus_per_worker: float, cpus_per_worker: float,
-        quiet: bool) -> None:
-    """Run every line of INPUT (a JSONL file, or '-' for stdin) and write one result line
-    per input line.
+        progress_interval: float, quiet: bool) -> None:
+    """Run every line of INPUT (a JSONL file, or '-' for stdin; without INPUT, stdin when
+    it is not a terminal) and write one result line per input line.
 
     \b
     Examples:
-      aici-batch run prompts.jsonl -o results.jsonl --json-schema person.schema.json
-      cat prompts.jsonl | aici-batch run - > results.jsonl
+      aici-batch run examples/prompts.jsonl -o results.jsonl \\
+          --json-schema examples/person.schema.json
+      cat prompts.jsonl | aici-batch run > results.jsonl
+      aici-batch run prompts.jsonl -o results.jsonl --ordered --threads 1   # a shared CI box
       aici-batch run prompts.jsonl --model ./my-hf-model --batch-size 16 --stats-out s.json
       aici-batch run prompts.jsonl --controller yes_no.wasm --controller-arg '{"n": 3}'
       aici-batch run prompts.jsonl -o results.jsonl --resume   # after Ctrl-C or a crash
@@ -244,10 +262,16 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
 
     Exit status: 0 when every line succeeded, 1 when some lines ended in an error (all
     results are still written; 0 with --exit-zero-on-line-errors), 2 when the run could
-    not start, 130 (Ctrl-C) or 143 (SIGTERM) when interrupted before every line ran.
+    not start, 3 when every line ran but the --stats-out summary could not be written,
+    130 (Ctrl-C) or 143 (SIGTERM) when interrupted before every line ran.
     """
     # (Long because this docstring is the --help text; the body only builds the config.)
+    t0 = time.perf_counter()  # start-up in the summary counts the imports below
+    input = _input_or_stdin(input)
     ray = _ray_options(ray_address, workers, gpus_per_worker, cpus_per_worker, device)
+    if ray is not None and (ordered or threads is not None):
+        raise FatalError(f"{'--ordered' if ordered else '--threads'} is for a local run; with "
+                         "--ray each worker's threads are --cpus-per-worker")
     from aici_cli.config import RunConfig
 
     config = RunConfig(
@@ -261,7 +285,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
                             strict_json=not json_permissive),
         defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              seed=seed, stop=tuple(stop),
-                             constraint=_constraint(json_schema, regex, choices), n=n,
+                             constraint=_constraint(json_schema, regex, choices, grammar,
+                                                    quiet), n=n,
                              score=score, logprobs=logprobs, top_k=top_k, min_p=min_p,
                              frequency_penalty=frequency_penalty,
                              presence_penalty=presence_penalty,
@@ -270,26 +295,38 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
         resume=resume, resume_mixed=resume_mixed,
-        exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray,
+        exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray, threads=threads,
+        ordered=ordered, progress_interval_s=progress_interval,
         plain_http=plain_http, trace=trace,
     )
     if resume_mixed and not resume:
         raise FatalError("--resume-mixed goes with --resume")
     if controller is not None and config.defaults.constraint is not None:
-        raise FatalError("--controller cannot be combined with --json-schema/--regex/--choices")
+        raise FatalError("--controller cannot be combined with "
+                         "--json-schema/--regex/--choices/--grammar")
     try:
-        # Before anything loads: a bad default would be every line's error otherwise.
+        # Before anything loads: a bad default would be every line's error otherwise, and
+        # a file that cannot be written would fail only after the whole run.
         from aici_cli.jobs.defaults import defaults_problem
+        from aici_cli.out_paths import check_writable, run_outputs
 
+        if ray is None:
+            from aici_cli.threads import apply as apply_threads
+
+            apply_threads(threads)  # before torch loads: its thread pool reads OMP_NUM_THREADS
         problem = defaults_problem(config.defaults, config.engine.strict_json, json_schema)
         if problem is not None:
             raise FatalError(problem)
+        check_writable(run_outputs(config))
+        loading = _start_up(config)
         from aici_cli.runner import run_batch  # heavy imports (torch) only here
     except KeyboardInterrupt:
         _exit_interrupted(signal.SIGINT)
+    except UsageError as e:
+        raise FatalError(str(e)) from None
 
     try:
-        outcome = run_batch(config, handle_signals=True)
+        outcome = run_batch(config, handle_signals=True, t0=t0, loading=loading)
     except (UsageError, ModelError, ClusterError) as e:
         raise FatalError(str(e)) from None
     except BrokenPipeError:
@@ -298,7 +335,36 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
         sys.exit(0)
     except KeyboardInterrupt as e:  # before any line ran: nothing to finish or flush
         _exit_interrupted(getattr(e, "signum", signal.SIGINT))
+    finally:
+        loading.finish(ok=False)  # stopped where the run stopped before its model was ready
+    if outcome.summary_error is not None:
+        click.echo(f"Error: {outcome.summary_error}", err=True)
     sys.exit(outcome.exit_code)
+
+
+def _start_up(config: Any) -> Any:
+    """A model spec that names nothing is refused before the heavy imports (one line, at
+    once); then the start-up note starts, so that the seconds of imports and loading are
+    said on stderr (`ui.ModelLoading`)."""
+    from aici_cli.models.resolve import spec_problem
+    from aici_cli.ui import ModelLoading, loading_what
+
+    if config.ray is None:
+        problem = spec_problem(config.model)
+        if problem is not None:
+            raise FatalError(problem)
+    return ModelLoading(sys.stderr, config.quiet, loading_what(config.model)).start()
+
+
+def _input_or_stdin(input: str | None) -> str:
+    """INPUT, or "-" when it is left out and stdin is not a terminal (`cat x | aici-batch
+    run`); a terminal's stdin would wait for typing, so it needs INPUT or '-'."""
+    if input is not None:
+        return input
+    if sys.stdin is None or not sys.stdin.isatty():
+        return "-"
+    raise click.UsageError("missing INPUT: give a JSONL file, or pipe the lines in "
+                           "(stdin is a terminal here; '-' reads it anyway)")
 
 
 def _ray_options(address: str | None, workers: int | None, gpus: float, cpus: float,
@@ -436,6 +502,7 @@ def report(results: str, stats_file: str | None, plot_file: str | None,
     from rich.console import Console
 
     from aici_cli.errors import ReportError
+    from aici_cli.out_paths import check_writable
     from aici_cli.report import report_table
     from aici_cli.report_checks import CiOptions, ci_report
     from aici_cli.report_gate import parse_gate
@@ -444,6 +511,8 @@ def report(results: str, stats_file: str | None, plot_file: str | None,
     if trace_file is not None and timeline_file is None:
         raise FatalError("--trace goes with --timeline")
     try:
+        check_writable([("--plot", plot_file), ("--timeline", timeline_file),
+                        ("--junit", junit_file), ("--markdown", markdown_file)])
         options = CiOptions(gates=tuple(parse_gate(g) for g in fail_under), baseline=baseline,
                             fail_on_regression=fail_on_regression, alpha=alpha,
                             junit=junit_file, markdown=markdown_file)
@@ -452,10 +521,11 @@ def report(results: str, stats_file: str | None, plot_file: str | None,
             from aici_cli.report_timeline import draw_timeline
 
             draw_timeline(results, Path(timeline_file), trace_file)
-    except ReportError as e:
+    except (ReportError, UsageError) as e:
         raise FatalError(str(e)) from None
     except OSError as e:
-        raise FatalError(f"cannot read {e.filename}: {e.strerror}") from None
+        verb = "write" if plot_file is not None and e.filename == plot_file else "read"
+        raise FatalError(f"cannot {verb} {e.filename}: {e.strerror}") from None
     if as_json:
         click.echo(json.dumps(out.summary, indent=2))
     else:

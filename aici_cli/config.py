@@ -56,7 +56,7 @@ FIELD_OPTIONS = {
     "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
     "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens",
     "ignore_eos": "--ignore-eos", "n": "--n", "logprobs": "--logprobs", "score": "--score",
-    "schema_fallback": "--schema-fallback",
+    "schema_fallback": "--schema-fallback", "grammar": "--grammar",
 }
 
 
@@ -135,3 +135,6 @@ class RunConfig:
     ray: RayOptions | None = None  # None: run in this process
     plain_http: bool = False  # an oci:// controller's registry speaks HTTP, not HTTPS
     trace: str | None = None  # OTLP JSON spans of the run go here (aici_cli/tracing.py)
+    threads: int | None = None  # torch's CPU threads; None: the CPUs this process may use
+    ordered: bool = False  # results in input order (aici_cli/ordered.py)
+    progress_interval_s: float = 10.0  # off a terminal: a progress line this often; 0: none

@@ -3,11 +3,12 @@ results made two ways in one file.
 
 Every result carries the model that made it (as results name it) and the run options
 that set what a line asks for, where they differ from the defaults: the line defaults
-(`--max-tokens`, `--temperature`, `--json-schema`, `--stop`, ...), the options that change
-what a JSON output may be or how it ends (`--json-permissive`, `--close-at-limit`,
-`--loop-guard`, `--schema-retries`, `--logprobs-mode`) and the `--controller` (the
-digest of its .wasm) with its `--controller-arg`. Per result rather than beside the file:
-a torn or partly resumed file, and resumes across local and `--ray` runs, keep it.
+(`--max-tokens`, `--temperature`, `--json-schema`, `--grammar`, `--stop`, ...), the
+options that change what a JSON output may be or how it ends (`--json-permissive`,
+`--close-at-limit`, `--loop-guard`, `--schema-retries`, `--logprobs-mode`) and the
+`--controller` (the digest of its .wasm) with its `--controller-arg`. Per result rather
+than beside the file: a torn or partly resumed file, and resumes across local and
+`--ray` runs, keep it.
 
 Not recorded, because they do not change what is asked, only how it is computed:
 `--batch-size`, `--device`, `--dtype`, `--deterministic`, `--draft-tokens`, `--no-ff`,
@@ -47,7 +48,7 @@ def _full(config: RunConfig, controller: str | None) -> dict[str, Any]:
     d, e = config.defaults, config.engine
     constraint = d.constraint
     record: dict[str, Any] = {
-        "json_schema": None, "regex": None, "choices": None,
+        "json_schema": None, "regex": None, "choices": None, "grammar": None,
         "stop": list(d.stop), "max_tokens": d.max_tokens, "temperature": d.temperature,
         "top_p": d.top_p, "seed": d.seed, "top_k": d.top_k, "min_p": d.min_p,
         "frequency_penalty": d.frequency_penalty, "presence_penalty": d.presence_penalty,
@@ -64,6 +65,8 @@ def _full(config: RunConfig, controller: str | None) -> dict[str, Any]:
         record["regex"] = constraint.value
     elif constraint is not None and constraint.kind == "choice":
         record["choices"] = list(constraint.value)
+    elif constraint is not None and constraint.kind == "lark":
+        record["grammar"] = digest(constraint.value.encode())
     return record
 
 
@@ -107,7 +110,7 @@ def _shown(key: str, value: Any) -> str:
         return " ".join(f"--stop {s!r}" for s in value)
     if key == "choices":
         return f"--choices {','.join(value)!r}"
-    if key in ("json_schema", "controller"):
+    if key in ("json_schema", "grammar", "controller"):
         return f"{option} ({value})"
     if isinstance(value, str):
         return f"{option} {value!r}" if key in ("regex", "controller_arg") else \

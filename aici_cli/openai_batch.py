@@ -14,6 +14,7 @@ chat completion or a text completion; aici-batch's own per-line figures ride alo
 
 from __future__ import annotations
 
+import difflib
 import re
 import time
 import uuid
@@ -37,10 +38,12 @@ _SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_
 _SAME = ("temperature", "top_p", "seed", "n", *_SAMPLING)
 # The same, for chat requests only.
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
-# Accepted and ignored: they do not change what is generated here.
-_IGNORED = ("model", "user", "metadata", "store", "service_tier")
+# Accepted and ignored whatever their value, as vLLM ignores them: they do not change
+# what is generated here (`stream_options` only shapes a stream, and a batch has none).
+IGNORED = ("model", "user", "metadata", "store", "service_tier", "stream_options",
+           "prompt_cache_key", "safety_identifier")
 _KNOWN = {"messages", "prompt", "max_tokens", "max_completion_tokens", "stop",
-          "stream", "logprobs", "top_logprobs", *BODY_FIELDS, *_SAME, *_TOOLS, *_IGNORED}
+          "stream", "logprobs", "top_logprobs", *BODY_FIELDS, *_SAME, *_TOOLS, *IGNORED}
 # The keys of a request line; any one of them makes a line a request.
 _REQUEST_KEYS = ("custom_id", "method", "url", "body")
 
@@ -111,9 +114,13 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise RequestError("body must be a JSON object")
+    # A field set to null is unset, whatever it is (the SDK writes some as null), as vLLM
+    # reads a request.
+    body = {key: value for key, value in body.items() if value is not None}
     unsupported = sorted(set(body) - _KNOWN)
     if unsupported:
-        raise RequestError(f"unsupported body field(s): {', '.join(unsupported)}")
+        raise RequestError(f"unsupported body field(s): {', '.join(unsupported)}"
+                           f"{_did_you_mean(unsupported)}")
     if body.get("stream") is not None and body["stream"] is not False:
         raise RequestError(f"body.stream must be false in a batch, got {show(body['stream'])}")
 
@@ -151,6 +158,16 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
         sources["max_tokens"] = "body.max_completion_tokens"
     sources.update(constraint_sources)
     return line, Request(custom_id, url, tuple(sources.items()))
+
+
+def _did_you_mean(unknown: list[str]) -> str:
+    """` (did you mean 'temperature' for 'temprature'?)` where a field is close to one
+    this reader knows."""
+    pairs = [(u, m[0]) for u in unknown
+             if (m := difflib.get_close_matches(u, sorted(_KNOWN), n=1, cutoff=0.75))]
+    if not pairs:
+        return ""
+    return " (did you mean " + ", ".join(f"'{m}' for '{u}'" for u, m in pairs) + "?)"
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:

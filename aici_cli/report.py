@@ -99,7 +99,6 @@ class _Tally(RunTally):
     """Everything the summary and the plot need, gathered in one pass over the results
     (stdin can be read only once): the run's counts, plus finish reasons and timings."""
 
-    finish_reasons: dict[str, int] = field(default_factory=dict)
     # Per-step records (--step-stats): one value per sequence-step.
     record_values: dict[str, list[float]] = field(
         default_factory=lambda: {f: [] for f in TIMING_FIELDS})
@@ -116,8 +115,6 @@ class _Tally(RunTally):
         super().add(result)  # the counts, by the run's own rules
         st = result["stats"]
         passes = st["forward_passes"]
-        reason = result["finish_reason"]
-        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
         if passes > 0:
             self.ran += 1
             for f in TIMING_FIELDS:

@@ -9,6 +9,8 @@ sequence finishes, and returns the run summary. The CLI is a thin layer over thi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import itertools
 import json
 import sys
@@ -18,6 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
 
+import torch
+
+from aici_cli import __version__, threads
 from aici_cli.config import RunConfig
 from aici_cli.engine.intake import ControllerFactory, Emit
 from aici_cli.engine.loop import Engine
@@ -29,10 +34,12 @@ from aici_cli.made_with import OPTION_KEYS, digest, run_record
 from aici_cli.models.load import load_model
 from aici_cli.models.progress import reporting_to
 from aici_cli.openai_batch import BatchFormat, line_format, refuse_requests
+from aici_cli.ordered import InputOrder
+from aici_cli.out_paths import check_writable, run_outputs
 from aici_cli.results import ResultWriter
 from aici_cli.resume import InputLines, OutputFile, ResumeError, ResumePlan
 from aici_cli.stats import RunTally, StepTimes, percentile
-from aici_cli.ui import RunDisplay, load_progress
+from aici_cli.ui import ModelLoading, RunDisplay, failure_line, load_progress, loading_what
 
 if TYPE_CHECKING:
     from aici_cli.control.wasm import ControllerComponent
@@ -49,13 +56,17 @@ class RunOutcome:
     earlier_errors: int = 0  # error results already in the output of a resumed run
     skipped: int = 0  # lines a resumed run found done
     line_errors_ok: bool = False  # --exit-zero-on-line-errors
+    summary_error: str | None = None  # why the --stats-out file could not be written
 
     @property
     def exit_code(self) -> int:
-        """128 + signal when interrupted; otherwise 1 when any result in the output (a
-        resumed run's earlier ones too) is an error, unless `line_errors_ok`, else 0."""
+        """128 + signal when interrupted; 3 when the lines ran but the summary file could
+        not be written; otherwise 1 when any result in the output (a resumed run's earlier
+        ones too) is an error, unless `line_errors_ok`, else 0."""
         if self.interrupted is not None:
             return 128 + self.interrupted
+        if self.summary_error is not None:
+            return 3
         failed = self.summary["errors"] or self.earlier_errors
         return 1 if failed and not self.line_errors_ok else 0
 
@@ -115,15 +126,24 @@ def _check_resume(config: RunConfig) -> None:
 
 def run_batch(config: RunConfig, stderr: IO[str] | None = None,
               on_result: Callable[[dict[str, Any]], None] | None = None,
-              handle_signals: bool = False) -> RunOutcome:
+              handle_signals: bool = False, t0: float | None = None,
+              loading: ModelLoading | None = None) -> RunOutcome:
     """Run every input line to exactly one result line. Raises `UsageError`/`ModelError`
     for problems that stop the whole run before any line is read.
 
     With `config.resume`, input lines whose result is already in the output are skipped
     and new results are appended. With `handle_signals` (the CLI), SIGINT/SIGTERM end the
-    run early but cleanly (see `Interrupts`); the outcome says so."""
+    run early but cleanly (see `Interrupts`); the outcome says so. `t0` (a
+    `time.perf_counter()`) is when the caller started, for the summary's start-up time
+    (the CLI's, so that its imports count); `loading` the start-up note it started, which
+    ends once the model is ready."""
     stderr = stderr or sys.stderr
+    started = _Start.since(t0)
     _check_resume(config)
+    check_writable(run_outputs(config))  # before an hour's work, not after it
+    if config.ordered:  # the earliest unfinished line always holds a row (ordered.py)
+        config = dataclasses.replace(config, engine=dataclasses.replace(config.engine,
+                                                                         lookahead=1))
     source = open_input(config.input)
     # An input that may wait on its producer is read on a thread of its own, so running
     # lines keep decoding meanwhile. The Ray driver reads in place: its workers decode in
@@ -140,7 +160,8 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
             raise UsageError(f"the output {config.output} is the input file")
         interrupts = Interrupts() if handle_signals else None
         with interrupts or contextlib.nullcontext():
-            return _run(config, stderr, on_result, source, output, interrupts, live)
+            return _run(config, stderr, on_result, source, output, interrupts, live, started,
+                        loading)
     finally:
         if output is not None:
             output.close()
@@ -152,10 +173,29 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
             source.close()
 
 
+@dataclass
+class _Start:
+    """When the run began (UTC, ISO 8601; and as a `perf_counter`), and how long start-up
+    (imports, the model loading) took."""
+
+    at: str
+    t0: float
+    load_s: float = 0.0
+
+    @classmethod
+    def since(cls, t0: float | None = None) -> _Start:
+        now = time.perf_counter()
+        t0 = now if t0 is None else t0
+        wall = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=now - t0)
+        return cls(at=wall.isoformat(timespec="seconds"), t0=t0)
+
+
 def _run(config: RunConfig, stderr: IO[str],
          on_result: Callable[[dict[str, Any]], None] | None, source: BinaryIO,
          output: OutputFile | None, interrupts: Interrupts | None,
-         live: LiveInput[Job | LineError] | None = None) -> RunOutcome:
+         live: LiveInput[Job | LineError] | None = None,
+         started: _Start | None = None, loading: ModelLoading | None = None) -> RunOutcome:
+    started = started or _Start.since()
     plan = output.plan(config.input) if output is not None and config.resume else None
     total = plan.remaining if plan is not None else _count_lines(config.input)
     config = pin_controller(config)
@@ -163,8 +203,10 @@ def _run(config: RunConfig, stderr: IO[str],
     mixed: list[str] = []  # with --resume-mixed: how earlier results were made otherwise
     if plan is not None:  # the options before the model loads, the model once it has
         _check_made_with(config, plan, run_record(config, "", controller), OPTION_KEYS, mixed)
-    with reporting_to(load_progress(stderr, config.quiet)):
+    loading = loading or ModelLoading(stderr, config.quiet, loading_what(config.model))
+    with reporting_to(load_progress(stderr, config.quiet)), loading:
         backend = _start_backend(config)
+    started.load_s = time.perf_counter() - started.t0  # imports, model, controller
     try:
         record = run_record(config, backend.model_name, controller)
         if plan is not None:
@@ -176,13 +218,14 @@ def _run(config: RunConfig, stderr: IO[str],
         batch_format = BatchFormat(backend.model_name, why) if input_format == "openai" else None
         lines = InputLines(itertools.chain(peeked, source),
                            skip=plan.done if plan is not None else None)
-        display = RunDisplay(stderr, total=total, quiet=config.quiet)
+        display = RunDisplay(stderr, total=total, quiet=config.quiet,
+                             interval_s=config.progress_interval_s)
         if plan is not None:
             _announce_resume(display, config, plan, mixed)
         translate = (batch_format.translate if batch_format is not None
                      else refuse_requests(why))
         return _drive(config, backend, out, lines, display, interrupts, on_result, plan,
-                      batch_format, translate, live, record)
+                      batch_format, translate, live, record, started)
     finally:
         backend.close()
 
@@ -217,6 +260,7 @@ class LocalEngine:
 
         self.tracing = open_tracing(config)  # None unless --trace or an OTLP endpoint
         try:
+            threads.apply(config.threads)
             started = time.perf_counter()
             self.lm = load_model(config.model, config.device, config.dtype)
             self.model_name = self.lm.name
@@ -247,8 +291,10 @@ class LocalEngine:
         return not (rows.busy() or rows.ahead or rows.waiting)
 
     def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
-        return summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
-                         self.engine.compile_ms, self.call_times)
+        summary = summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
+                            self.engine.compile_ms, self.call_times)
+        summary["threads"] = torch.get_num_threads()  # what torch used, not what was asked
+        return summary
 
     def close(self) -> None:
         if self.tracing is not None:
@@ -393,8 +439,12 @@ class ResultSink:
     def __init__(self, lines: InputLines, writer: ResultWriter, display: RunDisplay,
                  batch_format: BatchFormat | None,
                  on_result: Callable[[dict[str, Any]], None] | None,
-                 after: Callable[[], None], made_with: dict[str, Any] | None = None) -> None:
+                 after: Callable[[], None], made_with: dict[str, Any] | None = None,
+                 ordered: bool = False) -> None:
         self.lines = lines
+        # --ordered: results wait here for the lines before them (None: written at once).
+        self.order: InputOrder[tuple[dict[str, Any], dict[str, Any]]] | None = (
+            InputOrder(self._write) if ordered else None)
         self.made_with = made_with  # what made every result (`aici_cli.made_with`)
         self.schema_lines: set[int] = set()  # lines in flight that ask for a JSON schema
         self.writer = writer
@@ -411,12 +461,20 @@ class ResultSink:
             if result.get("finish_reason") == "error":
                 result = _schema_error(result)
         fmt = self.batch_format
-        self.writer.write(fmt.output(result) if fmt is not None else result)
+        line = fmt.output(result) if fmt is not None else result
+        if self.order is not None:
+            self.order.put(int(result.get("index", 0)), (line, result))
+        else:
+            self._write((line, result))
         self.tally.add(result)
         self.display.advance(result)
+        self.after()
+
+    def _write(self, item: tuple[dict[str, Any], dict[str, Any]]) -> None:
+        line, result = item
+        self.writer.write(line)
         if self.on_result is not None:
             self.on_result(result)
-        self.after()
 
 
 def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
@@ -425,7 +483,8 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
            plan: ResumePlan | None, batch_format: BatchFormat | None = None,
            translate: Translate | None = None,
            live: LiveInput[Job | LineError] | None = None,
-           made_with: dict[str, Any] | None = None) -> RunOutcome:
+           made_with: dict[str, Any] | None = None,
+           started: _Start | None = None) -> RunOutcome:
     """Run `lines` on the backend, writing each result as it finishes (as an OpenAI
     batch output line with `batch_format`), reading them on `live`'s thread if given."""
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
@@ -440,9 +499,12 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
 
     def should_admit() -> bool:
         announce()
-        return interrupts is None or interrupts.should_admit()
+        if interrupts is not None and not interrupts.should_admit():
+            return False
+        return sink.order is None or not sink.order.full  # --ordered: room to hold results
 
-    sink = ResultSink(lines, writer, display, batch_format, on_result, announce, made_with)
+    sink = ResultSink(lines, writer, display, batch_format, on_result, announce, made_with,
+                      config.ordered)
     if interrupts is not None:
         interrupts.lines = lines
         interrupts.engine_started = True
@@ -451,6 +513,8 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
         with display:
             jobs = _not_done(read_jobs(lines, config.defaults, translate), lines,
                              sink.schema_lines)
+            if sink.order is not None:
+                jobs = sink.order.track(jobs)
 
             def note(message: str) -> None:
                 if not config.quiet:
@@ -462,20 +526,57 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
             else:
                 backend.run(jobs, sink, should_admit, note)
     finally:
+        if sink.order is not None:
+            sink.order.flush()
         writer.sync()
-    summary = backend.summary(config, sink.tally, time.perf_counter() - t0)
-    if config.stats_out:
-        Path(config.stats_out).write_text(json.dumps(summary, indent=2) + "\n")
-    display.summary(summary)
+    wall = time.perf_counter() - t0
     # An interrupt that came after every line got its result cost nothing: the run is whole.
     signum = interrupts.signum if interrupts is not None and not lines.all_written else None
+    summary = _run_facts(backend.summary(config, sink.tally, wall), config, started,
+                         signum is not None)
     outcome = RunOutcome(summary, interrupted=signum,
                          earlier_errors=plan.scan.errors if plan is not None else 0,
                          skipped=len(plan.done) if plan is not None else 0,
-                         line_errors_ok=config.exit_zero_on_line_errors)
+                         line_errors_ok=config.exit_zero_on_line_errors,
+                         summary_error=_write_summary(config.stats_out, summary))
+    if summary["lines"] == 0 and not outcome.skipped and signum is None:
+        display.note(f"aici-batch: warning: {_input_name(config)} has no lines to run "
+                     "(it is empty or blank)")
+    else:
+        display.summary(summary)
+    failed = failure_line(summary)
+    if failed is not None:
+        display.note(failed, even_quiet=True)
     if signum is not None and not config.quiet:
         _note(display, _interrupted_note(config, outcome, plan))
     return outcome
+
+
+def _run_facts(summary: dict[str, Any], config: RunConfig, started: _Start | None,
+               interrupted: bool) -> dict[str, Any]:
+    """The run summary with what a log needs beside the figures: the version, when the run
+    started, start-up and total time, whether it was interrupted or ordered."""
+    started = started or _Start.since()
+    return {**summary, "version": __version__, "started_at": started.at,
+            "load_s": round(started.load_s, 3),
+            "total_s": round(time.perf_counter() - started.t0, 3),
+            "interrupted": interrupted, "ordered": config.ordered}
+
+
+def _write_summary(path: str | None, summary: dict[str, Any]) -> str | None:
+    """Write the `--stats-out` file; why it could not be written (checked before the run,
+    its directory may still have gone since), or None."""
+    if not path:
+        return None
+    try:
+        Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError as e:
+        return f"cannot write --stats-out {path}: {e.strerror or e}"
+    return None
+
+
+def _input_name(config: RunConfig) -> str:
+    return "stdin" if config.input == "-" else config.input
 
 
 def model_meta(lm: Any) -> dict[str, str]:

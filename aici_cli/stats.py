@@ -70,6 +70,16 @@ class StepTimes:
         return max(0.0, self.step_ms - self.forward_ms)
 
 
+def shared_pass_times(passes: Iterable[StepTimes]) -> dict[str, float]:
+    """The forward, mask and sample ms of a line run as several rows (samples, scored
+    choices, a fork's branches) over the passes any of its rows took part in, each pass
+    once: they add up within the line's `total_ms`, where the rows' own figures summed
+    would count a shared pass once per row."""
+    passes = list(passes)
+    return {name: round(sum(getattr(t, name) for t in passes), 3)
+            for name in ("forward_ms", "mask_ms", "sample_ms")}
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100); 0.0 for no values."""
     if not values:
@@ -110,9 +120,13 @@ class RunTally:
     answered: int = 0  # lines with an expected `answer`
     correct: int = 0
     error_types: dict[str, int] = field(default_factory=dict)
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+    first_error: dict[str, str] | None = None  # the first error result written: type, message
 
     def add(self, result: dict[str, Any]) -> None:
         self.lines += 1
+        reason = str(result.get("finish_reason", "stop"))
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
         st = result.get("stats", {})
         self.prompt_tokens += int(st.get("prompt_tokens", 0))
         self.cached_tokens += int(st.get("cached_tokens", 0))
@@ -124,8 +138,11 @@ class RunTally:
             self.correct += bool(result["correct"])
         if result.get("finish_reason") == "error":
             self.errors += 1
-            etype = result.get("error", {}).get("type", "error")
+            error = result.get("error", {})
+            etype = error.get("type", "error")
             self.error_types[etype] = self.error_types.get(etype, 0) + 1
+            if self.first_error is None:
+                self.first_error = {"type": etype, "message": str(error.get("message", ""))}
             # A schema line's error carries `valid: false`: JSONSchemaBench's compliance
             # counts it against the engine, compliance among the lines that ran does not.
             samples = result.get("choices", [result])
@@ -141,9 +158,13 @@ class RunTally:
     def counts(self) -> dict[str, Any]:
         """The figures results alone give, as named in the run summary."""
         rows = self.row_forward_passes
+        per_token = round(rows / self.output_tokens, 4) if self.output_tokens else None
         return {
             "lines": self.lines,
             "errors": self.errors,
+            "error_types": _by_count(self.error_types),
+            **({"first_error": self.first_error} if self.first_error is not None else {}),
+            "finish_reasons": _by_count(self.finish_reasons),
             "prompt_tokens": self.prompt_tokens,
             # Prompt tokens taken from the prefix cache: prefill computation saved.
             "cached_tokens": self.cached_tokens,
@@ -155,28 +176,36 @@ class RunTally:
             "ff_tokens": self.ff_tokens,
             "row_forward_passes": rows,
             # Per sequence (row passes / output tokens): below 1.0 exactly by what
-            # fast-forward and drafts saved.
-            "forward_passes_per_token": (
-                round(rows / self.output_tokens, 4) if self.output_tokens else None
-            ),
+            # fast-forward and drafts saved. `forward_passes_per_token` is its old name.
+            "row_passes_per_output_token": per_token,
+            "forward_passes_per_token": per_token,
             "schema_lines": self.schema_lines,
             "valid": self.valid,
             "schema_errors": self.schema_errors,
+            **compliance(self.valid, self.schema_lines, self.schema_errors),
             "answered": self.answered,
             "accuracy": round(self.correct / self.answered, 4) if self.answered else None,
         }
 
     def run_summary(self, steps: Sequence[StepTimes], wall_s: float,
                 meta: dict[str, Any]) -> dict[str, Any]:
-        """The run summary (`--stats-out`); `forward_passes` counts batched passes."""
+        """The run summary (`--stats-out`); `batched_forward_passes` (and its old name
+        `forward_passes`) counts the engine's batched passes."""
         return {
             **self.counts(),
+            "batched_forward_passes": len(steps),
             "forward_passes": len(steps),
             "wall_s": round(wall_s, 3),
             "tokens_per_s": round(self.output_tokens / wall_s, 2) if wall_s > 0 else 0.0,
+            "lines_per_s": round(self.lines / wall_s, 3) if wall_s > 0 else 0.0,
             "steps": step_summary(steps),
             **meta,
         }
+
+
+def _by_count(counts: dict[str, int]) -> dict[str, int]:
+    """Most frequent first (ties in the order first seen)."""
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def compliance(valid: int, ran: int, errors: int) -> dict[str, float | None]:

@@ -1,11 +1,15 @@
-"""What a run shows on stderr: a progress bar on a terminal, a summary table at the end.
+"""What a run shows on stderr: the model loading, progress (a bar on a terminal, a line
+every few seconds elsewhere: a CI log, a pipe), a summary table at the end, and one line
+counting the failed lines.
 
-stdout carries results only. `quiet` silences all of this (errors still reach stderr
-through the CLI).
+stdout carries results only. `quiet` silences all of this but the failed-lines line
+(errors still reach stderr through the CLI).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, TypeVar
 
@@ -56,17 +60,84 @@ class ConsoleProgress(LoadProgress):
                 bar.advance(task)
 
 
+def loading_what(model: str | None) -> str:
+    """What start-up gets ready, as the loading note names it."""
+    return f"model {model}" if model else "the default model"
+
+
+class ModelLoading:
+    """The start-up phase, said once it has taken `after_s` (imports and a model take
+    seconds, and a log would show nothing meanwhile; a run that fails at once shows its
+    one-line error alone) and then when it ends, with its time. `start` may come early
+    (the CLI starts it before its heavy imports) and `finish` later; as a context manager
+    it does both."""
+
+    def __init__(self, stream: IO[str], quiet: bool, what: str, after_s: float = 0.5) -> None:
+        self.console = Console(file=stream, stderr=True)
+        self.quiet = quiet
+        self.what = what
+        self.after_s = after_s
+        self._said = False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._t0: float | None = None
+
+    def _say(self) -> None:
+        with self._lock:
+            if self._timer is None:  # already over
+                return
+            self._said = True
+            self.console.print(f"aici-batch: loading {self.what}...", markup=False,
+                               highlight=False, soft_wrap=True)
+
+    def start(self) -> ModelLoading:
+        if self._t0 is not None:
+            return self
+        self._t0 = time.perf_counter()
+        if not self.quiet:
+            self._timer = threading.Timer(self.after_s, self._say)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def finish(self, ok: bool = True) -> None:
+        seconds = time.perf_counter() - (self._t0 or time.perf_counter())
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            said, self._said = self._said, False
+        if said and ok:
+            self.console.print(f"aici-batch: {self.what} ready in {seconds:.1f} s",
+                               markup=False, highlight=False, soft_wrap=True)
+
+    def __enter__(self) -> ModelLoading:
+        return self.start()
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.finish(ok=exc_type is None)
+
+
 class RunDisplay:
-    """Progress while a run goes, the summary table after it. A context manager."""
+    """Progress while a run goes, the summary table after it. A context manager.
+
+    On a terminal, a bar; elsewhere, with `interval_s` > 0, one line every `interval_s`
+    seconds from a timer thread (so a long line still shows the run is alive), and none
+    with `quiet`."""
 
     def __init__(self, stream: IO[str], total: int | None, quiet: bool = False,
-                 console: Console | None = None) -> None:
+                 console: Console | None = None, interval_s: float = 0.0) -> None:
         self.console = console or Console(file=stream, stderr=True)
         self.quiet = quiet
         self.total = total
         self.tokens = 0
+        self.done = 0
         self.progress: Progress | None = None
         self.task: Any = None
+        self.interval_s = interval_s
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
         if not quiet and self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("[bold]aici-batch"),
@@ -83,17 +154,41 @@ class RunDisplay:
         self.errors = 0
 
     def __enter__(self) -> RunDisplay:
+        self._t0 = time.perf_counter()
         if self.progress is not None:
             self.progress.start()
+        elif not self.quiet and self.interval_s > 0:
+            self._ticker = threading.Thread(target=self._tick, name="aici-progress",
+                                            daemon=True)
+            self._ticker.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.progress is not None:
             self.progress.stop()
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.console.print(self.progress_line(), markup=False, highlight=False,
+                               soft_wrap=True)
+
+    def progress_line(self) -> str:
+        """`aici-batch: 120/1000 lines, 35.2 tok/s, 3 errors, 1m20s`: progress in a log."""
+        elapsed = time.perf_counter() - self._t0
+        of = f"/{self.total}" if self.total is not None else ""
+        tps = self.tokens / elapsed if elapsed > 0 else 0.0
+        errors = f"{self.errors} error{'' if self.errors == 1 else 's'}"
+        minutes, seconds = divmod(int(elapsed), 60)
+        shown = f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+        return f"aici-batch: {self.done}{of} lines, {tps:.1f} tok/s, {errors}, {shown}"
 
     def advance(self, result: dict[str, Any]) -> None:
         self.tokens += int(result.get("stats", {}).get("output_tokens", 0))
         self.errors += result.get("finish_reason") == "error"
+        self.done += 1
         if self.progress is None:
             return
         elapsed = self.progress.tasks[0].elapsed or 0.0
@@ -104,6 +199,25 @@ class RunDisplay:
         if self.quiet:
             return
         self.console.print(summary_table(summary))
+
+    def note(self, message: str, even_quiet: bool = False) -> None:
+        if even_quiet or not self.quiet:
+            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def failure_line(summary: dict[str, Any]) -> str | None:
+    """One line for a run in which lines failed: how many, by type, and the first
+    message (`aici-batch: 8 of 10 lines failed (invalid_line 6, empty_prompt 2); first:
+    line 2: ...`); None when none failed."""
+    errors = summary.get("errors", 0)
+    if not errors:
+        return None
+    types = ", ".join(f"{t} {n}" for t, n in summary.get("error_types", {}).items())
+    first = summary.get("first_error")
+    shown = f"; first: {first['message']}" if first else ""
+    lines = summary.get("lines", 0)
+    return (f"aici-batch: {errors} of {lines} line{'' if lines == 1 else 's'} failed "
+            f"({types}){shown}")
 
 
 def _cached(summary: dict[str, Any]) -> str:
@@ -117,17 +231,35 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table = Table(title="aici-batch run", show_header=True, header_style="bold")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    per_token = summary.get("row_passes_per_output_token",
+                            summary.get("forward_passes_per_token"))
     rows: list[tuple[str, str]] = [
         ("lines", str(summary["lines"])),
         ("errors", str(summary["errors"])),
+    ]
+    for etype, count in summary.get("error_types", {}).items():
+        rows.append((f"  error {etype}", str(count)))
+    reasons = summary.get("finish_reasons", {})
+    if reasons:
+        rows.append(("finish reasons", ", ".join(f"{k} {v}" for k, v in reasons.items())))
+    rows += [
         ("output tokens", str(summary["output_tokens"])),
         ("fast-forwarded tokens", str(summary["ff_tokens"])),
         ("prompt tokens from the prefix cache", _cached(summary)),
-        ("forward passes (batched)", str(summary["forward_passes"])),
-        ("row passes per output token", str(summary["forward_passes_per_token"])),
-        ("wall time", f"{summary['wall_s']:.2f} s"),
-        ("tokens/s", f"{summary['tokens_per_s']:.1f}"),
+        ("forward passes (batched)", str(summary.get("batched_forward_passes",
+                                                     summary["forward_passes"]))),
+        ("row passes per output token",
+         f"{per_token:.4f}" if per_token is not None else "- (no tokens generated)"),
     ]
+    if "load_s" in summary:
+        rows.append(("start-up (model load)", f"{summary['load_s']:.2f} s"))
+    rows.append(("wall time (the lines)", f"{summary['wall_s']:.2f} s"))
+    if summary["output_tokens"] or not summary["lines"]:
+        rows.append(("tokens/s", f"{summary['tokens_per_s']:.1f}"))
+    if "lines_per_s" in summary:
+        rows.append(("lines/s", f"{summary['lines_per_s']:.2f}"))
+    if "threads" in summary:
+        rows.append(("CPU threads", str(summary["threads"])))
     if summary.get("answered"):
         rows.append(("accuracy", f"{summary['accuracy']:.1%} of {summary['answered']}"))
     rows += compliance_rows(summary)

@@ -397,3 +397,33 @@ def test_result_timings_come_from_the_engine_clock(lm: LoadedModel,
         assert st["forward_ms"] == pytest.approx(10.0 * passes)
         assert st["total_ms"] == pytest.approx(10.0 * passes)
     assert all(s.forward_ms == pytest.approx(10.0) for s in ticking.step_times)
+
+
+@pytest.mark.parametrize("kind", ["score", "samples"])
+def test_a_line_of_several_rows_counts_a_shared_pass_once(
+        lm: LoadedModel, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """A scored line's choices (or a line's n samples) run as rows of the same passes:
+    the line's forward_ms is the time of those passes, within its total_ms, not one pass
+    per row added up."""
+    clock = FakeClock()
+    ticking = Engine(lm, EngineConfig(batch_size=4, draft_tokens=0), now=lambda: clock.t)
+    original = ticking.model_pass.run
+
+    def slow_pass(*args: Any) -> Any:
+        clock.advance(10)
+        return original(*args)
+
+    monkeypatch.setattr(ticking.model_pass, "run", slow_pass)
+    if kind == "score":
+        line = job(1, constraint=Constraint("choice", ["yes", "no", "maybe"]), score=True)
+    else:
+        line = job(1, max_tokens=3, n=3)
+    results: list[dict[str, Any]] = []
+    ticking.run([line], results.append)
+    [result] = results
+    st = result["stats"]
+    passes = len(ticking.step_times)
+    # Row passes exceed the engine's: the rows shared passes, which count once in time.
+    assert st["forward_passes"] > passes
+    assert st["forward_ms"] == pytest.approx(10.0 * passes)
+    assert st["forward_ms"] + st["mask_ms"] + st["sample_ms"] <= st["total_ms"] + 1e-6

@@ -274,7 +274,8 @@ def _check_items(lines: list[bytes | str], items: list[Job | LineError]) -> None
             assert item.message.startswith(f"line {item.index}: ")
             assert len(item.message) > len(f"line {item.index}: ") + 5
             assert "\n" not in item.message and "\r" not in item.message
-            assert isinstance(item.id, str)  # the line's own id (even "") or its number
+            # The line's own id (even "", or an integer as given) or its number.
+            assert isinstance(item.id, (str, int)) and not isinstance(item.id, bool)
         else:
             assert isinstance(item, Job), item
             _check_job_in_range(item)

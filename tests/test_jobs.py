@@ -168,7 +168,8 @@ def test_bad_line_gives_typed_error_naming_line_and_problem(
 
 def test_unknown_field_wins_over_the_prompt_rule_it_causes() -> None:
     # Without the ranking the user would be told prompt is missing, not that they typo'd.
-    assert _error('{"promt": "hi"}').message == "line 1: unknown field 'promt'"
+    assert _error('{"promt": "hi"}').message == (
+        "line 1: unknown field 'promt' (did you mean 'prompt'?)")
 
 
 def test_several_unknown_fields_are_all_named() -> None:
@@ -184,12 +185,20 @@ def test_error_carries_the_line_id_when_readable() -> None:
 
 
 def test_error_id_falls_back_to_index_when_unreadable() -> None:
-    items = _read(["", "{bad", '{"id": 7, "prompt": "x"}', b"\xff\xfe"])
+    items = _read(["", "{bad", '{"id": 7.5, "prompt": "x"}', b"\xff\xfe",
+                   '{"id": true, "prompt": "x"}'])
     assert [(e.index, e.id) for e in items if isinstance(e, LineError)] == [
         (2, "2"),
         (3, "3"),
         (4, "4"),
+        (5, "5"),
     ]
+
+
+def test_an_integer_id_is_kept_as_given() -> None:
+    [job, error] = _read(['{"id": 7, "prompt": "x"}', '{"id": 12345678901234567890, "promt": 1}'])
+    assert isinstance(job, Job) and job.id == 7
+    assert isinstance(error, LineError) and error.id == 12345678901234567890
 
 
 def test_good_lines_around_bad_ones_keep_their_indexes() -> None:

@@ -213,3 +213,21 @@ def test_logprobs_in_both_shapes(tiny_model_dir: Path, tmp_path: Path) -> None:
     assert lp["text_offset"][0] == 0 and "".join(lp["tokens"]) == text["text"]
     assert lines["plain"]["response"]["body"]["choices"][0]["logprobs"] is None
     assert "top_logprobs needs body.logprobs" in lines["bad"]["error"]["message"]
+
+
+def test_null_fields_and_the_fields_vllm_ignores_are_accepted() -> None:
+    """As the OpenAI SDK writes a request: every field it does not set may be null, and
+    `user`, `metadata`, `store`, `service_tier`, `stream_options` and the like change
+    nothing generated here."""
+    messages = [{"role": "user", "content": "hi"}]
+    line, _ = to_line(request(
+        messages=messages, max_tokens=5, stream=False, stream_options=None, user="u-1",
+        metadata={"job": "nightly"}, store=False, service_tier="auto",
+        prompt_cache_key="k", safety_identifier="s", audio=None, functions=None,
+        temperature=None, response_format=None, tools=None))
+    assert line == {"id": "r1", "messages": messages, "max_tokens": 5}
+    line, _ = to_line(request(COMPLETIONS, prompt="Once", stream_options={"include_usage": True},
+                              top_logprobs=None, suffix=None))
+    assert line == {"id": "r1", "prompt": "Once"}
+    with pytest.raises(RequestError, match=r"unsupported body field\(s\): audio$"):
+        to_line(request(messages=messages, audio={"voice": "alloy"}))

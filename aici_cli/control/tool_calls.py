@@ -119,14 +119,14 @@ def complete_calls(text: str) -> tuple[list[ToolCall], int]:
         pos += len(SEPARATOR)
 
 
-def call_id(index: int, line_id: str, sample: int, k: int) -> str:
+def call_id(index: int, line_id: str | int, sample: int, k: int) -> str:
     """The id of a line's k-th call (in sample `sample`): derived from the line, so a
     rerun or `--resume` writes the same ids."""
     key = f"{index}\0{line_id}\0{sample}\0{k}".encode("utf-8", "surrogatepass")
     return "call_" + hashlib.sha256(key).hexdigest()[:24]
 
 
-def tool_calls_field(calls: Sequence[ToolCall], index: int, line_id: str,
+def tool_calls_field(calls: Sequence[ToolCall], index: int, line_id: str | int,
                      sample: int) -> list[dict[str, Any]]:
     """The result's `tool_calls`, in the OpenAI format's shape."""
     return [{"id": call_id(index, line_id, sample, k), "type": "function",

@@ -21,6 +21,7 @@ from typing import Any
 
 from aici_cli.control.line_scope import LineScope
 from aici_cli.engine.result_line import summed_stats
+from aici_cli.stats import StepTimes, shared_pass_times
 
 
 @dataclass
@@ -34,6 +35,8 @@ class LineBranches:
     forked: bool = False
     failed: bool = False  # a sequence faulted after a fork: the line's result is out
     results: dict[tuple[int, tuple[int, ...]], dict[str, Any]] = field(default_factory=dict)
+    # Every pass any sequence of the line took part in, once (see SampleGroup.passes).
+    passes: dict[int, StepTimes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.sequences = self.live = self.n
@@ -70,6 +73,7 @@ class LineBranches:
             for i, ((sample, path), r) in enumerate(ordered)
         ]
         line["stats"] = summed_stats([r for _, r in ordered])
+        line["stats"].update(shared_pass_times(self.passes.values()))  # a shared pass once
         if self.scope.outputs:
             line["outputs"] = dict(self.scope.outputs)
         error_of = failed if failed is not None else next(

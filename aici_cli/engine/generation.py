@@ -14,7 +14,7 @@ from aici_cli.control.base import Controller, Directive
 from aici_cli.engine.penalties import LogitRules
 from aici_cli.errors import ControllerError
 from aici_cli.jobs import Job
-from aici_cli.stats import LineStats, StepTimes
+from aici_cli.stats import LineStats, StepTimes, shared_pass_times
 
 if TYPE_CHECKING:
     from aici_cli.engine.branches import LineBranches
@@ -35,9 +35,15 @@ class SampleGroup:
     size: int
     scoring: bool = False  # the rows of a scored line's choices, not samples
     results: list[dict[str, Any] | None] = field(default_factory=list)
+    # Every pass any of the rows took part in, once (by identity: the engine keeps each
+    # StepTimes for the run), so the line's pass times count a shared pass once.
+    passes: dict[int, StepTimes] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.results = [None] * self.size
+
+    def pass_times(self) -> dict[str, float]:
+        return shared_pass_times(self.passes.values())
 
     @property
     def done(self) -> bool:
@@ -121,6 +127,10 @@ class Generation:
         """This pass fed the pending tokens (they are in the cache now); count its time."""
         st = self.stats
         st.forward_passes += 1
+        if self.group is not None:
+            self.group.passes[id(times)] = times
+        if self.line is not None:
+            self.line.passes[id(times)] = times
         st.forward_ms += times.forward_ms
         st.mask_ms += times.mask_ms
         st.sample_ms += times.sample_ms

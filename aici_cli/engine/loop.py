@@ -452,6 +452,7 @@ class Engine:
                 return
             combine = combine_scores if group.scoring else combine_samples
             result = combine([r for r in group.results if r is not None])
+            result["stats"].update(group.pass_times())  # a shared pass counted once
         else:
             retry = next_attempt(gen.job, result, self.config.schema_retries)
             if retry is not None:

@@ -205,10 +205,13 @@ def unicode_problem(obj: Any, text: str) -> str | None:
     return f"{where} contains a lone surrogate \\u{ord(char):04x}, which is not valid Unicode"
 
 
-def readable_id(obj: dict[str, Any]) -> str | None:
-    """The line's own id where results can echo it: a string with no lone surrogate."""
+def readable_id(obj: dict[str, Any]) -> str | int | None:
+    """The line's own id where results can echo it: a string with no lone surrogate, or
+    an integer, kept as given (not a boolean, which JSON tells apart)."""
     raw_id = obj.get("id")
     if isinstance(raw_id, str) and not _SURROGATE.search(raw_id):
+        return raw_id
+    if isinstance(raw_id, int) and not isinstance(raw_id, bool):
         return raw_id
     return None
 

@@ -20,6 +20,8 @@ from aici_cli.config import JobDefaults
 from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar_check import lark_grammar, whitespace_problem
 from aici_cli.control.schema_check import json_schema_problem
+from aici_cli.control.schema_envelope import inert_problem
+from aici_cli.control.schema_envelope import unwrap as unwrap_envelope
 from aici_cli.errors import UsageError
 from aici_cli.formats import schema_validator
 from aici_cli.jobs.checks import (
@@ -32,6 +34,7 @@ from aici_cli.jobs.checks import (
     size_error,
     unicode_problem,
 )
+from aici_cli.jobs.content_parts import join_text_parts
 from aici_cli.jobs.messages import describe, error_rank, line_error
 from aici_cli.jobs.tools import messages_problem, tool_constraint
 from aici_cli.jobs.types import Job, LineError, TranslateError
@@ -168,6 +171,11 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
     oversized = constraint_size_problem(obj, defaults.max_constraint_bytes)
     if oversized is not None:
         return line_error(index, id_, *oversized)
+    if "messages" in obj:  # the OpenAI SDK's list of content parts, as one string
+        messages, problem = join_text_parts(obj["messages"])
+        if problem is not None:
+            return line_error(index, id_, "invalid_line", problem)
+        obj = {**obj, "messages": messages}
     invalid = _validation_error(obj, index, id_)
     if invalid is not None:
         return invalid
@@ -243,7 +251,7 @@ def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
     return tuple(sorted({int(t): float(b) for t, b in bias.items()}.items()))
 
 
-def _validation_error(obj: dict[str, Any], index: int, id_: str | None) -> LineError | None:
+def _validation_error(obj: dict[str, Any], index: int, id_: str | int | None) -> LineError | None:
     """Check the line against schemas/input-line.schema.json, reporting the root cause."""
     try:
         errors = sorted(schema_validator("input-line").iter_errors(obj), key=error_rank)
@@ -258,7 +266,7 @@ def _validation_error(obj: dict[str, Any], index: int, id_: str | None) -> LineE
 
 
 def _constraint(
-    obj: dict[str, Any], index: int, id_: str | None, defaults: JobDefaults
+    obj: dict[str, Any], index: int, id_: str | int | None, defaults: JobDefaults
 ) -> Constraint | LineError | None:
     """The line's own constraint, checked as far as can be without a tokenizer, or the
     default one."""
@@ -275,11 +283,15 @@ def _constraint(
                 "'tool_choice' \"none\" shows the tools without calling them)"))
         return tools
     if "json_schema" in obj:
-        unusable = json_schema_problem(obj["json_schema"], defaults.max_depth)
+        schema, _ = unwrap_envelope(obj["json_schema"])  # OpenAI's {name, strict, schema}
+        unusable = json_schema_problem(schema, defaults.max_depth)
+        if unusable is None:
+            inert = inert_problem(schema)
+            unusable = None if inert is None else ("invalid_schema", inert)
         if unusable is not None:
             type_, problem = unusable
             return line_error(index, id_, type_, f"field 'json_schema' {problem}")
-        return Constraint("json_schema", obj["json_schema"])
+        return Constraint("json_schema", schema)
     if "regex" in obj:
         try:
             with warnings.catch_warnings():
@@ -307,7 +319,7 @@ _JSON_OPTIONS = ("whitespace_pattern", "json_permissive")
 
 
 def _json_options(obj: dict[str, Any], constraint: Constraint | None, index: int,
-                  id_: str | None) -> Constraint | LineError | None:
+                  id_: str | int | None) -> Constraint | LineError | None:
     """`constraint` with the line's `whitespace_pattern` and `json_permissive` applied;
     they mean something for a JSON schema only."""
     given = [name for name in _JSON_OPTIONS if name in obj]

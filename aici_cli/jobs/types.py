@@ -13,7 +13,7 @@ class Job:
     """One validated input line, ready for the engine."""
 
     index: int  # 1-based input line number
-    id: str
+    id: str | int  # the line's own (kept as given), else its line number as a string
     prompt: str | None
     messages: list[dict[str, Any]] | None
     max_tokens: int
@@ -57,7 +57,7 @@ class LineError:
     """An input line that cannot run; it becomes a result with finish_reason "error"."""
 
     index: int
-    id: str
+    id: str | int
     type: str
     message: str
     # The line asked for JSON under a schema (its own or --json-schema): its error counts

@@ -65,6 +65,23 @@ def resolve_with_name(spec: str | None) -> tuple[Path, str]:
     raise ModelError(f"model {spec!r} not found: {where}; {_ACCEPTED}")
 
 
+def spec_problem(spec: str | None) -> str | None:
+    """Why `spec` names no model at all (not found, a file that is not a .gguf, a
+    directory without config.json), told without converting or loading anything, so a
+    run can refuse it before its heavy imports; None where it may load. A short name
+    and a .gguf file are judged when they load (their package, a conversion)."""
+    if spec is None or spec in sources.MODEL_SOURCES:
+        return None
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return None
+    try:
+        resolve_with_name(spec)
+    except ModelError as e:
+        return str(e)
+    return None
+
+
 def _source_model(source: ModelSource) -> Path:
     """The model directory of a short name: its own directory, or its converted GGUF."""
     found = source.find()

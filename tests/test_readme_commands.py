@@ -1,0 +1,143 @@
+"""Every `aici-batch` command in the README's shell blocks runs, as written.
+
+The commands are read from README.md's ```sh blocks (a line continued with `\\` is one
+command), so this stays true as the README changes: a file a command names must exist, its
+options must parse, and it must run to exit 0 or 1 (1: some lines ended in an error, which
+the README's examples may show) without a traceback. Each block runs in a directory of its
+own holding a copy of `examples/` and the repository's `controllers/`, in order (a
+`report` reads what the `run` before it wrote), on the tiny model (`AICI_BATCH_MODEL`; a
+`--model` in a command is dropped, since the README's models are not all on this machine),
+with a small `--max-tokens` default. Commands run through Click in this process (a
+process each would cost seconds of imports); the shell around them is the shapes the
+README uses, `cat FILE | `, `echo 'TEXT' | ` and `> FILE`, and any other is this test's
+failure, to be taught here.
+
+What does not run here, and why: `aici-batch build` is replaced by the session's build of
+the same example (`built`, `built_js`: the component `aici-batch build` makes, tested in
+test_build.py), and a `--ray` command is only parsed (it needs a Ray cluster; test_ray.py
+runs those paths).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from aici_cli.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def shell_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """(line number, commands) of each ```sh block that runs aici-batch."""
+    blocks = []
+    for match in re.finditer(r"^```sh\n(.*?)^```", text, re.S | re.M):
+        line = text[: match.start()].count("\n") + 1
+        commands: list[str] = []
+        pending = ""
+        for raw in match.group(1).splitlines():
+            if raw.rstrip().endswith("\\"):
+                pending += raw.rstrip()[:-1] + " "
+                continue
+            command = (pending + raw).strip()
+            pending = ""
+            if re.search(r"(^|\| *)aici-batch ", command):
+                commands.append(command)
+        if commands:
+            blocks.append((line, commands))
+    return blocks
+
+
+BLOCKS = shell_blocks(README.read_text(encoding="utf-8"))
+
+
+class Shell:
+    """A command split as the README writes them: what feeds stdin, the aici-batch
+    arguments, where stdout goes."""
+
+    def __init__(self, command: str) -> None:
+        words = shlex.split(command, comments=True)
+        self.stdin: str | None = None
+        self.stdout_to: str | None = None
+        if "|" in words:
+            cut = words.index("|")
+            feeder, words = words[:cut], words[cut + 1:]
+            if feeder[0] == "echo" and len(feeder) == 2:
+                self.stdin = feeder[1] + "\n"
+            elif feeder[0] == "cat" and len(feeder) == 2:
+                self.stdin = f"@{feeder[1]}"  # read in the block's directory
+            else:
+                raise AssertionError(f"teach this test the shell of: {command}")
+        if ">" in words:
+            cut = words.index(">")
+            words, self.stdout_to = words[:cut], words[cut + 1]
+        if words[0] != "aici-batch" or any(w in ("|", ">", "<", "&&", ";") for w in words):
+            raise AssertionError(f"teach this test the shell of: {command}")
+        self.args = words[1:]
+
+
+def without_model(args: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for word in args:
+        if skip:
+            skip = False
+        elif word == "--model":
+            skip = True
+        else:
+            out.append(word)
+    return out
+
+
+def test_the_readme_has_the_commands_it_should() -> None:
+    commands = [c for _, block in BLOCKS for c in block]
+    assert len(commands) >= 12
+    assert any("examples/openai_batch.jsonl" in c for c in commands)
+    assert any("--json-schema examples/person.schema.json" in c for c in commands)
+    assert any("--plot" in c for c in commands)
+
+
+@pytest.mark.parametrize(("line", "commands"), BLOCKS, ids=[f"line{n}" for n, _ in BLOCKS])
+def test_each_readme_command_runs(line: int, commands: list[str], tmp_path: Path,
+                                  tiny_model_dir: Path, request: pytest.FixtureRequest,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    (tmp_path / "controllers").symlink_to(ROOT / "controllers")
+    monkeypatch.chdir(tmp_path)
+    env = {"AICI_BATCH_MODEL": str(tiny_model_dir), "AICI_BATCH_MAX_TOKENS": "16",
+           "AICI_BATCH_PROGRESS_INTERVAL": "0"}
+    for command in commands:
+        shell = Shell(command)
+        args = shell.args
+        # Options and arguments parse as the CLI reads them, before anything runs.
+        sub = main.get_command(click.Context(main), args[0])
+        assert isinstance(sub, click.Command), command
+        sub.make_context(args[0], list(args[1:]))
+        if args[0] == "build":
+            source = ROOT / args[1]
+            assert source.is_file(), f"README line {line}: {args[1]} does not exist"
+            fixture = "built_js" if source.suffix in (".js", ".mjs") else "built"
+            component = request.getfixturevalue(fixture)[source.stem]
+            shutil.copy(component, tmp_path / args[args.index("-o") + 1])
+            continue
+        for word in args[1:]:
+            local = word.endswith(".wasm") and "--ray" not in args  # built by its block
+            if word.startswith(("examples/", "controllers/")) or local:
+                assert (tmp_path / word).exists(), f"README line {line}: {word} does not exist"
+        if "--ray" in args:
+            continue
+        stdin = shell.stdin
+        if stdin is not None and stdin.startswith("@"):
+            stdin = (tmp_path / stdin[1:]).read_text(encoding="utf-8")
+        res = CliRunner(env=env).invoke(main, without_model(args), input=stdin)
+        assert res.exit_code in (0, 1), (command, res.output[-2000:], res.exception)
+        assert "Traceback" not in res.stderr, (command, res.stderr[-2000:])
+        if shell.stdout_to is not None:
+            (tmp_path / shell.stdout_to).write_text(res.stdout)
