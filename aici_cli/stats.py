@@ -117,6 +117,10 @@ class RunTally:
     schema_lines: int = 0  # JSON-schema outputs of lines that ran to the end
     valid: int = 0  # of those, the ones valid under their schema
     schema_errors: int = 0  # JSON-schema outputs that never came: the line's error
+    # Outputs finished early (early_close.py), by close_reason, and the valid outputs the
+    # model finished itself: compliance with and without the closed ones.
+    closed: dict[str, int] = field(default_factory=dict)
+    valid_unclosed: int = 0
     answered: int = 0  # lines with an expected `answer`
     correct: int = 0
     error_types: dict[str, int] = field(default_factory=dict)
@@ -151,9 +155,13 @@ class RunTally:
         else:
             # A line with n samples counts each sample's output for compliance.
             for sample in result.get("choices", [result]):
+                why = sample.get("stats", {}).get("close_reason")
+                if why is not None:
+                    self.closed[why] = self.closed.get(why, 0) + 1
                 if "valid" in sample:
                     self.schema_lines += 1
                     self.valid += bool(sample["valid"])
+                    self.valid_unclosed += bool(sample["valid"]) and why is None
 
     def counts(self) -> dict[str, Any]:
         """The figures results alone give, as named in the run summary."""
@@ -183,6 +191,12 @@ class RunTally:
             "valid": self.valid,
             "schema_errors": self.schema_errors,
             **compliance(self.valid, self.schema_lines, self.schema_errors),
+            "closed_early": {"limit": self.closed.get("limit", 0),
+                             "loop": self.closed.get("loop", 0)},
+            "valid_unclosed": self.valid_unclosed,
+            # Compliance counting only outputs the model finished itself (not closed early).
+            "compliance_unclosed": compliance(self.valid_unclosed, self.schema_lines,
+                                              self.schema_errors)["compliance"],
             "answered": self.answered,
             "accuracy": round(self.correct / self.answered, 4) if self.answered else None,
         }
@@ -227,5 +241,13 @@ def compliance_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     def share(total: int) -> str:
         return f"{valid}/{total} ({valid / total:.1%})" if total else f"{valid}/0"
 
-    return [("schema outputs valid, of all schema lines", share(every)),
+    closed = summary.get("closed_early") or {}
+    unclosed = summary.get("valid_unclosed", valid)
+    rows = [("schema outputs valid, of all schema lines", share(every)),
             ("schema outputs valid, of those that ran", share(ran))]
+    if closed.get("limit") or closed.get("loop"):
+        rows.append(("closed early (at the limit / on a loop)",
+                     f"{closed.get('limit', 0)} / {closed.get('loop', 0)}"))
+        rows.append(("valid without closing, of all schema lines",
+                     f"{unclosed}/{every} ({unclosed / every:.1%})"))
+    return rows

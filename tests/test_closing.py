@@ -113,14 +113,25 @@ def test_closing_is_the_default_and_each_switch_turns_it_off(tiny_model_dir: Pat
                            for i, s in enumerate([STRING, NESTED, ROWS])))
 
     def results(*flags: str) -> dict[str, dict[str, Any]]:
-        out = tmp_path / f"out{len(flags)}{'-'.join(flags)}.jsonl"
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}.jsonl"
         res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--model",
                                         str(tiny_model_dir), "--dtype", "float32", "-q",
                                         *flags])
         assert res.exit_code in (0, 1), res.output
         return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
 
-    default, no_guard = results(), results("--no-loop-guard")
+    stats = tmp_path / "stats.json"
+    default, no_guard = results("--stats-out", str(stats)), results("--no-loop-guard")
+    # The summary counts the closed lines apart, and compliance with and without them.
+    summary = json.loads(stats.read_text())
+    jsonschema.validate(summary, load_schema("stats"))
+    for why in ("limit", "loop"):
+        assert summary["closed_early"][why] == sum(
+            r["stats"].get("close_reason") == why for r in default.values())
+    assert sum(summary["closed_early"].values()) > 0
+    assert summary["valid_unclosed"] == sum(
+        r["valid"] and "close_reason" not in r["stats"] for r in default.values())
+    assert summary["compliance_unclosed"] < summary["compliance"] == 1.0
     off = results("--no-close-at-limit", "--no-loop-guard")
     assert any(r["finish_reason"] == "length" for r in off.values())
     assert not any(r["finish_reason"] == "length" for r in default.values())
