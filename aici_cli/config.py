@@ -40,6 +40,9 @@ class EngineConfig:
     # Sequences a line may run in all when its controller forks (engine/branches.py): its
     # samples and every fork's branches; a fork past it ends the line with bad_action.
     max_branches: int = 16
+    # torch.compile the one-token decode step (engine/compiled.py): "auto" (when the run
+    # is long enough to pay for compiling, never with `deterministic`), "on", "off".
+    compile: str = "auto"
 
 
 MIB = 1024 * 1024
@@ -117,6 +120,8 @@ class RunConfig:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    # Weight-only quantisation (models/quantize.py): auto, none, int8, int4.
+    quantize: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
     defaults: JobDefaults = field(default_factory=JobDefaults)
     stats_out: str | None = None
@@ -130,3 +135,11 @@ class RunConfig:
     input_format: str = "auto"  # "aici", "openai" (batch requests), or "auto": by the lines
     exit_zero_on_line_errors: bool = False  # exit 0 though some lines ended in an error
     ray: RayOptions | None = None  # None: run in this process
+
+
+def load_quantize(config: RunConfig) -> str:
+    """The `--quantize` the model loads with: `auto` is `none` under `--deterministic`
+    (batch invariance is established for the dense path only)."""
+    if config.quantize == "auto" and config.engine.deterministic:
+        return "none"
+    return config.quantize

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
 
-from aici_cli.config import RunConfig
+from aici_cli.config import RunConfig, load_quantize
 from aici_cli.engine.intake import ControllerFactory, Emit
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import UsageError
@@ -211,7 +211,7 @@ class LocalEngine:
     """The `Backend` of a run in this process: one loaded model and one `Engine`."""
 
     def __init__(self, config: RunConfig) -> None:
-        self.lm = load_model(config.model, config.device, config.dtype)
+        self.lm = load_model(config.model, config.device, config.dtype, load_quantize(config))
         self.model_name = self.lm.name
         self.engine = Engine(self.lm, config.engine)
         self.call_times: list[float] = []  # ms of every wasm guest call in the run
@@ -431,7 +431,8 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
 def model_meta(lm: Any) -> dict[str, str]:
     """What the summary says of the model a run used."""
     return {"model": lm.name, "device": str(lm.device),
-            "dtype": str(lm.dtype).removeprefix("torch.")}
+            "dtype": str(lm.dtype).removeprefix("torch."),
+            "quantize": getattr(lm, "quantize", "none")}
 
 
 def summarize(config: RunConfig, tally: RunTally, steps: list[StepTimes], wall: float,
