@@ -120,7 +120,8 @@ def test_a_4_bit_gguf_loads_its_own_blocks_as_int4(tiny_model_dir: Path, tmp_pat
     from safetensors import safe_open
 
     with safe_open(str(entry / "model.safetensors"), framework="pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+        names = list(f.keys())  # safe_open is not iterable
+        assert {f.get_tensor(k).dtype for k in names} == {torch.bfloat16}
     with safe_open(str(entry / QUANTIZED_FILE), framework="numpy") as f:
         keys = list(f.keys())
         assert sum(k.endswith(":q4") for k in keys) == 14  # every decoder linear, q/k too
