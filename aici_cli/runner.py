@@ -233,8 +233,12 @@ class LocalEngine:
         return not (rows.busy() or rows.ahead or rows.waiting)
 
     def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
-        return summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
-                         self.engine.compile_ms, self.call_times)
+        summary = summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
+                            self.engine.compile_ms, self.call_times)
+        compiled = self.engine.model_pass.decode.compiled
+        if compiled is not None:
+            summary["compiled_steps"] = compiled.steps
+        return summary
 
     def close(self) -> None:
         pass
