@@ -63,6 +63,18 @@ def test_compiled_decode_gives_the_eager_tokens_in_fp32(lm32: LoadedModel) -> No
     assert [len(fast[i]) for i in (1, 2, 3)] == lengths
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_decode_on_cuda_gives_the_eager_tokens_in_fp32(tiny_model_dir: Path) -> None:
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype="float32")
+    lengths = [4, 30, 8]
+    eager, _ = _run(lm, "off", lengths)
+    fast, engine = _run(lm, "on", lengths)  # reduce-overhead: CUDA graphs
+    assert engine.model_pass.decode.compiled is not None
+    assert engine.model_pass.decode.compiled.steps >= 20
+    assert fast == eager
+
+
 def test_buckets_cover_the_span_with_idle_rows() -> None:
     step = CompiledDecode.__new__(CompiledDecode)
     step.rows = 8

@@ -79,7 +79,7 @@ def _logits(lm: object, prompts: list[str]) -> torch.Tensor:
     out = []
     with torch.inference_mode():
         for p in prompts:
-            ids = lm.tokenizer(p, return_tensors="pt").input_ids  # type: ignore[attr-defined]
+            ids = lm.tokenizer(p, return_tensors="pt").input_ids.to(lm.device)  # type: ignore[attr-defined]
             out.append(lm.model(input_ids=ids).logits[0].float())  # type: ignore[attr-defined]
     return torch.cat(out)
 
@@ -103,6 +103,18 @@ def test_quantized_logits_stay_within_tolerance_of_bf16(tiny_model_dir: Path,
     assert _kl(ref, got) < kl_max
     assert (ref - got).abs().max().item() < diff_max
     assert not torch.equal(ref, got)  # the weights really changed form
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_logits_on_cuda_stay_within_tolerance_of_bf16(tiny_model_dir: Path,
+                                                                mode: str) -> None:
+    ref = _logits(load_model(str(tiny_model_dir), "cuda", "bfloat16", "none"), PROMPTS)
+    got = _logits(load_model(str(tiny_model_dir), "cuda", "bfloat16", mode), PROMPTS)
+    kl_max, diff_max = TOLERANCE[mode]
+    assert _kl(ref, got) < kl_max
+    assert (ref - got).abs().max().item() < diff_max
 
 
 @pytest.fixture

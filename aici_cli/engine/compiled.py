@@ -93,6 +93,7 @@ class CompiledDecode:
         self._layer = torch.compile(self._layer_step, mode=mode, fullgraph=True)
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
         self.steps = 0
+        self._marked_capacity = 0
 
     def bucket(self, span_end: int) -> int:
         """The rows 0..B-1 a step whose span ends at row `span_end` (exclusive) runs on."""
@@ -121,6 +122,8 @@ class CompiledDecode:
         cos, sin = inner.rotary_emb(h[:, None], pos_t[:, None])  # [B, 1, D] each
         capacity = self.cache.capacity
         mask = (torch.arange(capacity, device=dev)[None, :] <= pos_t[:, None])[:, None, None]
+        if dev.type == "cuda":
+            self._static_cache_addresses()
         for i, layer in enumerate(self.layers):
             k_buf, v_buf = self.cache.keys[i], self.cache.values[i]
             h = self._layer(layer, h, cos, sin, k_buf, v_buf, pos_t, valid_t, mask)
@@ -130,6 +133,15 @@ class CompiledDecode:
             self.compile_s[rows] = time.perf_counter() - started
         self.steps += 1
         return logits
+
+    def _static_cache_addresses(self) -> None:
+        """CUDA graphs replay fixed addresses: the cache buffers, written in place, are
+        marked static (again after a capacity growth replaced them)."""
+        if self._marked_capacity == self.cache.capacity:
+            return
+        for buf in (*self.cache.keys, *self.cache.values):
+            torch._dynamo.mark_static_address(buf)
+        self._marked_capacity = self.cache.capacity
 
     def _layer_step(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     k_buf: torch.Tensor, v_buf: torch.Tensor, pos: torch.Tensor,
