@@ -20,7 +20,7 @@ The peer is llama-cpp-python (`pip install 'aici-batch[bench]'`, a ~15 min sourc
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON" pip install 'llama-cpp-python==0.3.36'
 
-Batch 8 on llama.cpp's side is its C++ server with 8 slots (`llama-server -np 8 -t 2`,
+Batch 8 on llama.cpp's side is its C++ server with 8 slots (`llama-server -np 8 -t N`,
 found on PATH or with --llama-server; llama-cpp-python ships no such binary): requests go
 to 127.0.0.1 only. Missing peers are reported as "not installed" and the bench exits 0
 (CI never needs them).
@@ -42,10 +42,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Run as a script, this file's folder leads sys.path, where this file would shadow the
+# `llama_cpp` package it measures.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 REPO = Path(__file__).resolve().parent.parent
 GLAIVE = next((p / "shared" / "data" / "jsonschemabench" / "Glaiveai2K" for p in REPO.parents
                if (p / "shared" / "data").is_dir()),
               REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K")
+THREADS = 1  # set from --threads
 STREAM_PROMPT = "Write a long story about a dragon who learns to read."
 
 
@@ -55,6 +60,11 @@ def dev_half(n: int) -> list[Path]:
 
 def schema_ask(schema: dict[str, Any]) -> str:
     return f"Produce a JSON object matching this JSON Schema: {json.dumps(schema)}"
+
+
+def _threads() -> int:
+    """Both sides use OMP_NUM_THREADS threads (set by `spawn`; --threads)."""
+    return int(os.environ.get("OMP_NUM_THREADS", "1"))
 
 
 def peak_rss_mib() -> float:
@@ -115,7 +125,8 @@ def first_token_s(quantize: str, gguf: str | None) -> float:
     best = float("inf")
     for _ in range(2):
         started = time.perf_counter()
-        subprocess.run(cmd, input=line, capture_output=True, text=True, check=True)
+        subprocess.run(cmd, input=line, capture_output=True, text=True, check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
         best = min(best, time.perf_counter() - started)
     return round(best, 2)
 
@@ -148,8 +159,8 @@ def peer(task: dict[str, Any]) -> dict[str, Any]:
     # The prompt text this project feeds (the GGUF's chat template, rendered the same).
     tokenizer = load_model(task["gguf"], "cpu", "auto", "none").tokenizer
     started = time.perf_counter()
-    llm = Llama(model_path=task["gguf_path"], n_threads=2, n_ctx=2048, verbose=False,
-                seed=0)
+    llm = Llama(model_path=task["gguf_path"], n_threads=_threads(), n_ctx=2048,
+                verbose=False, seed=0)
     load_s = time.perf_counter() - started
 
     def prompt(text: str) -> str:
@@ -208,7 +219,7 @@ def server(task: dict[str, Any], binary: str) -> dict[str, Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([binary, "-m", task["gguf_path"], "-np", str(task["batch"]),
-                             "-t", "2", "-c", str(2048 * task["batch"]), "--host",
+                             "-t", str(_threads()), "-c", str(2048 * task["batch"]), "--host",
                              "127.0.0.1", "--port", str(port), *task["server_args"]],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -264,7 +275,7 @@ def worker(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def spawn(task: dict[str, Any], timeout: float) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
     try:
         done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(task)],
                               capture_output=True, text=True, timeout=timeout, env=env)
@@ -291,12 +302,17 @@ def main() -> int:
     ap.add_argument("--server-args", default="",
                     help="extra llama-server arguments (e.g. --no-repack)")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="threads for both sides (on a shared machine: 1; oversubscribed "
+                         "OpenMP threads wait on each other)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "llama_cpp.json")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
 
+    global THREADS
+    THREADS = args.threads
     from aici_cli.models.sources import default_gguf_path
 
     gguf_path = args.gguf or str(default_gguf_path())

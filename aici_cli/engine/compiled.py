@@ -89,8 +89,7 @@ class CompiledDecode:
         self.heads = int(model.config.num_attention_heads)
         self.scaling = float(attn.scaling)
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-        self._layer = torch.compile(self._layer_step, mode=mode, fullgraph=True)
+        self._layer: Any = None  # torch.compile'd on first use (imports the compiler stack)
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
         self.steps = 0
         self._marked_capacity = 0
@@ -117,6 +116,9 @@ class CompiledDecode:
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         valid_t = torch.tensor(valid, dtype=torch.bool, device=dev)
         started = time.perf_counter() if rows not in self.compile_s else None
+        if self._layer is None:
+            mode = "reduce-overhead" if dev.type == "cuda" else "default"
+            self._layer = torch.compile(self._layer_step, mode=mode, fullgraph=True)
         inner = self.model.model
         h = inner.embed_tokens(ids_t)  # [B, hidden]
         cos, sin = inner.rotary_emb(h[:, None], pos_t[:, None])  # [B, 1, D] each
