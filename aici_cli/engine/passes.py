@@ -112,7 +112,7 @@ class ModelPass:
         """The compiled step's logits [b, V] for a pass where every row feeds at most one
         token, or None to run it eagerly (not compiled, or out of memory)."""
         step = self.decode.pick(self._steps_ahead(gens) if self.decode.compiled else 0)
-        if step is None:
+        if step is None or not self.cache.keys:  # buffers exist after the first eager pass
             return None
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
