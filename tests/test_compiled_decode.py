@@ -109,3 +109,22 @@ def test_models_that_are_not_llama_shaped_stay_eager(lm32: LoadedModel) -> None:
 
         gemma = AutoModelForCausalLM.from_config(config)
     assert unsupported(gemma) is not None
+
+
+def test_a_failed_compile_leaves_the_run_eager_and_unchanged(
+        lm32: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "compiler_problem", lambda device: None)
+
+    def broken(fn: Any, **kwargs: Any) -> Any:
+        def call(*args: Any) -> Any:
+            raise RuntimeError("C++ compile error: cannot find -lgomp\nmore detail")
+        return call
+
+    monkeypatch.setattr(compiled.torch, "compile", broken)
+    lengths = [4, 12, 6]
+    eager, _ = _run(lm32, "off", lengths)
+    fallback, engine = _run(lm32, "on", lengths)
+    assert fallback == eager
+    assert engine.model_pass.decode.compiled is None
+    assert engine.model_pass.decode.reason == (
+        "compiling failed: RuntimeError: C++ compile error: cannot find -lgomp")

@@ -195,6 +195,12 @@ class DecodeSteps:
         if self.reason is None:
             self.compiled = CompiledDecode(model, cache, rows, device)
 
+    def give_up(self, error: BaseException) -> None:
+        """Compiling failed: every later step runs eagerly, and `reason` says why."""
+        self.compiled = None
+        first = str(error).splitlines()[0] if str(error) else ""
+        self.reason = f"compiling failed: {type(error).__name__}: {first}"[:300]
+
     def pick(self, steps_ahead: int) -> CompiledDecode | None:
         """The compiled step for this one-token step, or None to run it eagerly;
         `steps_ahead`: the run's estimate of the one-token steps still to come."""

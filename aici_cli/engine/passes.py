@@ -114,12 +114,18 @@ class ModelPass:
         step = self.decode.pick(self._steps_ahead(gens) if self.decode.compiled else 0)
         if step is None or not self.cache.keys:  # buffers exist after the first eager pass
             return None
+        compiling = step.bucket(first_row + len(chunks)) not in step.compile_s
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
             return step.run(first_row, lengths, [c[0] if c else None for c in chunks])
         except Exception as e:
-            if not is_out_of_memory(e):
+            if is_out_of_memory(e):
+                return None
+            if not compiling:
                 raise
+            # Compiling failed (a toolchain problem, an op inductor cannot lower): the run
+            # goes on eagerly; the eager pass rewrites any key the failed call wrote.
+            self.decode.give_up(e)
             return None
 
     def _steps_ahead(self, gens: Sequence[Generation | None]) -> int:
