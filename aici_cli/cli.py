@@ -62,6 +62,16 @@ def main() -> None:
               show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               default="auto", show_default=True)
+@click.option("--quantize", type=click.Choice(["auto", "none", "int8", "int4"]),
+              default="auto", show_default=True,
+              help="Weight-only quantisation of the linear layers (docs/speed.md). auto: a "
+                   "GGUF model runs at its own precision (the default model: int4) in a "
+                   "16-bit run; float32, --deterministic and float models run unquantised.")
+@click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]),
+              default="auto", show_default=True,
+              help="torch.compile the one-token decode step (a C compiler needed on CPU; "
+                   "compiled once per model and row bucket, cached on disk). auto: on "
+                   "where the run is long enough to pay for it; never with --deterministic.")
 @click.option("--batch-size", type=click.IntRange(1, 1024), default=8, show_default=True,
               help="Sequences decoded together; finished rows are refilled at once.")
 @click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True)
@@ -223,7 +233,8 @@ def main() -> None:
                    "(lines done/total, tok/s, errors); 0: none.")
 @click.option("-q", "--quiet", is_flag=True,
               help="Nothing on stderr but errors (and the one line that counts failed lines).")
-def run(input: str, output: str, model: str | None, device: str, dtype: str, batch_size: int,
+def run(input: str, output: str, model: str | None, device: str, dtype: str, quantize: str,
+        compile_mode: str, batch_size: int,
         max_tokens: int, temperature: float, top_p: float, seed: int, top_k: int, min_p: float,
         frequency_penalty: float, presence_penalty: float, repetition_penalty: float,
         min_tokens: int, ignore_eos: bool, stop: tuple[str, ...], n: int, input_format: str,
@@ -276,7 +287,8 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
 
     config = RunConfig(
         input=input, output=output, model=model, device=device, dtype=dtype,
-        engine=EngineConfig(batch_size=batch_size, fast_forward=not no_ff,
+        quantize=quantize,
+        engine=EngineConfig(batch_size=batch_size, compile=compile_mode, fast_forward=not no_ff,
                             draft_tokens=draft_tokens, step_stats=step_stats,
                             prefix_cache=not no_prefix_cache, lookahead=lookahead,
                             logprobs_mode=logprobs_mode, close_at_limit=close_at_limit,
@@ -301,6 +313,10 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, bat
     )
     if resume_mixed and not resume:
         raise FatalError("--resume-mixed goes with --resume")
+    if deterministic and quantize in ("int8", "int4"):
+        raise FatalError(f"--deterministic runs unquantised weights: drop --quantize {quantize}")
+    if deterministic and compile_mode == "on":
+        raise FatalError("--deterministic runs eager passes: drop --compile on")
     if controller is not None and config.defaults.constraint is not None:
         raise FatalError("--controller cannot be combined with "
                          "--json-schema/--regex/--choices/--grammar")

@@ -43,6 +43,10 @@ class EngineConfig:
     # Sequences a line may run in all when its controller forks (engine/branches.py): its
     # samples and every fork's branches; a fork past it ends the line with bad_action.
     max_branches: int = 16
+    # torch.compile the one-token decode step (engine/compiled.py): "auto" (when the run
+    # is long enough to pay for compiling, never with `deterministic`), "on", "off".
+    # The CLI's default is "auto"; the library's "off" (tests and benches say so).
+    compile: str = "off"
 
 
 MIB = 1024 * 1024
@@ -120,6 +124,8 @@ class RunConfig:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    # Weight-only quantisation (models/quantize.py): auto, none, int8, int4.
+    quantize: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
     defaults: JobDefaults = field(default_factory=JobDefaults)
     stats_out: str | None = None
@@ -138,3 +144,11 @@ class RunConfig:
     threads: int | None = None  # torch's CPU threads; None: the CPUs this process may use
     ordered: bool = False  # results in input order (aici_cli/ordered.py)
     progress_interval_s: float = 10.0  # off a terminal: a progress line this often; 0: none
+
+
+def load_quantize(config: RunConfig) -> str:
+    """The `--quantize` the model loads with: `auto` is `none` under `--deterministic`
+    (batch invariance is established for the dense path only)."""
+    if config.quantize == "auto" and config.engine.deterministic:
+        return "none"
+    return config.quantize

@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
 import torch
 
 from aici_cli import __version__, threads
-from aici_cli.config import RunConfig
+from aici_cli.config import RunConfig, load_quantize
 from aici_cli.engine.intake import ControllerFactory, Emit
 from aici_cli.engine.loop import Engine
 from aici_cli.errors import UsageError
@@ -262,7 +262,8 @@ class LocalEngine:
         try:
             threads.apply(config.threads)
             started = time.perf_counter()
-            self.lm = load_model(config.model, config.device, config.dtype)
+            self.lm = load_model(config.model, config.device, config.dtype,
+                                 load_quantize(config))
             self.model_name = self.lm.name
             self.engine = Engine(self.lm, config.engine)
             if self.tracing is not None:
@@ -294,6 +295,9 @@ class LocalEngine:
         summary = summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
                             self.engine.compile_ms, self.call_times)
         summary["threads"] = torch.get_num_threads()  # what torch used, not what was asked
+        compiled = self.engine.model_pass.decode.compiled
+        if compiled is not None:
+            summary["compiled_steps"] = compiled.steps
         return summary
 
     def close(self) -> None:
@@ -582,7 +586,8 @@ def _input_name(config: RunConfig) -> str:
 def model_meta(lm: Any) -> dict[str, str]:
     """What the summary says of the model a run used."""
     return {"model": lm.name, "device": str(lm.device),
-            "dtype": str(lm.dtype).removeprefix("torch.")}
+            "dtype": str(lm.dtype).removeprefix("torch."),
+            "quantize": getattr(lm, "quantize", "none")}
 
 
 def summarize(config: RunConfig, tally: RunTally, steps: list[StepTimes], wall: float,

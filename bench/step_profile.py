@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K"
+# shared/ beside the checkout (or beside a folder above it, for a worktree)
+DATA = next((p / "shared" / "data" / "jsonschemabench" / "Glaiveai2K" for p in REPO.parents
+             if (p / "shared" / "data").is_dir()),
+            REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K")
 
 
 def model_spec(name: str) -> str | None:
@@ -40,6 +43,9 @@ def main() -> int:
     ap.add_argument("--lines", type=int, default=32, help="prompts per batch size")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--quantize", default="none", help="none, int8, int4 or auto")
+    ap.add_argument("--compile", default="off", help="off, on or auto (engine/compiled.py)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "step_profile.json")
     args = ap.parse_args()
 
@@ -53,7 +59,7 @@ def main() -> int:
     files = sorted(DATA.glob("*.json"))
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
-        lm = load_model(model_spec(name), "auto", args.dtype)
+        lm = load_model(model_spec(name), args.device, args.dtype, args.quantize)
         chat = bool(getattr(lm.tokenizer, "chat_template", None))
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             n = max(args.lines, bs)
@@ -67,21 +73,25 @@ def main() -> int:
                     prompt=None if chat else ask + "\nJSON: ",
                     messages=[{"role": "user", "content": ask}] if chat else None,
                 ))
-            engine = Engine(lm, EngineConfig(batch_size=bs))
+            engine = Engine(lm, EngineConfig(batch_size=bs, compile=args.compile))
             engine.compiler  # noqa: B018 - build the tokenizer wrapper outside the timing
             results: list[dict[str, Any]] = []
             engine.run(jobs, results.append)
             decode = [s for s in engine.step_times if s.kind == "decode"]
+            if not decode:
+                print(f"{name:8} batch {bs:>3}: no decode steps", flush=True)
+                continue
             summary = step_summary(decode)
             mean_outside = summary["overhead_ms"]["mean"]
             mean_step = summary["step_ms"]["mean"]
             rows.append({
-                "model": name, "vocab": lm.vocab_size, "batch": bs, "steps": len(decode),
+                "model": name, "quantize": lm.quantize, "compile": args.compile,
+                "vocab": lm.vocab_size, "batch": bs, "steps": len(decode),
                 "outside_share": round(mean_outside / mean_step, 4) if mean_step else None,
                 **{k: v for k, v in summary.items()},
             })
             r = rows[-1]
-            print(f"{name:8} V={lm.vocab_size:<7} batch {bs:>3}: forward p50 "
+            print(f"{name:8} {lm.quantize:4} V={lm.vocab_size:<7} batch {bs:>3}: forward p50 "
                   f"{r['forward_ms']['p50']:7.2f} ms | outside p50 {r['overhead_ms']['p50']:6.2f}"
                   f" p99 {r['overhead_ms']['p99']:6.2f} ms | mask {r['mask_ms']['p50']:5.2f}"
                   f" ctrl {r['controller_ms']['p50']:5.2f} sample {r['sample_ms']['p50']:5.2f}"

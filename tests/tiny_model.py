@@ -134,9 +134,12 @@ def build_tiny_model(directory: Path, chat_template: str = CHAT_TEMPLATE) -> Pat
     return directory
 
 
-def write_tiny_gguf(model_dir: Path, path: Path) -> Path:
-    """The tiny Llama as a float32 GGUF file, laid out as llama.cpp's converter writes it."""
-    from gguf import GGUFWriter
+def write_tiny_gguf(model_dir: Path, path: Path, quant: str | None = None) -> Path:
+    """The tiny Llama as a float32 GGUF file, laid out as llama.cpp's converter writes it;
+    with `quant` ("Q4_0", "Q4_1"), its linear layers in that type and the (tied) embedding
+    in Q8_0, as in the default model's file."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
     from safetensors.numpy import load_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -182,7 +185,14 @@ def write_tiny_gguf(model_dir: Path, path: Path) -> Path:
             gguf_name = f"blk.{layer}.{parts[part]}.weight"
             if part in ("self_attn.q_proj", "self_attn.k_proj"):
                 weight = permute(weight, heads if part == "self_attn.q_proj" else kv_heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(weight, dtype=np.float32))
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        kind = None if quant is None or weight.ndim != 2 else (
+            "Q8_0" if gguf_name == "token_embd.weight" else quant)
+        if kind is None:
+            writer.add_tensor(gguf_name, weight)
+        else:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, quantize(weight, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

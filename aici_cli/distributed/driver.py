@@ -360,7 +360,8 @@ class RayBackend:
             compiled += figures.compile_ms
             calls += figures.call_times
         info = self.workers[0].info
-        model = {k: str(info[k]) for k in ("model", "device", "dtype")}
+        model: dict[str, str] = {k: str(info[k]) for k in ("model", "device", "dtype", "quantize")
+                                 if k in info}
         summary = summarize(config, tally, steps, wall, model, compiled, calls)
         summary["ray"] = self._ray_summary(wall)
         return summary

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aici_cli.config import RunConfig
+from aici_cli.config import RunConfig, load_quantize
 from aici_cli.errors import ModelError, UsageError
 from aici_cli.jobs import Job
 from aici_cli.stats import StepTimes
@@ -96,7 +96,7 @@ class EngineWorker:
         # Ray sets OMP_NUM_THREADS from num_cpus; torch's own pool needs telling too.
         torch.set_num_threads(max(1, int(config.ray.cpus_per_worker)))
         t0 = time.perf_counter()
-        lm = load_model(config.model, config.device, config.dtype)
+        lm = load_model(config.model, config.device, config.dtype, load_quantize(config))
         self.engine = Engine(lm, config.engine)
         self.info.update(model_meta(lm), load_s=round(time.perf_counter() - t0, 3))
         if wasm is not None:

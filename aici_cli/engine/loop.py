@@ -99,7 +99,8 @@ class Engine:
         self.masked_logprobs = config.logprobs_mode == "masked"
         self.rows = RowTable(config.batch_size, self.cache, config.prefix_cache,
                              config.lookahead if config.prefix_cache else 1)
-        self.model_pass = ModelPass(lm, self.cache, self.rows, config.deterministic)
+        self.model_pass = ModelPass(lm, self.cache, self.rows, config.deterministic,
+                                    config.compile)
         self.masks = TokenMasks(config.batch_size, self.vocab_size)
         self.step_times: list[StepTimes] = []
         self.tracer: EngineTracer = NO_TRACE  # trace hooks (trace_hooks.py): no-ops by default

@@ -14,6 +14,7 @@ import torch
 
 from aici_cli.engine.attention import invariant_pass
 from aici_cli.engine.cache import RowCache
+from aici_cli.engine.compiled import DecodeSteps
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.inputs import AttentionLayout, Readout, build_inputs, forward
 from aici_cli.engine.invariant import install as install_tiled_linears
@@ -63,8 +64,9 @@ class PassOutput:
 
 class ModelPass:
     def __init__(self, lm: LoadedModel, cache: RowCache, rows: RowTable,
-                 invariant: bool = False) -> None:
-        """`invariant`: batch-invariant passes (`--deterministic`, see invariant.py)."""
+                 invariant: bool = False, compile: str = "off") -> None:
+        """`invariant`: batch-invariant passes (`--deterministic`, see invariant.py);
+        `compile`: when one-token steps run compiled (compiled.py)."""
         self.lm = lm
         self.cache = cache
         self.rows = rows
@@ -72,6 +74,7 @@ class ModelPass:
         self.invariant = invariant
         if invariant:
             install_tiled_linears(lm.model, invariant_pass)
+        self.decode = DecodeSteps(compile, lm.model, cache, cache.rows, lm.device, invariant)
 
     def run(self, first_row: int, gens: Sequence[Generation | None],
             drafts: list[list[int]], scored: list[list[int]] | None = None) -> PassOutput:
@@ -83,6 +86,10 @@ class ModelPass:
         lengths = [g.length if g is not None else 0 for g in gens]
         chunks = [g.pending if g is not None else [] for g in gens]
         scored = scored if scored is not None else [[] for _ in gens]
+        if not any(drafts) and not any(scored) and all(len(c) <= 1 for c in chunks):
+            one = self._one_token(first_row, lengths, chunks, gens)
+            if one is not None:
+                return PassOutput(self._vocab(one), [len(gens)] * len(gens), scored, [])
         if any(drafts):
             fed = [c + d[:-1] for c, d in zip(chunks, drafts)]
             readouts = [_readout(len(c), s, len(d)) for c, s, d in zip(chunks, scored, drafts)]
@@ -99,6 +106,35 @@ class ModelPass:
         readouts = [_readout(len(c), s, 0) for c, s in zip(chunks, scored)]
         logits, extra_at, out_of_memory = self._forward(first_row, lengths, chunks, readouts)
         return PassOutput(self._vocab(logits), extra_at, scored, out_of_memory)
+
+    def _one_token(self, first_row: int, lengths: list[int], chunks: list[list[int]],
+                   gens: Sequence[Generation | None]) -> torch.Tensor | None:
+        """The compiled step's logits [b, V] for a pass where every row feeds at most one
+        token, or None to run it eagerly (not compiled, or out of memory)."""
+        step = self.decode.pick(self._steps_ahead(gens) if self.decode.compiled else 0)
+        if step is None or not self.cache.keys:  # buffers exist after the first eager pass
+            return None
+        compiling = step.bucket(first_row + len(chunks)) not in step.compile_s
+        try:
+            self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
+            return step.run(first_row, lengths, [c[0] if c else None for c in chunks])
+        except Exception as e:
+            if is_out_of_memory(e):
+                return None
+            if not compiling:
+                raise
+            # Compiling failed (a toolchain problem, an op inductor cannot lower): the run
+            # goes on eagerly; the eager pass rewrites any key the failed call wrote.
+            self.decode.give_up(e)
+            return None
+
+    def _steps_ahead(self, gens: Sequence[Generation | None]) -> int:
+        """An upper bound of the one-token steps still to come: the tokens the running,
+        waiting and read-ahead lines may still generate, over the rows."""
+        running = [g for g in (*gens, *self.rows.waiting) if g is not None]
+        tokens = sum(max(0, g.job.max_tokens - len(g.output)) for g in running)
+        tokens += sum(p.job.max_tokens for p in self.rows.ahead)
+        return tokens // max(1, self.cache.rows)
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Drop the padding columns some models carry past the tokenizer's vocabulary."""

@@ -19,7 +19,11 @@ Modules, one concept each; those marked * import torch, the others do not:
     gguf_identity.py     a GGUF's content digest: the conversion cache's key
     cache_entries.py     the conversion cache's entries, unused ones, pruning
     progress.py          where the slow once-only steps report (notes, a bar, nothing)
-    gguf_convert.py *    checking a GGUF file and converting it to safetensors
+    gguf_convert.py *    checking a GGUF file and converting it to bf16 safetensors
+    gguf_blocks.py       a GGUF's Q4_0/Q4_1/Q8_0 blocks as codes and scales (numpy)
+    gguf_quantized.py    those blocks kept beside a conversion, by parameter name
+    quantize.py *        int8/int4 linear layers on PyTorch's kernels (--quantize)
+    quantized_load.py *  building a quantized model without its dense linear weights
     device.py *          the torch device and load dtype for the CLI's specs
     load.py *            LoadedModel: weights and tokenizer on a device
     chat.py              rendering messages with the chat template

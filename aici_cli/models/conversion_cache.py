@@ -1,7 +1,8 @@
 """aici-batch's cache directory, and the GGUF conversions kept in it.
 
 Loading a GGUF through transformers costs ~20 s (dequantisation), so a GGUF is converted
-once into a float32 safetensors directory under `cache_dir()/models/`; later loads of that
+once into a bfloat16 safetensors directory (with its 4- and 8-bit matrices kept as
+they are, `gguf_quantized`) under `cache_dir()/models/`; later loads of that
 directory take ~1 s. An entry is keyed by the GGUF's content (`gguf_identity`), so one
 copy serves every path the same file has (each virtual environment's copy of a packaged
 model, each CI checkout). The conversion writes into a temporary sibling directory and
@@ -40,7 +41,7 @@ from aici_cli.models.progress import current_progress
 from aici_cli.models.quiet import quiet_transformers
 
 # Bump when the conversion's output changes, so existing cache entries are not reused.
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"  # 2: bfloat16, and the GGUF's own quantised blocks
 
 # Each entry's record of the GGUF content it holds and the files it was converted from.
 SOURCE_FILE = "aici-batch-source.json"

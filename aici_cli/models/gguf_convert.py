@@ -13,12 +13,16 @@ from typing import Any
 import torch
 
 from aici_cli.errors import ModelError
+from aici_cli.models.gguf_quantized import write_blocks
 from aici_cli.models.one_line import one_line
 from aici_cli.models.progress import LoadProgress, current_progress
 
 # Fewest bytes a GGUF file spends per weight: its smallest quantisations (IQ1_S) take
 # about 1.56 bits. A config promising more weights than that fits in the file is wrong.
 _MIN_GGUF_BYTES_PER_WEIGHT = 0.19
+
+# The dtype of a conversion's dense copy.
+STORED_DTYPE = torch.bfloat16
 
 
 def gguf_problem(gguf: Path) -> str | None:
@@ -51,12 +55,14 @@ def gguf_problem(gguf: Path) -> str | None:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise `gguf` into a float32 safetensors model plus tokenizer in `out_dir`.
+    """Dequantise `gguf` into a bfloat16 safetensors model plus tokenizer in `out_dir`,
+    and keep its 4- and 8-bit matrices as they are beside it (`gguf_quantized`).
 
     `from_pretrained(gguf_file=...)` would need `accelerate`, which is not a dependency,
     so the model is built from the GGUF's config and filled with transformers' own
-    dequantised tensors. float32 keeps the dequantised values exact; the load dtype is
-    chosen later.
+    dequantised tensors. Stored in bfloat16, the dtype runs compute in (CUDA, CPUs with
+    native bf16): half the disk, load memory and load time of float32 (269 MB against
+    538 MB for the default model). A float32 run widens them exactly.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -67,9 +73,10 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     # Only now: a file refused above gets its one-line error without this notice.
     progress = current_progress()
     progress.note(f"converting {gguf.name} to safetensors in {out_dir.parent} (once)")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=STORED_DTYPE)
     with _tensor_steps(progress, f"converting {gguf.name}"):
-        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)
+        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model,
+                                      torch_dtype=STORED_DTYPE)
     result = model.load_state_dict(parsed["tensors"], strict=False)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -79,6 +86,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     if missing:
         raise ModelError(f"cannot convert {gguf}: GGUF lacks tensors {missing[:3]}")
     model.save_pretrained(out_dir)
+    write_blocks(gguf, model, parsed["tensors"], out_dir)
+    del parsed
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
     if not tokenizer.chat_template:

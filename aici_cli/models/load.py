@@ -19,6 +19,7 @@ from aici_cli.models.conversion_cache import cache_hint
 from aici_cli.models.device import pick_device, pick_dtype
 from aici_cli.models.files import model_files_problem, tokenizer_files_problem
 from aici_cli.models.one_line import one_line
+from aici_cli.models.quantize import resolve_mode
 from aici_cli.models.quiet import quiet_transformers
 from aici_cli.models.resolve import resolve_with_name
 
@@ -38,10 +39,14 @@ class LoadedModel:
     dtype: torch.dtype
     vocab_size: int
     eos_token_ids: frozenset[int]
+    quantize: str = "none"  # the weights' form: none, int8 or int4 (models/quantize.py)
 
 
-def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Resolve `spec`, then load model and tokenizer onto the chosen device and dtype.
+def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
+               quantize: str = "none") -> LoadedModel:
+    """Resolve `spec`, then load model and tokenizer onto the chosen device and dtype,
+    with the linear layers quantised as `quantize` says (`quantize.resolve_mode`: none,
+    int8, int4, or auto).
 
     ~1 s for the cached default model on CPU (plus the one-time conversion on first use).
     Any failure to read the files becomes a one-line ModelError naming the file at fault
@@ -50,9 +55,11 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
     # Validate the cheap choices first: a bad --device must not wait for a GGUF conversion.
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
+    resolve_mode(quantize, Path(), torch.float32)  # refuses an unknown mode before any work
     path, name = resolve_with_name(spec)
+    mode = resolve_mode(quantize, path, torch_dtype)
     with quiet_transformers():
-        model = _load_weights(path, torch_dtype)
+        model = _load_weights(path, torch_dtype, mode, torch_device)
         tokenizer = _load_tokenizer(path)
     model.eval()
     try:
@@ -76,17 +83,32 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto") -> L
         dtype=torch_dtype,
         vocab_size=int(model.config.get_text_config().vocab_size),
         eos_token_ids=frozenset(eos_ids),
+        quantize=mode,
     )
 
 
-def _load_weights(path: Path, dtype: torch.dtype) -> Any:
-    """The model at `path` in `dtype`, on the CPU; every tensor must come from the files.
+def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
+                  device: torch.device | None = None) -> Any:
+    """The model at `path` in `dtype`, on the CPU (quantised: on `device`, built there by
+    `quantized_load`); every tensor must come from the files.
 
     transformers fills tensors missing from the checkpoint with random values and only
     warns; a model answering from random weights is worse than no answer, so that is an
     error here.
     """
     from transformers import AutoModelForCausalLM
+
+    if mode != "none":
+        from aici_cli.models.quantized_load import load_quantized
+
+        try:
+            return load_quantized(path, dtype, mode, device or torch.device("cpu"))
+        except ModelError:
+            raise
+        except Exception as exc:  # corrupt files surface as many exception types
+            problem = model_files_problem(path) or _load_problem(exc)
+            raise ModelError(
+                f"cannot load model from {path}: {problem}{cache_hint(path)}") from exc
 
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(

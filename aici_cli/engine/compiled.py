@@ -1,0 +1,211 @@
+"""The compiled one-token decode step (`--compile`), gpt-fast's recipe on the row cache.
+
+A step where every row feeds one sampled token is most of a run's passes, and in eager
+PyTorch it pays a dispatch per op: ~15 ops per layer, 30 layers. Here that step runs as
+one `torch.compile`d function per decoder layer ("regional" compilation: every layer has
+the same code, so one graph serves all of them and compiling costs one layer's time),
+called with static shapes:
+
+- rows: the cache rows 0..B-1 for the smallest bucket B in `BUCKETS` (or the batch size)
+  that holds the step's span; rows sitting the step out ride along as idle rows;
+- keys: each row attends over the whole cache capacity with a mask by position (slot s
+  is visible to a row at position p iff s <= p), so its length does not change a shape.
+  The capacity is a dynamic dimension (it doubles rarely; no recompiles then).
+
+An idle row's query is at position 0 and it writes back the key its slot 0 already holds,
+so it changes nothing; its logits are dropped. Each row writes only its own row, so no
+two writes meet. The embedding, the rotary table, the final norm and the output
+projection (over the span's rows only) stay eager: one op each.
+
+Only Llama-shaped decoder layers are compiled (Llama, Mistral and Qwen2 without a
+sliding window: norm, attention with RoPE, norm, MLP, both residual); other models, and
+the ragged prefill and fast-forward passes, run eagerly as before (passes.py). Compiled
+kernels are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`, by default under the
+system temp directory), so a second run pays tracing, not code generation. On CUDA the
+same functions run in `reduce-overhead` mode (CUDA graphs).
+
+`--deterministic` never uses this path: its passes are batch-invariant by construction
+(invariant.py), which compiled kernels are not shown to be.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from aici_cli.engine.cache import RowCache
+
+# Row-count buckets of the compiled step: each is compiled once, on first use.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# Model types whose decoder layer is the Llama layer (with or without projection biases).
+_LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2"})
+
+
+def unsupported(model: Any) -> str | None:
+    """Why the compiled step cannot run `model` (None: it can)."""
+    config = model.config
+    if getattr(config, "model_type", None) not in _LLAMA_SHAPED:
+        return f"model type {getattr(config, 'model_type', None)!r} is not Llama-shaped"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or not hasattr(model.model, "rotary_emb"):
+        return "no decoder layers where a Llama model has them"
+    return None
+
+
+def compiler_problem(device: torch.device) -> str | None:
+    """Why inductor cannot build kernels here (None: it can): CPU code needs a C++
+    compiler; CUDA code needs Triton."""
+    if device.type == "cpu":
+        return None if shutil.which("g++") or shutil.which("c++") else "no C++ compiler"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed"
+        return None
+    return f"device {device.type!r}"
+
+
+class CompiledDecode:
+    """The compiled one-token step over a model and its row cache."""
+
+    def __init__(self, model: Any, cache: RowCache, rows: int, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.rows = rows
+        self.device = device
+        self.layers = list(model.model.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.kv_heads = int(model.config.num_key_value_heads)
+        self.heads = int(model.config.num_attention_heads)
+        self.scaling = float(attn.scaling)
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self._layer: Any = None  # torch.compile'd on first use (imports the compiler stack)
+        self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
+        self.steps = 0
+        self._marked_capacity = 0
+
+    def bucket(self, span_end: int) -> int:
+        """The rows 0..B-1 a step whose span ends at row `span_end` (exclusive) runs on."""
+        return next((b for b in BUCKETS if b >= span_end and b <= self.rows), self.rows)
+
+    def run(self, first_row: int, lengths: list[int], tokens: list[int | None]) -> torch.Tensor:
+        """Rows `first_row + i` feed `tokens[i]` (None: sits out) at position `lengths[i]`.
+        The cache must already hold a capacity past every fed position. Returns the
+        next-token logits [len(tokens), V] (a sitting-out row's are to be ignored)."""
+        b = len(tokens)
+        rows = self.bucket(first_row + b)
+        ids = [0] * rows
+        pos = [0] * rows
+        valid = [False] * rows
+        for i, (length, tok) in enumerate(zip(lengths, tokens)):
+            if tok is not None:
+                ids[first_row + i], pos[first_row + i] = tok, length
+                valid[first_row + i] = True
+        dev = self.device
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        valid_t = torch.tensor(valid, dtype=torch.bool, device=dev)
+        started = time.perf_counter() if rows not in self.compile_s else None
+        if self._layer is None:
+            mode = "reduce-overhead" if dev.type == "cuda" else "default"
+            self._layer = torch.compile(self._layer_step, mode=mode, fullgraph=True)
+        inner = self.model.model
+        h = inner.embed_tokens(ids_t)  # [B, hidden]
+        cos, sin = inner.rotary_emb(h[:, None], pos_t[:, None])  # [B, 1, D] each
+        capacity = self.cache.capacity
+        mask = (torch.arange(capacity, device=dev)[None, :] <= pos_t[:, None])[:, None, None]
+        if dev.type == "cuda":
+            self._static_cache_addresses()
+        for i, layer in enumerate(self.layers):
+            k_buf, v_buf = self.cache.keys[i], self.cache.values[i]
+            h = self._layer(layer, h, cos, sin, k_buf, v_buf, pos_t, valid_t, mask)
+        span = h[first_row : first_row + b]
+        logits = self.model.lm_head(inner.norm(span))
+        if started is not None:
+            self.compile_s[rows] = time.perf_counter() - started
+        self.steps += 1
+        return logits
+
+    def _static_cache_addresses(self) -> None:
+        """CUDA graphs replay fixed addresses: the cache buffers, written in place, are
+        marked static (again after a capacity growth replaced them)."""
+        if self._marked_capacity == self.cache.capacity:
+            return
+        for buf in (*self.cache.keys, *self.cache.values):
+            torch._dynamo.mark_static_address(buf)
+        self._marked_capacity = self.cache.capacity
+
+    def _layer_step(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_buf: torch.Tensor, v_buf: torch.Tensor, pos: torch.Tensor,
+                    valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One decoder layer for B rows of one token each. h: [B, hidden]; cos/sin:
+        [B, 1, D]; k_buf/v_buf: the layer's cache [rows, kv_heads, C, D] (written in
+        place at (row b, slot pos[b]) for valid rows); mask: [B, 1, 1, C] bool."""
+        rows, heads, kv_heads, dim = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(rows, heads, 1, dim)
+        k = attn.k_proj(x).view(rows, kv_heads, 1, dim)
+        v = attn.v_proj(x).view(rows, kv_heads, 1, dim)
+        q, k = self.rope(q, k, cos, sin)  # HF's own RoPE: [B, heads, 1, D]
+        at = torch.arange(rows, device=h.device)
+        slot = torch.where(valid, pos, torch.zeros_like(pos))
+        keep = valid[:, None, None]
+        k_buf[at, :, slot] = torch.where(keep, k[:, :, 0], k_buf[at, :, slot])
+        v_buf[at, :, slot] = torch.where(keep, v[:, :, 0], v_buf[at, :, slot])
+        # Query heads stacked per key/value head, as rows_attention's one-token group.
+        qg = q[:, :, 0].reshape(rows, kv_heads, heads // kv_heads, dim)
+        o = F.scaled_dot_product_attention(qg, k_buf[:rows], v_buf[:rows], attn_mask=mask,
+                                           scale=self.scaling)
+        h = h + attn.o_proj(o.reshape(rows, heads * dim))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+# `--compile auto` compiles once the work still ahead is at least this many one-token
+# steps (an upper bound: lines may end before max_tokens). Compiling costs ~10 s with a
+# warm inductor cache and ~30 s cold (default model, 2 CPU cores, bf16) and saves a few
+# ms of a step (docs/speed.md): a shorter run is done before it would pay.
+AUTO_MIN_STEPS = 2000
+
+
+class DecodeSteps:
+    """Which one-token steps run compiled: none (`off`, unsupported, deterministic), all
+    (`on`), or for `auto` every step from the first one that still has `AUTO_MIN_STEPS`
+    of work ahead. Built once per engine."""
+
+    def __init__(self, mode: str, model: Any, cache: RowCache, rows: int,
+                 device: torch.device, deterministic: bool) -> None:
+        self.mode = "off" if deterministic else mode
+        self.reason: str | None = None  # why `on`/`auto` runs eager
+        self.compiled: CompiledDecode | None = None
+        self._chosen = self.mode == "on"
+        if self.mode == "off":
+            return
+        self.reason = unsupported(model) or compiler_problem(device)
+        if self.reason is None:
+            self.compiled = CompiledDecode(model, cache, rows, device)
+
+    def give_up(self, error: BaseException) -> None:
+        """Compiling failed: every later step runs eagerly, and `reason` says why."""
+        self.compiled = None
+        first = str(error).splitlines()[0] if str(error) else ""
+        self.reason = f"compiling failed: {type(error).__name__}: {first}"[:300]
+
+    def pick(self, steps_ahead: int) -> CompiledDecode | None:
+        """The compiled step for this one-token step, or None to run it eagerly;
+        `steps_ahead`: the run's estimate of the one-token steps still to come."""
+        if self.compiled is None:
+            return None
+        if not self._chosen and steps_ahead >= AUTO_MIN_STEPS:
+            self._chosen = True
+        return self.compiled if self._chosen else None

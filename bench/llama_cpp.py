@@ -1,0 +1,383 @@
+"""aici-batch beside llama.cpp on the same GGUF, in one run (docs/speed.md).
+
+Rows (greedy, the default model's GGUF for both sides unless --gguf):
+
+  one stream   one chat prompt, --stream-tokens tokens, no constraint, end-of-sequence
+               ignored: tok/s over the whole generation, peak RSS of the process, and
+               the time from the command to the first token (a fresh `aici-batch run`
+               of one line and one token; `llama-cli`-like for llama.cpp: load + 1 token)
+  schemas      the dev half of Glaiveai2K (odd positions of the sorted files, the first
+               --schemas), --max-tokens tokens, JSON-schema constrained: tok/s and valid
+               outputs, at batch 1 and 8, prompt-lookup drafts on and off
+
+Every configuration runs in a subprocess of its own (clean peak RSS, no shared caches).
+This project's side runs for each --quantize and --compile given; a compiled run first
+warms its bucket (compile time reported apart: inductor caches it on disk for the next run).
+
+The peer is llama-cpp-python (`pip install 'aici-batch[bench]'`, a ~15 min source build on
+2 cores). On this machine's Xeon the default `-march=native` build segfaults in
+`ggml_backend_amx_mul_mat` at the first matmul; build it without AMX:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON" pip install 'llama-cpp-python==0.3.36'
+
+Batch 8 on llama.cpp's side is its C++ server with 8 slots (`llama-server -np 8 -t N`,
+found on PATH or with --llama-server; llama-cpp-python ships no such binary): requests go
+to 127.0.0.1 only. Missing peers are reported as "not installed" and the bench exits 0
+(CI never needs them).
+
+    python bench/llama_cpp.py                                  # everything
+    python bench/llama_cpp.py --quantize none,int4 --compile off,on --schemas 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Run as a script, this file's folder leads sys.path, where this file would shadow the
+# `llama_cpp` package it measures.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+REPO = Path(__file__).resolve().parent.parent
+GLAIVE = next((p / "shared" / "data" / "jsonschemabench" / "Glaiveai2K" for p in REPO.parents
+               if (p / "shared" / "data").is_dir()),
+              REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K")
+THREADS = 1  # set from --threads
+STREAM_PROMPT = "Write a long story about a dragon who learns to read."
+
+
+def dev_half(n: int) -> list[Path]:
+    return sorted(GLAIVE.glob("*.json"))[1::2][:n]
+
+
+def schema_ask(schema: dict[str, Any]) -> str:
+    return f"Produce a JSON object matching this JSON Schema: {json.dumps(schema)}"
+
+
+def _threads() -> int:
+    """Both sides use OMP_NUM_THREADS threads (set by `spawn`; --threads)."""
+    return int(os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ------------------------------------------------------------------ this project's side
+
+
+def ours(task: dict[str, Any]) -> dict[str, Any]:
+    from aici_cli.config import EngineConfig
+    from aici_cli.control.constraint import Constraint
+    from aici_cli.engine.loop import Engine
+    from aici_cli.jobs import Job
+    from aici_cli.models.load import load_model
+
+    lm = load_model(task["gguf"], "cpu", "auto", task["quantize"])
+    config = EngineConfig(batch_size=task["batch"], draft_tokens=task["drafts"],
+                          compile=task["compile"])
+
+    def jobs(max_tokens: int) -> list[Job]:
+        if task["kind"] == "stream":
+            return [Job(index=1, id="s", max_tokens=max_tokens, temperature=0.0, top_p=1.0,
+                        seed=0, constraint=None, prompt=None, ignore_eos=True,
+                        messages=[{"role": "user", "content": STREAM_PROMPT}])]
+        out = []
+        for i, path in enumerate(dev_half(task["schemas"])):
+            schema = json.loads(path.read_text())
+            out.append(Job(index=i + 1, id=path.stem, max_tokens=max_tokens, temperature=0.0,
+                           top_p=1.0, seed=0, constraint=Constraint("json_schema", schema),
+                           prompt=None, messages=[{"role": "user",
+                                                   "content": schema_ask(schema)}]))
+        return out
+
+    compile_s = None
+    if task["compile"] == "on":  # warm the buckets this workload uses, outside the timing
+        # (long enough for one-token steps at a full batch and at its tail; from a second
+        # bucket on the rows dimension is dynamic, so that covers every bucket)
+        warm = Engine(lm, config)
+        warm.run(jobs(32), lambda r: None)
+        compiled = warm.model_pass.decode.compiled
+        compile_s = round(sum(compiled.compile_s.values()), 1) if compiled else None
+    engine = Engine(lm, config)
+    engine.compiler  # noqa: B018 - the tokenizer wrapper is built once per run, not timed
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    engine.run(jobs(task["max_tokens"]), results.append)
+    wall = time.perf_counter() - started
+    tokens = sum(r["stats"]["output_tokens"] for r in results)
+    return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
+            "valid": _valid(results, task), "peak_rss_mib": round(peak_rss_mib()),
+            "compile_s": compile_s, "quantize": lm.quantize}
+
+
+def first_token_s(quantize: str, gguf: str | None) -> float:
+    """Wall seconds of `aici-batch run` on one line, one token (warm caches: run twice)."""
+    line = json.dumps({"prompt": "Hello", "max_tokens": 1})
+    cmd = [sys.executable, "-m", "aici_cli", "run", "-", "-q", "--quantize", quantize,
+           "--device", "cpu", *(["--model", gguf] if gguf else [])]
+    best = float("inf")
+    for _ in range(2):
+        started = time.perf_counter()
+        subprocess.run(cmd, input=line, capture_output=True, text=True, check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": str(THREADS)})
+        best = min(best, time.perf_counter() - started)
+    return round(best, 2)
+
+
+def _valid(results: list[dict[str, Any]], task: dict[str, Any]) -> int | None:
+    if task["kind"] != "schemas":
+        return None
+    import jsonschema
+
+    schemas = {p.stem: json.loads(p.read_text()) for p in dev_half(task["schemas"])}
+    valid = 0
+    for r in results:
+        try:
+            jsonschema.validate(json.loads(r.get("text") or ""), schemas[r["id"]])
+            valid += 1
+        except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+            pass
+    return valid
+
+
+# ---------------------------------------------------------------------- llama.cpp's side
+
+
+def peer(task: dict[str, Any]) -> dict[str, Any]:
+    """llama-cpp-python in this process: one stream, or the schemas one at a time."""
+    from llama_cpp import Llama, LlamaGrammar
+
+    from aici_cli.models.load import load_model
+
+    # The prompt text this project feeds (the GGUF's chat template, rendered the same).
+    tokenizer = load_model(task["gguf"], "cpu", "auto", "none").tokenizer
+    started = time.perf_counter()
+    llm = Llama(model_path=task["gguf_path"], n_threads=_threads(), n_ctx=2048,
+                verbose=False, seed=0)
+    load_s = time.perf_counter() - started
+
+    def prompt(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             tokenize=False, add_generation_prompt=True)
+
+    if task["kind"] == "stream":
+        eos = llm.token_eos()
+        started = time.perf_counter()
+        first = llm.create_completion(prompt(STREAM_PROMPT), max_tokens=1, temperature=0.0)
+        first_s = load_s + time.perf_counter() - started
+        started = time.perf_counter()
+        out = llm.create_completion(prompt(STREAM_PROMPT), max_tokens=task["max_tokens"],
+                                    temperature=0.0, logit_bias={eos: float("-inf")})
+        wall = time.perf_counter() - started
+        tokens = out["usage"]["completion_tokens"]
+        del first
+        return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
+                "peak_rss_mib": round(peak_rss_mib()), "first_token_s": round(first_s, 2)}
+    import jsonschema
+
+    tokens = valid = refused = 0
+    started = time.perf_counter()
+    for path in dev_half(task["schemas"]):
+        schema = json.loads(path.read_text())
+        try:
+            grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+        except Exception:  # noqa: BLE001 - its converter refuses some schemas
+            refused += 1
+            continue
+        out = llm.create_completion(prompt(schema_ask(schema)), max_tokens=task["max_tokens"],
+                                    temperature=0.0, grammar=grammar)
+        tokens += out["usage"]["completion_tokens"]
+        try:
+            jsonschema.validate(json.loads(out["choices"][0]["text"]), schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+            pass
+    wall = time.perf_counter() - started
+    return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
+            "valid": valid, "refused": refused}
+
+
+def server(task: dict[str, Any], binary: str) -> dict[str, Any]:
+    """`llama-server -np 8 -t 2` on 127.0.0.1, the schemas sent 8 at a time."""
+    import socket
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from aici_cli.models.load import load_model
+
+    tokenizer = load_model(task["gguf"], "cpu", "auto", "none").tokenizer
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "-m", task["gguf_path"], "-np", str(task["batch"]),
+                             "-t", str(_threads()), "-c", str(2048 * task["batch"]), "--host",
+                             "127.0.0.1", "--port", str(port), *task["server_args"]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2).read()
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("llama-server did not start") from None
+                time.sleep(0.5)
+
+        def one(path: Path) -> tuple[int, bool]:
+            schema = json.loads(path.read_text())
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": schema_ask(schema)}], tokenize=False,
+                add_generation_prompt=True)
+            body = json.dumps({"prompt": text, "n_predict": task["max_tokens"],
+                               "temperature": 0.0, "json_schema": schema}).encode()
+            req = urllib.request.Request(f"{base}/completion", body,
+                                         {"Content-Type": "application/json"})
+            out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+            try:
+                jsonschema.validate(json.loads(out["content"]), schema)
+                ok = True
+            except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+                ok = False
+            return int(out.get("tokens_predicted", 0)), ok
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(task["batch"]) as pool:
+            done = list(pool.map(one, dev_half(task["schemas"])))
+        wall = time.perf_counter() - started
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    tokens = sum(t for t, _ in done)
+    return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
+            "valid": sum(ok for _, ok in done)}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def worker(task: dict[str, Any]) -> dict[str, Any]:
+    if task["side"] == "ours":
+        return ours(task)
+    if task["side"] == "server":
+        return server(task, task["binary"])
+    return peer(task)
+
+
+def spawn(task: dict[str, Any], timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    try:
+        done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(task)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", default=None, help="a GGUF file (default: the default model's)")
+    ap.add_argument("--quantize", default="none,int4")
+    ap.add_argument("--compile", default="off,on")
+    ap.add_argument("--stream-tokens", type=int, default=128)
+    ap.add_argument("--schemas", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--only", default="stream,schemas,start")
+    ap.add_argument("--llama-server", default=shutil.which("llama-server"))
+    ap.add_argument("--server-args", default="",
+                    help="extra llama-server arguments (e.g. --no-repack)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="threads for both sides (on a shared machine: 1; oversubscribed "
+                         "OpenMP threads wait on each other)")
+    ap.add_argument("--out", type=Path, default=REPO / "out" / "llama_cpp.json")
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return 0
+
+    global THREADS
+    THREADS = args.threads
+    from aici_cli.models.sources import default_gguf_path
+
+    gguf_path = args.gguf or str(default_gguf_path())
+    only = set(args.only.split(","))
+    have_peer = _importable("llama_cpp")
+    base = {"gguf": args.gguf, "gguf_path": gguf_path, "schemas": args.schemas}
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, task: dict[str, Any]) -> None:
+        result = spawn({**base, **task}, args.timeout)
+        rows.append({"row": name, **task, **result})
+        shown = {k: v for k, v in result.items() if v is not None}
+        print(f"{name:58} {json.dumps(shown)}", flush=True)
+
+    quantizes, compiles = args.quantize.split(","), args.compile.split(",")
+    if "stream" in only:
+        for q in quantizes:
+            for c in compiles:
+                for drafts in (4, 0):
+                    row(f"one stream {args.stream_tokens} tok | ours {q} compile {c} "
+                        f"drafts {drafts}",
+                        {"side": "ours", "kind": "stream", "quantize": q, "compile": c,
+                         "batch": 1, "drafts": drafts, "max_tokens": args.stream_tokens})
+        if have_peer:
+            row(f"one stream {args.stream_tokens} tok | llama-cpp-python",
+                {"side": "peer", "kind": "stream", "max_tokens": args.stream_tokens})
+    if "schemas" in only:
+        for bs in (int(b) for b in args.batch_sizes.split(",")):
+            for q in quantizes:
+                for c in compiles:
+                    for drafts in (4, 0):
+                        row(f"{args.schemas} schemas batch {bs} | ours {q} compile {c} "
+                            f"drafts {drafts}",
+                            {"side": "ours", "kind": "schemas", "quantize": q, "compile": c,
+                             "batch": bs, "drafts": drafts, "max_tokens": args.max_tokens})
+            if bs == 1 and have_peer:
+                row(f"{args.schemas} schemas batch 1 | llama-cpp-python",
+                    {"side": "peer", "kind": "schemas", "max_tokens": args.max_tokens})
+            if bs > 1 and args.llama_server:
+                row(f"{args.schemas} schemas batch {bs} | llama-server -np {bs}",
+                    {"side": "server", "kind": "schemas", "batch": bs,
+                     "binary": args.llama_server, "server_args": args.server_args.split(),
+                     "max_tokens": args.max_tokens})
+    if "start" in only:
+        for q in quantizes:
+            t = first_token_s(q, args.gguf)
+            rows.append({"row": f"start to first token | ours {q}", "seconds": t})
+            print(f"{'start to first token | ours ' + q:58} {t} s", flush=True)
+    if not have_peer:
+        print("llama.cpp: llama-cpp-python not installed (pip install 'aici-batch[bench]'; "
+              "see this file's docstring for the build flags): its rows were skipped")
+    if not args.llama_server:
+        print("llama.cpp: no llama-server on PATH (--llama-server): batch rows skipped")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""What `--quantize` costs in quality, against the bf16 run of the same model.
+
+Three measures, each for every mode in --modes against `none` (bf16 weights):
+
+- KL divergence of the next-token distributions on held-out text (prose the project
+  never tunes on: the GPL-3 text Debian ships, in windows of --window tokens), mean over
+  positions, with the share of positions whose top-1 token agrees;
+- JSON compliance on the dev half of Glaiveai2K (the sorted files at odd positions, the
+  first --schemas of them; no setting here was chosen on them): outputs that parse and
+  validate against their schema, at batch 8, greedy, --max-tokens;
+- the eval example's accuracy (examples/eval/eval.jsonl, `--score`).
+
+    python bench/quantize_quality.py --modes int8,int4 --schemas 32 --max-tokens 256
+
+Results land in out/quantize_quality.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+# shared/ beside the checkout (or beside a folder above it, for a worktree)
+GLAIVE = next((p / "shared" / "data" / "jsonschemabench" / "Glaiveai2K" for p in REPO.parents
+               if (p / "shared" / "data").is_dir()),
+              REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K")
+HELD_OUT = Path("/usr/share/common-licenses/GPL-3")
+EVAL = REPO / "examples" / "eval" / "eval.jsonl"
+
+
+def dev_half(n: int) -> list[Path]:
+    """The schemas no tuning looked at: odd positions of the sorted Glaiveai2K files."""
+    return sorted(GLAIVE.glob("*.json"))[1::2][:n]
+
+
+def next_token_logprobs(lm: Any, text: str, window: int, windows: int) -> Any:
+    import torch
+
+    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0]
+    out = []
+    with torch.inference_mode():
+        for w in range(windows):
+            chunk = ids[w * window : (w + 1) * window]
+            if len(chunk) < 2:
+                break
+            logits = lm.model(input_ids=chunk[None]).logits[0].float()
+            out.append(logits.log_softmax(-1))
+    return torch.cat(out)
+
+
+def json_compliance(lm: Any, schemas: list[Path], max_tokens: int) -> dict[str, Any]:
+    import jsonschema
+
+    from aici_cli.config import EngineConfig
+    from aici_cli.control.constraint import Constraint
+    from aici_cli.engine.loop import Engine
+    from aici_cli.jobs import Job
+
+    jobs, loaded = [], []
+    for i, path in enumerate(schemas):
+        schema = json.loads(path.read_text())
+        loaded.append(schema)
+        ask = f"Produce a JSON object matching this JSON Schema: {json.dumps(schema)}"
+        jobs.append(Job(index=i + 1, id=path.stem, max_tokens=max_tokens, temperature=0.0,
+                        top_p=1.0, seed=0, constraint=Constraint("json_schema", schema),
+                        prompt=None, messages=[{"role": "user", "content": ask}]))
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    Engine(lm, EngineConfig(batch_size=8)).run(jobs, results.append)
+    wall = time.perf_counter() - started
+    valid = 0
+    for r in results:
+        try:
+            jsonschema.validate(json.loads(r.get("text") or ""), loaded[r["index"] - 1])
+            valid += 1
+        except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError):
+            pass
+    tokens = sum(r["stats"].get("output_tokens", 0) for r in results)
+    return {"valid": valid, "of": len(results), "wall_s": round(wall, 1), "tokens": tokens}
+
+
+def eval_accuracy(lm: Any) -> dict[str, Any]:
+    from aici_cli.config import EngineConfig
+    from aici_cli.engine.loop import Engine
+    from aici_cli.jobs import read_jobs
+
+    results: list[dict[str, Any]] = []
+    with EVAL.open("rb") as f:
+        items = list(read_jobs(f, _defaults()))
+    Engine(lm, EngineConfig(batch_size=8)).run(items, results.append)
+    answered = [r for r in results if "correct" in r]
+    return {"correct": sum(bool(r["correct"]) for r in answered), "of": len(answered)}
+
+
+def _defaults() -> Any:
+    from aici_cli.config import JobDefaults
+
+    return JobDefaults(score=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--modes", default="int8,int4")
+    ap.add_argument("--schemas", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--skip", default="", help="comma list of: kl,json,eval")
+    ap.add_argument("--out", type=Path, default=REPO / "out" / "quantize_quality.json")
+    args = ap.parse_args()
+
+    import torch
+
+    from aici_cli.models.load import load_model
+
+    skip = set(filter(None, args.skip.split(",")))
+    text = HELD_OUT.read_text() if HELD_OUT.is_file() else (REPO / "README.md").read_text()
+    report: dict[str, Any] = {"modes": {}}
+    reference = None
+    for mode in ["none", *args.modes.split(",")]:
+        lm = load_model(args.model, "cpu", "bfloat16", mode)
+        row: dict[str, Any] = {}
+        if "kl" not in skip:
+            lp = next_token_logprobs(lm, text, args.window, args.windows)
+            if reference is None:
+                reference = lp
+            else:
+                kl = torch.nn.functional.kl_div(lp, reference, log_target=True,
+                                                reduction="none").sum(-1)
+                row["kl_mean"] = round(float(kl.mean()), 5)
+                row["kl_p99"] = round(float(kl.quantile(0.99)), 4)
+                row["top1_agree"] = round(float((lp.argmax(-1) == reference.argmax(-1))
+                                                .float().mean()), 4)
+                row["positions"] = int(kl.numel())
+        if "json" not in skip:
+            row["json"] = json_compliance(lm, dev_half(args.schemas), args.max_tokens)
+        if "eval" not in skip:
+            row["eval"] = eval_accuracy(lm)
+        report["modes"][mode] = row
+        print(mode, json.dumps(row), flush=True)
+        del lm
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

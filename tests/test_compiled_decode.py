@@ -1,0 +1,130 @@
+"""The compiled one-token decode step (`--compile`, engine/compiled.py).
+
+Compiling costs tens of seconds on 2 CPU cores with a cold inductor cache, so the test
+that compiles runs one small workload that still covers what matters: idle rows in a
+bucket, rows of different lengths, a row refilled by a new line, and fp32 tokens equal to
+the eager run's. Skipped where inductor cannot build CPU kernels (no C++ compiler).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from aici_cli.config import EngineConfig
+from aici_cli.engine import compiled
+from aici_cli.engine.compiled import CompiledDecode, DecodeSteps, unsupported
+from aici_cli.engine.loop import Engine
+from aici_cli.jobs import Job
+from aici_cli.models.load import LoadedModel, load_model
+
+
+@pytest.fixture(scope="module")
+def lm32(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+def _jobs(max_tokens: list[int]) -> list[Job]:
+    prompts = ["the quick brown fox", "hello world, hello again and", "a b c"]
+    return [Job(index=i + 1, id=str(i), max_tokens=n, temperature=0.0, top_p=1.0, seed=0,
+                constraint=None, prompt=prompts[i % len(prompts)], messages=None, ignore_eos=True,
+                logprobs=0)
+            for i, n in enumerate(max_tokens)]
+
+
+def _run(lm: LoadedModel, compile_mode: str, max_tokens: list[int]) -> tuple[Any, Engine]:
+    engine = Engine(lm, EngineConfig(batch_size=2, compile=compile_mode, draft_tokens=0))
+    results: list[dict[str, Any]] = []
+    engine.run(_jobs(max_tokens), results.append)
+    by_index = {r["index"]: [e["id"] for e in r["logprobs"]] for r in results}
+    return by_index, engine
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor needs a C++ compiler for CPU kernels")
+def test_compiled_decode_gives_the_eager_tokens_in_fp32(lm32: LoadedModel) -> None:
+    # Row 0 finishes first and is refilled by line 3; when line 3 is done too, line 2
+    # runs alone in row 1 with row 0 idle in its bucket of 2.
+    lengths = [4, 30, 8]
+    eager, eager_engine = _run(lm32, "off", lengths)
+    fast, fast_engine = _run(lm32, "on", lengths)
+    assert eager_engine.model_pass.decode.compiled is None
+    step = fast_engine.model_pass.decode.compiled
+    assert step is not None
+    assert set(step.compile_s) == {2}  # the span ends at row 2 every time: one bucket
+    # Every pass where no line starts feeds one token per row here: all ran compiled.
+    decode_passes = sum(1 for s in fast_engine.step_times if s.kind == "decode")
+    assert step.steps == decode_passes >= 20
+    assert fast == eager
+    assert [len(fast[i]) for i in (1, 2, 3)] == lengths
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_decode_on_cuda_gives_the_eager_tokens_in_fp32(tiny_model_dir: Path) -> None:
+    lm = load_model(str(tiny_model_dir), device="cuda", dtype="float32")
+    lengths = [4, 30, 8]
+    eager, _ = _run(lm, "off", lengths)
+    fast, engine = _run(lm, "on", lengths)  # reduce-overhead: CUDA graphs
+    assert engine.model_pass.decode.compiled is not None
+    assert engine.model_pass.decode.compiled.steps >= 20
+    assert fast == eager
+
+
+def test_buckets_cover_the_span_with_idle_rows() -> None:
+    step = CompiledDecode.__new__(CompiledDecode)
+    step.rows = 8
+    assert [step.bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    step.rows = 6  # a batch size between buckets: its own last bucket
+    assert [step.bucket(n) for n in (3, 5, 6)] == [4, 6, 6]
+
+
+def test_auto_compiles_only_when_enough_work_is_ahead(lm32: LoadedModel,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "compiler_problem", lambda device: None)
+    from aici_cli.engine.cache import RowCache
+
+    cache = RowCache(num_layers=2, rows=2, capacity=16)
+    steps = DecodeSteps("auto", lm32.model, cache, 2, lm32.device, deterministic=False)
+    assert steps.pick(compiled.AUTO_MIN_STEPS - 1) is None  # a short run stays eager
+    assert steps.pick(compiled.AUTO_MIN_STEPS) is steps.compiled
+    assert steps.pick(0) is steps.compiled  # once chosen, every later step
+    never = DecodeSteps("on", lm32.model, cache, 2, lm32.device, deterministic=True)
+    assert never.mode == "off" and never.pick(10**9) is None  # --deterministic runs eager
+
+
+def test_models_that_are_not_llama_shaped_stay_eager(lm32: LoadedModel) -> None:
+    assert unsupported(lm32.model) is None
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        gemma = AutoModelForCausalLM.from_config(config)
+    assert unsupported(gemma) is not None
+
+
+def test_a_failed_compile_leaves_the_run_eager_and_unchanged(
+        lm32: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled, "compiler_problem", lambda device: None)
+
+    def broken(fn: Any, **kwargs: Any) -> Any:
+        def call(*args: Any) -> Any:
+            raise RuntimeError("C++ compile error: cannot find -lgomp\nmore detail")
+        return call
+
+    monkeypatch.setattr(compiled.torch, "compile", broken)
+    lengths = [4, 12, 6]
+    eager, _ = _run(lm32, "off", lengths)
+    fallback, engine = _run(lm32, "on", lengths)
+    assert fallback == eager
+    assert engine.model_pass.decode.compiled is None
+    assert engine.model_pass.decode.reason == (
+        "compiling failed: RuntimeError: C++ compile error: cannot find -lgomp")
