@@ -66,21 +66,36 @@ def loading_what(model: str | None) -> str:
 
 
 class ModelLoading:
-    """The start-up phase, said once it has taken `after_s` (imports and a model take
-    seconds, and a log would show nothing meanwhile; a run that fails at once shows its
-    one-line error alone) and then when it ends, with its time. `start` may come early
-    (the CLI starts it before its heavy imports) and `finish` later; as a context manager
-    it does both."""
+    """Start-up, said on stderr: imports and a model take seconds, and a log or a terminal
+    would show nothing meanwhile.
 
-    def __init__(self, stream: IO[str], quiet: bool, what: str, after_s: float = 0.5) -> None:
-        self.console = Console(file=stream, stderr=True)
+    `start` comes first (the CLI calls it before its heavy imports): on a terminal a
+    spinner turns, transient, so that an error before the model loads (a resume refused,
+    say) is still its one line alone. `begin`, as the model starts loading, says so in a
+    line (at once if start-up has already taken `after_s`, else once it has; a log gets
+    the line only), and `finish` says when the model is ready, with the time since
+    `start`. As a context manager, `begin` and `finish`."""
+
+    def __init__(self, stream: IO[str], quiet: bool, what: str, after_s: float = 0.5,
+                 console: Console | None = None) -> None:
+        self.console = console or Console(file=stream, stderr=True)
         self.quiet = quiet
         self.what = what
         self.after_s = after_s
         self._said = False
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
+        self._spinner: Any = None
         self._t0: float | None = None
+
+    def start(self) -> ModelLoading:
+        if self._t0 is not None:
+            return self
+        self._t0 = time.perf_counter()
+        if not self.quiet and self.console.is_terminal:
+            self._spinner = self.console.status(f"aici-batch: loading {escape(self.what)}...")
+            self._spinner.start()
+        return self
 
     def _say(self) -> None:
         with self._lock:
@@ -90,17 +105,24 @@ class ModelLoading:
             self.console.print(f"aici-batch: loading {self.what}...", markup=False,
                                highlight=False, soft_wrap=True)
 
-    def start(self) -> ModelLoading:
-        if self._t0 is not None:
+    def _stop_spinner(self) -> None:
+        if self._spinner is not None:
+            self._spinner.stop()  # transient: the line is erased
+            self._spinner = None
+
+    def begin(self) -> ModelLoading:
+        self.start()
+        self._stop_spinner()
+        if self.quiet or self._timer is not None:
             return self
-        self._t0 = time.perf_counter()
-        if not self.quiet:
-            self._timer = threading.Timer(self.after_s, self._say)
-            self._timer.daemon = True
-            self._timer.start()
+        waited = time.perf_counter() - (self._t0 or 0.0)
+        self._timer = threading.Timer(max(0.0, self.after_s - waited), self._say)
+        self._timer.daemon = True
+        self._timer.start()
         return self
 
     def finish(self, ok: bool = True) -> None:
+        self._stop_spinner()
         seconds = time.perf_counter() - (self._t0 or time.perf_counter())
         with self._lock:
             if self._timer is not None:
@@ -112,7 +134,7 @@ class ModelLoading:
                                markup=False, highlight=False, soft_wrap=True)
 
     def __enter__(self) -> ModelLoading:
-        return self.start()
+        return self.begin()
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.finish(ok=exc_type is None)

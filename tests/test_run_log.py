@@ -123,6 +123,23 @@ def test_model_loading_is_said_once_it_takes_a_while() -> None:
     assert quiet.getvalue() == ""
 
 
+def test_on_a_terminal_a_spinner_turns_from_the_start_and_is_erased() -> None:
+    """From the CLI's first moment (before its imports) a terminal shows a spinner; it
+    is transient, so an error before the model loads still stands alone."""
+    import time
+
+    screen = io.StringIO()
+    terminal = Console(file=screen, force_terminal=True, width=80)
+    loading = ModelLoading(screen, quiet=False, what="the default model", after_s=60,
+                           console=terminal).start()
+    time.sleep(0.3)
+    loading.finish(ok=False)  # e.g. a resume refused before the model loads
+    shown = screen.getvalue()
+    assert "aici-batch: loading the default model..." in shown
+    assert shown.endswith("\x1b[1A\x1b[2K")  # the spinner's line erased: cursor up, clear
+    assert "ready in" not in shown
+
+
 def test_progress_line_and_failure_line_read_well() -> None:
     display = RunDisplay(io.StringIO(), total=10, interval_s=0)
     for reason in ("stop", "error", "length"):
