@@ -38,7 +38,7 @@ def run(tmp_path: Path, *flags: str) -> dict[str, dict[str, Any]]:
             f.write(json.dumps({"id": name, "messages": prompt_for(schema),
                                 "json_schema": schema, "max_tokens": 256}) + "\n")
     res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "--dtype", "bfloat16",
-                                    "--device", "cpu", "-q", *flags])
+                                    "--quantize", "none", "--device", "cpu", "-q", *flags])
     assert res.exit_code in (0, 1), res.output
     return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
 
