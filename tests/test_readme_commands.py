@@ -14,7 +14,7 @@ failure, to be taught here.
 
 What does not run here, and why: `aici-batch build` is replaced by the session's build of
 the same example (`built`, `built_js`: the component `aici-batch build` makes, tested in
-test_build.py), and a `--ray` command is only parsed (it needs a Ray cluster; test_ray.py
+test_build.py), and a `--ray`, `publish`, `pull` or `oci://` command is only parsed (it needs a cluster or a registry; test_ray.py and test_oci.py
 runs those paths).
 """
 
@@ -113,6 +113,7 @@ def test_each_readme_command_runs(line: int, commands: list[str], tmp_path: Path
     monkeypatch.chdir(tmp_path)
     env = {"AICI_BATCH_MODEL": str(tiny_model_dir), "AICI_BATCH_MAX_TOKENS": "16",
            "AICI_BATCH_PROGRESS_INTERVAL": "0"}
+    after_remote = False  # what follows a remote command in its block works on its output
     for command in commands:
         shell = Shell(command)
         args = shell.args
@@ -127,11 +128,16 @@ def test_each_readme_command_runs(line: int, commands: list[str], tmp_path: Path
             component = request.getfixturevalue(fixture)[source.stem]
             shutil.copy(component, tmp_path / args[args.index("-o") + 1])
             continue
+        # A command that reaches a cluster or a remote registry is only parsed
+        # (test_ray.py and test_oci.py run them against real local ones).
+        remote = after_remote or "--ray" in args or args[0] in ("publish", "pull") or any(
+            w.startswith("oci://") for w in args)
+        after_remote = remote
         for word in args[1:]:
-            local = word.endswith(".wasm") and "--ray" not in args  # built by its block
+            local = word.endswith(".wasm") and not remote  # built by its block
             if word.startswith(("examples/", "controllers/")) or local:
                 assert (tmp_path / word).exists(), f"README line {line}: {word} does not exist"
-        if "--ray" in args:
+        if remote:
             continue
         stdin = shell.stdin
         if stdin is not None and stdin.startswith("@"):

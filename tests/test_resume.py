@@ -477,8 +477,8 @@ def test_every_result_says_what_made_it(clean_run: tuple[Path, list[bytes], Path
     (["--choices", "yes,no"], "no --choices (result line 1), this run has --choices 'yes,no'"),
     (["--json-schema", "{schema}"], "no --json-schema (result line 1), this run has "
                                     "--json-schema (sha256:"),
-    (["--close-at-limit"], "no --close-at-limit (result line 1), this run has "
-                           "--close-at-limit"),
+    (["--no-close-at-limit"], "--close-at-limit (result line 1), this run has "
+                              "no --close-at-limit"),
 ])
 def test_a_resume_with_a_changed_option_is_refused_naming_it(
     clean_run: tuple[Path, list[bytes], Path], model_args: list[str], tmp_path: Path,

@@ -44,10 +44,11 @@ def test_off_a_terminal_progress_comes_as_lines_every_interval(tiny_model_dir: P
     """A real process whose stderr is a pipe (as in CI): progress lines while it runs,
     the count of failed lines at the end, and no bar."""
     src = tmp_path / "in.jsonl"
-    src.write_text(jsonl([{"prompt": f"Line {i}", "max_tokens": 32} for i in range(6)]
-                         + FAILING[1:3]))
+    # Lines long enough (one row, ~1,200 steps) that the run outlasts a few intervals.
+    src.write_text(jsonl([{"prompt": f"Line {i}", "max_tokens": 200, "ignore_eos": True}
+                          for i in range(6)] + FAILING[1:3]))
     done = subprocess.run([*aici_batch(), "run", str(src), "-o", str(tmp_path / "out.jsonl"),
-                           "--model", str(tiny_model_dir), "--batch-size", "2",
+                           "--model", str(tiny_model_dir), "--batch-size", "1",
                            "--progress-interval", "0.2"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr

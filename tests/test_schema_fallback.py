@@ -254,18 +254,18 @@ def test_through_the_cli(tiny_model_dir: Path) -> None:
     res = CliRunner().invoke(main, [*args, "--schema-fallback", "relax",
                                     "--schema-retries", "1"], input=stdin)
     assert res.exit_code == 1, res.output  # the "off" line is an error
-    out = {r["id"]: r for r in map(json.loads, res.output.splitlines())}
+    out = {r["id"]: r for r in map(json.loads, res.stdout.splitlines())}
     assert out["relaxed"]["valid"] is False and out["relaxed"]["attempts"] == 2
     assert out["relaxed"]["relaxed"] == ["dropped pattern at / (lookaround)"]
     assert out["own"]["error"]["type"] == "unsupported_schema"
     assert "relaxed" not in out["plain"] and "attempts" not in out["plain"]
 
     default = CliRunner().invoke(main, args, input=stdin)
-    out = {r["id"]: r for r in map(json.loads, default.output.splitlines())}
+    out = {r["id"]: r for r in map(json.loads, default.stdout.splitlines())}
     assert out["relaxed"]["error"]["type"] == "unsupported_schema"  # off by default
 
     bad = CliRunner().invoke(main, args, input=json.dumps(
         {"prompt": "x", "json_schema": {}, "schema_fallback": "maybe"}) + "\n")
-    line = json.loads(bad.output)
+    line = json.loads(bad.stdout)
     assert line["error"]["type"] == "invalid_line"
     assert "schema_fallback" in line["error"]["message"]

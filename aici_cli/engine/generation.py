@@ -103,6 +103,12 @@ class Generation:
         if directive.backtrack:
             self.backtrack(directive.backtrack)
         ff_tokens = list(directive.ff_tokens)
+        if (directive.backtrack and ff_tokens and self.logprobs is not None
+                and not self.pending and self.length > 0):
+            # The first new token's logprob needs the logits after the last kept token,
+            # which is in the cache: feed it again (same slot) so the pass reads them.
+            self.length -= 1
+            self.pending = [(self.prompt + self.output)[self.length]]
         budget = self.job.max_tokens - len(self.output)
         if len(ff_tokens) > budget:
             ff_tokens = ff_tokens[:budget]

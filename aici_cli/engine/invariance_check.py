@@ -41,7 +41,7 @@ from aici_cli.engine.invariant import TILE_ROWS, invariant_linear
 from aici_cli.errors import ModelError
 from aici_cli.models.load import LoadedModel
 
-CHECK_VERSION = 1
+CHECK_VERSION = 2
 # The largest GEMM a row is compared in, and the row counts compared with it.
 REFERENCE_ROWS = 300
 ROW_COUNTS = (1, 2, 3, 5, 8, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1, 33, 100)

@@ -15,13 +15,12 @@ token and are invariant already.
 
 So in this mode, two parts of the pass take a fixed shape:
 
-- **Linear layers** never run a GEMM of fewer than `TILE_ROWS` rows (a smaller pass is
-  padded with zero rows). On CPU that is enough: from 12 rows up, the GEMM rounds every
-  row alike for any row count (measured for every linear shape of the default model, both
-  dtypes, M = 12..2000; `tests/test_deterministic.py` checks it on the machine that runs
-  the suite), so a pass runs as one GEMM. On CUDA, where the BLAS picks its algorithm
-  (tiles, split-K) by shape, the rows go through GEMMs of exactly `TILE_ROWS` rows each,
-  so every row sees one kernel.
+- **Linear layers** run GEMMs of exactly `TILE_ROWS` rows each (the last padded with
+  zero rows), on every device: a BLAS picks its kernel, blocking and split by shape, and
+  on this project's 2-core Xeon a float32 row of the default model's `down_proj` rounds
+  differently in a GEMM of 100 rows than of 300 (where one GEMM over the whole pass was
+  the rule before); with one shape, every row sees one kernel.
+  `invariance_check.py` verifies this on each machine before the first deterministic run.
 - **Attention** is one call per query token, over exactly the keys it sees (its row's
   slots 0..position, or the last `window` of them), with no mask and no padding, the
   query heads stacked per key/value head as in the one-token group. A query fed in a
@@ -50,20 +49,17 @@ TILE_ROWS = 16
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear over `x` [..., K], the same bits per row for any number of rows: one GEMM
-    of at least TILE_ROWS rows on CPU, GEMMs of exactly TILE_ROWS rows elsewhere."""
+    """F.linear over `x` [..., K], the same bits per row for any number of rows: GEMMs of
+    exactly TILE_ROWS rows each (the last one padded with zero rows), on every device, so
+    every row goes through one kernel of one shape."""
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k)
     rows = flat.shape[0]
-    tiles = x.device.type != "cpu"
-    padded = -(-rows // TILE_ROWS) * TILE_ROWS if tiles else max(rows, TILE_ROWS)
+    padded = -(-rows // TILE_ROWS) * TILE_ROWS
     if padded != rows:
         flat = torch.cat([flat, flat.new_zeros(padded - rows, k)])
-    if tiles:
-        out = torch.cat([F.linear(flat[i : i + TILE_ROWS], weight, bias)
-                         for i in range(0, padded, TILE_ROWS)])
-    else:
-        out = F.linear(flat, weight, bias)
+    out = torch.cat([F.linear(flat[i : i + TILE_ROWS], weight, bias)
+                     for i in range(0, padded, TILE_ROWS)])
     return out[:rows].reshape(*lead, out.shape[-1])
 
 
