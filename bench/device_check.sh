@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 
 if [[ "${1:-}" == "--smoke" ]]; then
   # The tiny random model of the tests: every step runs, in about a minute on 2 cores.
-  DEVICE=cpu; BATCHES=1,2; LINES=2; TOKENS=8; QUANT=none,int4; LIMIT=300
+  DEVICE=cpu; BATCHES=1,2; LINES=2; TOKENS=64; QUANT=none,int4; LIMIT=300
   MODEL="$OUT/tiny-model"
   PYTHONPATH="tests${PYTHONPATH:+:$PYTHONPATH}" $PY -c \
     "import sys; from tiny_model import build_tiny_model; build_tiny_model(sys.argv[1])" \
