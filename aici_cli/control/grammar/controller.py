@@ -81,6 +81,7 @@ class GrammarController(ControllerBase):
             raise self.matcher_fault()
         if self._early is not None:
             self._early.consumed(tokens)
+            self._early.sampled = True
         return self._next()
 
     def stats(self) -> dict[str, float | bool | str]:

@@ -74,6 +74,7 @@ class EarlyClose:
         self._ends: list[int] = []  # len(self._text) after each token
         self._plan: tuple[int, list[int]] | None = None  # (position, completion)
         self.reason: str | None = None  # set once the sequence was closed early
+        self.sampled = False  # the model has written a token (closing waits for one)
 
     def consumed(self, tokens: Sequence[int]) -> None:
         for t in tokens:
@@ -106,7 +107,10 @@ class EarlyClose:
         done = self._complete(m, left)
         if done is not None:
             self._plan = (pos, done)
-            if left - len(done) <= MARGIN:
+            # Not before the model's first token (at `start`, after the grammar's forced
+            # opening): a line then takes at least one pass, so its logprobs are read, and
+            # the plan still holds if that token does not fit.
+            if left - len(done) <= MARGIN and self.sampled:
                 return self._close(m, 0, done, "limit")
             return None
         if plan is not None and near:  # no way on from here fits: back to the plan
