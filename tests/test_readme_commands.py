@@ -14,8 +14,9 @@ failure, to be taught here.
 
 What does not run here, and why: `aici-batch build` is replaced by the session's build of
 the same example (`built`, `built_js`: the component `aici-batch build` makes, tested in
-test_build.py), and a `--ray`, `publish`, `pull` or `oci://` command is only parsed (it needs a cluster or a registry; test_ray.py and test_oci.py
-runs those paths).
+test_build.py), and a `--ray`, `publish`, `pull` or `oci://` command (and what follows it
+in its block) is only parsed: it needs a cluster or a registry, and test_ray.py and
+test_oci.py run those paths.
 """
 
 from __future__ import annotations
