@@ -30,7 +30,14 @@ from aici_cli.errors import ReportError
 from aici_cli.formats import schema_validator
 from aici_cli.openai_batch import as_result
 from aici_cli.report_plot import plot, pyplot_figure
-from aici_cli.stats import TIMING_FIELDS, RunTally, compliance, compliance_rows, percentile
+from aici_cli.stats import (
+    TIMING_FIELDS,
+    RunTally,
+    compliance,
+    compliance_rows,
+    outcome_rows,
+    percentile,
+)
 
 #: Figures only the run summary knows exactly; taken from a stats file when given.
 RUN_LEVEL_FIELDS = (
@@ -304,15 +311,7 @@ def report_table(summary: dict[str, Any]) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
     need = "n/a (needs --stats-out)"
-    rows: list[tuple[str, str]] = [
-        ("lines", str(summary["lines"])),
-        ("errors", str(summary["errors"])),
-    ]
-    for etype, count in summary.get("error_types", {}).items():
-        rows.append((f"  error {etype}", str(count)))
-    reasons = summary.get("finish_reasons", {})
-    if reasons:
-        rows.append(("finish reasons", ", ".join(f"{k} {v}" for k, v in reasons.items())))
+    rows = outcome_rows(summary)
     rows += [
         ("prompt tokens", str(summary["prompt_tokens"])),
         ("  from the prefix cache", str(summary.get("cached_tokens", 0))),

@@ -251,3 +251,15 @@ def compliance_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("valid without closing, of all schema lines",
                      f"{unclosed}/{every} ({unclosed / every:.1%})"))
     return rows
+
+
+def outcome_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary tables' first rows (run and report alike): lines, errors by type,
+    finish reasons."""
+    rows = [("lines", str(summary["lines"])), ("errors", str(summary["errors"]))]
+    rows += [(f"  error {etype}", str(count))
+             for etype, count in summary.get("error_types", {}).items()]
+    reasons = summary.get("finish_reasons", {})
+    if reasons:
+        rows.append(("finish reasons", ", ".join(f"{k} {v}" for k, v in reasons.items())))
+    return rows

@@ -26,7 +26,7 @@ from rich.progress import (
 from rich.table import Table
 
 from aici_cli.models.progress import LoadProgress, SilentProgress
-from aici_cli.stats import STEP_FIELDS, compliance_rows
+from aici_cli.stats import STEP_FIELDS, compliance_rows, outcome_rows
 
 T = TypeVar("T")
 
@@ -255,15 +255,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
     table.add_column("value", justify="right")
     per_token = summary.get("row_passes_per_output_token",
                             summary.get("forward_passes_per_token"))
-    rows: list[tuple[str, str]] = [
-        ("lines", str(summary["lines"])),
-        ("errors", str(summary["errors"])),
-    ]
-    for etype, count in summary.get("error_types", {}).items():
-        rows.append((f"  error {etype}", str(count)))
-    reasons = summary.get("finish_reasons", {})
-    if reasons:
-        rows.append(("finish reasons", ", ".join(f"{k} {v}" for k, v in reasons.items())))
+    rows = outcome_rows(summary)
     rows += [
         ("output tokens", str(summary["output_tokens"])),
         ("fast-forwarded tokens", str(summary["ff_tokens"])),
