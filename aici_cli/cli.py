@@ -15,9 +15,9 @@ import click
 from aici_cli import __version__
 from aici_cli.cli_errors import FatalError
 from aici_cli.cli_registry import publish, pull
-from aici_cli.config import EngineConfig, JobDefaults, RayOptions
-from aici_cli.control.constraint import Constraint
-from aici_cli.errors import ClusterError, ModelError, UsageError
+from aici_cli.vocabulary.config import EngineConfig, JobDefaults, RayOptions
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import ClusterError, ModelError, UsageError
 
 
 def _constraint(json_schema: str | None, regex: str | None, choices: str | None,
@@ -283,7 +283,7 @@ def run(input: str, output: str, model: str | None, device: str, dtype: str, qua
     if ray is not None and (ordered or threads is not None):
         raise FatalError(f"{'--ordered' if ordered else '--threads'} is for a local run; with "
                          "--ray each worker's threads are --cpus-per-worker")
-    from aici_cli.config import RunConfig
+    from aici_cli.vocabulary.config import RunConfig
 
     config = RunConfig(
         input=input, output=output, model=model, device=device, dtype=dtype,
@@ -517,12 +517,12 @@ def report(results: str, stats_file: str | None, plot_file: str | None,
     """
     from rich.console import Console
 
-    from aici_cli.errors import ReportError
     from aici_cli.out_paths import check_writable
     from aici_cli.report import report_table
     from aici_cli.report_checks import CiOptions, ci_report
     from aici_cli.report_gate import parse_gate
     from aici_cli.report_markdown import comparison_lines
+    from aici_cli.vocabulary.errors import ReportError
 
     if trace_file is not None and timeline_file is None:
         raise FatalError("--trace goes with --timeline")

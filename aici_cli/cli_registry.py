@@ -69,9 +69,9 @@ def publish(component: str, ref: str, username: str | None, password_stdin: bool
     """
     from aici_cli.cli_errors import FatalError
     from aici_cli.control.wasm.component_file import ComponentError
-    from aici_cli.errors import UsageError
     from aici_cli.registry import parse_ref
     from aici_cli.registry import publish as push
+    from aici_cli.vocabulary.errors import UsageError
 
     credentials = _credentials(username, password_stdin)
     try:
@@ -109,9 +109,9 @@ def pull(ref: str, output: str | None, username: str | None, password_stdin: boo
       aici-batch pull localhost:5000/yes-no:dev --plain-http -o yes_no.wasm
     """
     from aici_cli.cli_errors import FatalError
-    from aici_cli.errors import UsageError
     from aici_cli.registry import parse_ref
     from aici_cli.registry import pull as fetch
+    from aici_cli.vocabulary.errors import UsageError
 
     credentials = _credentials(username, password_stdin)
     try:

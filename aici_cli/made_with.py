@@ -25,7 +25,7 @@ import hashlib
 import json
 from typing import Any
 
-from aici_cli.config import FIELD_OPTIONS, EngineConfig, JobDefaults, RunConfig
+from aici_cli.vocabulary.config import FIELD_OPTIONS, EngineConfig, JobDefaults, RunConfig
 
 FIELD = "made_with"
 

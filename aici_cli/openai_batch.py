@@ -24,9 +24,9 @@ from typing import Any
 
 from aici_cli.formats import load_schema
 from aici_cli.jobs.parse import Translate
-from aici_cli.jobs.types import TranslateError
 from aici_cli.json_text import show
 from aici_cli.request_constraints import BODY_FIELDS, RequestError, constraint_fields
+from aici_cli.vocabulary.job import TranslateError
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

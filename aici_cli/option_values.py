@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aici_cli.control.schema_envelope import inert_problem, unwrap
-from aici_cli.errors import UsageError
+from aici_cli.vocabulary.errors import UsageError
 
 
 def choices_option(text: str) -> list[str]:

@@ -14,8 +14,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from aici_cli.config import RunConfig
-from aici_cli.errors import UsageError
+from aici_cli.vocabulary.config import RunConfig
+from aici_cli.vocabulary.errors import UsageError
 
 Target = tuple[str, "str | os.PathLike[str] | None"]
 

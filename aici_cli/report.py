@@ -26,18 +26,12 @@ from typing import Any
 from jsonschema.exceptions import best_match
 from rich.table import Table
 
-from aici_cli.errors import ReportError
 from aici_cli.formats import schema_validator
 from aici_cli.openai_batch import as_result
 from aici_cli.report_plot import plot, pyplot_figure
-from aici_cli.stats import (
-    TIMING_FIELDS,
-    RunTally,
-    compliance,
-    compliance_rows,
-    outcome_rows,
-    percentile,
-)
+from aici_cli.stats import RunTally, compliance, compliance_rows, outcome_rows, percentile
+from aici_cli.vocabulary.errors import ReportError
+from aici_cli.vocabulary.line_stats import TIMING_FIELDS
 
 #: Figures only the run summary knows exactly; taken from a stats file when given.
 RUN_LEVEL_FIELDS = (

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from aici_cli.errors import ReportError
 from aici_cli.report import parse_results
 from aici_cli.report_lines import LineOutcome, line_outcome
+from aici_cli.vocabulary.errors import ReportError
 
 BOOTSTRAP_ITERATIONS = 10_000
 BOOTSTRAP_SEED = 0  # the interval is part of a CI log: the same files give the same one

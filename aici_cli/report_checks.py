@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aici_cli.errors import ReportError
 from aici_cli.report import report
 from aici_cli.report_baseline import Comparison, compare, read_outcomes
 from aici_cli.report_gate import Gate, GateResult, check_gates
 from aici_cli.report_junit import write_junit
 from aici_cli.report_lines import LineOutcome, line_outcome
 from aici_cli.report_markdown import markdown
+from aici_cli.vocabulary.errors import ReportError
 
 GATE_FAILED = 3
 STEP_SUMMARY = "GITHUB_STEP_SUMMARY"

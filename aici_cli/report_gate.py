@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from aici_cli.errors import ReportError
+from aici_cli.vocabulary.errors import ReportError
 
 
 @dataclass(frozen=True)

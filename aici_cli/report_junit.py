@@ -15,8 +15,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
-from aici_cli.errors import ReportError
 from aici_cli.report_lines import LineOutcome
+from aici_cli.vocabulary.errors import ReportError
 
 # Characters XML 1.0 cannot hold at all, even escaped (a model may write them).
 _NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aici_cli.errors import ReportError
 from aici_cli.stats import percentile
+from aici_cli.vocabulary.errors import ReportError
 
 
 def pyplot_figure() -> Any:

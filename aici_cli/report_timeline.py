@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aici_cli.errors import ReportError
 from aici_cli.report_plot import pyplot_figure
+from aici_cli.vocabulary.errors import ReportError
 
 REASON_COLORS = {
     "stop": "#55a868", "length": "#dd8452", "tool_calls": "#4c72b0", "error": "#c44e52",

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aici_cli.jobs.types import TranslateError
 from aici_cli.json_text import json_type
+from aici_cli.vocabulary.job import TranslateError
 
 # vLLM's top-level fields and `structured_outputs` keys that are a constraint, and the
 # line field each becomes.

@@ -1,7 +1,7 @@
 """Result lines out: one compact JSON line per result, in the OS before `write` returns.
 
-Every input line ends as exactly one result line; `error_result` is the line for one
-that could not run.
+Every input line ends as exactly one result line (`vocabulary.job.error_result` is the
+line for one that could not run).
 """
 
 from __future__ import annotations
@@ -14,22 +14,6 @@ import stat
 import time
 from collections.abc import Mapping
 from typing import IO, Any
-
-from aici_cli.jobs.types import LineError
-from aici_cli.stats import ZERO_STATS
-
-
-def error_result(err: LineError) -> dict[str, Any]:
-    """The result line for an input line that could not run, so output stays 1:1 with
-    input and consumers can join on `index` without special cases."""
-    return {
-        "id": err.id,
-        "index": err.index,
-        "text": "",
-        "finish_reason": "error",
-        "error": {"type": err.type, "message": err.message},
-        "stats": dict(ZERO_STATS),
-    }
 
 
 def _finite(value: Any) -> Any:

@@ -19,10 +19,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO
 
-from aici_cli.errors import UsageError
 from aici_cli.made_with import FIELD as MADE_WITH
 from aici_cli.made_with import mismatch
 from aici_cli.openai_batch import as_result
+from aici_cli.vocabulary.errors import UsageError
 
 try:  # POSIX only; elsewhere two runs on one output are not kept apart
     import fcntl

@@ -23,12 +23,10 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO, Protocol
 import torch
 
 from aici_cli import __version__, threads
-from aici_cli.config import RunConfig, load_quantize
 from aici_cli.engine.intake import ControllerFactory, Emit
 from aici_cli.engine.loop import Engine
-from aici_cli.errors import UsageError
 from aici_cli.interrupts import Interrupts, signal_name
-from aici_cli.jobs import Job, LineError, Translate, open_input, read_jobs
+from aici_cli.jobs import Translate, open_input, read_jobs
 from aici_cli.live_input import LiveInput, may_block
 from aici_cli.made_with import OPTION_KEYS, digest, run_record
 from aici_cli.models.load import load_model
@@ -38,8 +36,12 @@ from aici_cli.ordered import InputOrder
 from aici_cli.out_paths import check_writable, run_outputs
 from aici_cli.results import ResultWriter
 from aici_cli.resume import InputLines, OutputFile, ResumeError, ResumePlan
-from aici_cli.stats import RunTally, StepTimes, percentile
+from aici_cli.stats import RunTally, percentile
 from aici_cli.ui import ModelLoading, RunDisplay, failure_line, load_progress, loading_what
+from aici_cli.vocabulary.config import RunConfig, load_quantize
+from aici_cli.vocabulary.errors import UsageError
+from aici_cli.vocabulary.job import Job, LineError
+from aici_cli.vocabulary.line_stats import StepTimes
 
 if TYPE_CHECKING:
     from aici_cli.control.wasm import ControllerComponent
@@ -88,7 +90,7 @@ def wasm_factory(config: RunConfig, engine: Engine, call_times: list[float],
                  component: ControllerComponent) -> ControllerFactory:
     """A factory giving every job its own runner of the `--controller` component."""
     from aici_cli.control.wasm import TokenizerServices, WasmController
-    from aici_cli.errors import ControllerError
+    from aici_cli.vocabulary.errors import ControllerError
 
     lm = engine.lm
     services = TokenizerServices(

@@ -1,83 +1,14 @@
-"""The figures of a run: each result's `stats`, per-step timings, and the run summary.
-
-`LineStats` is the one declaration of a result's `stats` fields: the engine counts into
-it, error results carry its zero value, and the run tally and `aici-batch report` read
-results by its field names.
-"""
+"""The figures of a run: the run summary over results and the engine's step timings
+(the figures themselves are declared in `vocabulary/line_stats.py`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class LineStats:
-    """A result's `stats`; timings are wall-clock ms of the steps the sequence took part
-    in (a batched pass counts in full for every row that took part in it)."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose keys came from the prefix cache
-    output_tokens: int = 0
-    forward_passes: int = 0  # passes this sequence took part in
-    ff_tokens: int = 0  # output tokens fast-forwarded (appended without sampling)
-    draft_tokens: int = 0  # output tokens taken from verified drafts (no pass of their own)
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    started_ms: float = 0.0  # admission, in ms after the engine started (a timeline's x)
-    forward_ms: float = 0.0
-    mask_ms: float = 0.0
-    controller_ms: float = 0.0
-    sample_ms: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        for k, v in out.items():
-            if isinstance(v, float):
-                out[k] = round(v, 3)
-        return out
-
-
-#: The `stats` of a result that never ran (an input line that could not run).
-ZERO_STATS: dict[str, int | float] = LineStats().as_dict()
-
-#: The per-step timings a result's stats and `steps` records carry, in ms.
-TIMING_FIELDS = ("forward_ms", "mask_ms", "controller_ms", "sample_ms")
-
-STEP_FIELDS = ("forward_ms", "mask_ms", "controller_ms", "sample_ms", "overhead_ms", "step_ms")
-
-
-@dataclass
-class StepTimes:
-    """One engine step (one forward pass). `mask_ms` is the mask cost the step waited for
-    (mask filling runs beside the forward pass, so only what outlasts it shows here) plus
-    applying the masks; `overhead_ms` is everything in the step but the forward pass."""
-
-    kind: str  # "prefill" | "decode"
-    rows: int
-    tokens: int  # positions fed to the model
-    forward_ms: float = 0.0
-    mask_ms: float = 0.0
-    mask_wait_ms: float = 0.0
-    controller_ms: float = 0.0
-    sample_ms: float = 0.0
-    step_ms: float = 0.0
-
-    @property
-    def overhead_ms(self) -> float:
-        return max(0.0, self.step_ms - self.forward_ms)
-
-
-def shared_pass_times(passes: Iterable[StepTimes]) -> dict[str, float]:
-    """The forward, mask and sample ms of a line run as several rows (samples, scored
-    choices, a fork's branches) over the passes any of its rows took part in, each pass
-    once: they add up within the line's `total_ms`, where the rows' own figures summed
-    would count a shared pass once per row."""
-    passes = list(passes)
-    return {name: round(sum(getattr(t, name) for t in passes), 3)
-            for name in ("forward_ms", "mask_ms", "sample_ms")}
+from aici_cli.vocabulary.line_stats import STEP_FIELDS, StepTimes
 
 
 def percentile(values: Sequence[float], q: float) -> float:

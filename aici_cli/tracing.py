@@ -34,16 +34,16 @@ from collections.abc import Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from aici_cli.engine.trace_hooks import EngineTracer
-from aici_cli.errors import UsageError
+from aici_cli.vocabulary.errors import UsageError
 
 if TYPE_CHECKING:
-    from aici_cli.config import RunConfig
     from aici_cli.engine.clock import StepClock
     from aici_cli.engine.generation import Generation
     from aici_cli.engine.intake import Emit
     from aici_cli.engine.loop import Engine
-    from aici_cli.jobs import Job
-    from aici_cli.stats import StepTimes
+    from aici_cli.vocabulary.config import RunConfig
+    from aici_cli.vocabulary.job import Job
+    from aici_cli.vocabulary.line_stats import StepTimes
 
 ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 # Spans wait here for the exporter's thread; a run makes one per guest call, so the SDK's

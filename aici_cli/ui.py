@@ -26,7 +26,8 @@ from rich.progress import (
 from rich.table import Table
 
 from aici_cli.models.progress import LoadProgress, SilentProgress
-from aici_cli.stats import STEP_FIELDS, compliance_rows, outcome_rows
+from aici_cli.stats import compliance_rows, outcome_rows
+from aici_cli.vocabulary.line_stats import STEP_FIELDS
 
 T = TypeVar("T")
 

@@ -75,11 +75,11 @@ def peak_rss_mib() -> float:
 
 
 def ours(task: dict[str, Any]) -> dict[str, Any]:
-    from aici_cli.config import EngineConfig
-    from aici_cli.control.constraint import Constraint
     from aici_cli.engine.loop import Engine
-    from aici_cli.jobs import Job
     from aici_cli.models.load import load_model
+    from aici_cli.vocabulary.config import EngineConfig
+    from aici_cli.vocabulary.constraint import Constraint
+    from aici_cli.vocabulary.job import Job
 
     lm = load_model(task["gguf"], "cpu", "auto", task["quantize"])
     config = EngineConfig(batch_size=task["batch"], draft_tokens=task["drafts"],

@@ -35,11 +35,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the details here (JSON)")
     args = ap.parse_args()
 
-    from aici_cli.control.constraint import Constraint
     from aici_cli.control.grammar import GrammarCompiler
-    from aici_cli.errors import GrammarError
     from aici_cli.models import load_model
     from aici_cli.stats import percentile
+    from aici_cli.vocabulary.constraint import Constraint
+    from aici_cli.vocabulary.errors import GrammarError
 
     if not args.data.is_dir():
         print(f"no schemas at {args.data}", file=sys.stderr)

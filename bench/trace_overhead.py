@@ -59,10 +59,10 @@ def traced_hook_costs(tmp: Path) -> dict[str, float]:
     writing to a file): a step serving 8 lines, a guest call's span."""
     from types import SimpleNamespace
 
-    from aici_cli.config import RunConfig
     from aici_cli.engine.clock import StepClock
-    from aici_cli.stats import StepTimes
     from aici_cli.tracing import open_tracing
+    from aici_cli.vocabulary.config import RunConfig
+    from aici_cli.vocabulary.line_stats import StepTimes
 
     tracer = open_tracing(RunConfig(input="-", trace=str(tmp / "hooks.jsonl")))
     assert tracer is not None
@@ -117,8 +117,8 @@ def instrument_tracer() -> dict[str, float]:
 
 def run_once(model: str | None, dtype: str, inp: Path, work: Path, controller: Path | None,
              trace: bool, spent: dict[str, float]) -> dict[str, Any]:
-    from aici_cli.config import EngineConfig, JobDefaults, RunConfig
     from aici_cli.runner import run_batch
+    from aici_cli.vocabulary.config import EngineConfig, JobDefaults, RunConfig
 
     trace_file = work / "trace.jsonl" if trace else None
     config = RunConfig(input=str(inp), output=str(work / "out.jsonl"), model=model,

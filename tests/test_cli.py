@@ -377,9 +377,9 @@ def test_workers_need_ray(tmp_path: Path) -> None:
 def test_score_alone_ranks_the_choices_each_line_brings() -> None:
     # `--score` without `--choices` is a run of lines that carry their own choices (the
     # eval example): not a bad option. With a constraint that is not choices, it is.
-    from aici_cli.config import JobDefaults
-    from aici_cli.control.constraint import Constraint
     from aici_cli.jobs.defaults import defaults_problem
+    from aici_cli.vocabulary.config import JobDefaults
+    from aici_cli.vocabulary.constraint import Constraint
 
     assert defaults_problem(JobDefaults(score=True), strict_json=True) is None
     assert defaults_problem(

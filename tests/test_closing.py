@@ -12,13 +12,14 @@ import pytest
 from click.testing import CliRunner
 
 from aici_cli.cli import main
-from aici_cli.config import EngineConfig
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar.closing import closing_order, json_state
 from aici_cli.control.grammar.loops import find_loop
 from aici_cli.engine.loop import Engine
-from aici_cli.jobs import Job, load_schema
+from aici_cli.jobs import load_schema
 from aici_cli.models import LoadedModel
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.job import Job
 
 STRING = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
 NESTED = {"type": "object",

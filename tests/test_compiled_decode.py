@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from aici_cli.config import EngineConfig
 from aici_cli.engine import compiled
 from aici_cli.engine.compiled import CompiledDecode, DecodeSteps, unsupported
 from aici_cli.engine.loop import Engine
-from aici_cli.jobs import Job
 from aici_cli.models.load import LoadedModel, load_model
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.job import Job
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aici_cli.cli import main
-from aici_cli.config import EngineConfig
-from aici_cli.control.constraint import Constraint
 from aici_cli.engine import invariance_check
 from aici_cli.engine.invariant import TILE_ROWS, invariant_linear
 from aici_cli.engine.loop import Engine
-from aici_cli.errors import ModelError
-from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel, load_model
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import ModelError
+from aici_cli.vocabulary.job import Job
 
 PREFIX = "Write the answer as JSON. Question: "
 

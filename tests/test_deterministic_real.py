@@ -19,9 +19,10 @@ from typing import Any
 
 import pytest
 
-from aici_cli.config import EngineConfig, JobDefaults
 from aici_cli.engine.loop import Engine
-from aici_cli.jobs import Job, read_jobs
+from aici_cli.jobs import read_jobs
+from aici_cli.vocabulary.config import EngineConfig, JobDefaults
+from aici_cli.vocabulary.job import Job
 
 pytestmark = pytest.mark.real_model
 

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import torch
 
-from aici_cli.config import EngineConfig
 from aici_cli.control.base import ControllerBase, Directive
-from aici_cli.control.constraint import Constraint
 from aici_cli.engine.clock import StepClock
 from aici_cli.engine.loop import Engine
-from aici_cli.errors import ControllerError
-from aici_cli.jobs import Job, LineError
 from aici_cli.models import LoadedModel
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.vocabulary.job import Job, LineError
 
 
 def job(index: int, prompt: str = "Hello there", **kw: Any) -> Job:

@@ -13,9 +13,8 @@ from jsonschema import Draft202012Validator
 
 from aici_cli import formats
 from aici_cli.formats import load_schema
-from aici_cli.jobs import LineError
-from aici_cli.results import error_result
-from aici_cli.stats import ZERO_STATS
+from aici_cli.vocabulary.job import LineError, error_result
+from aici_cli.vocabulary.line_stats import ZERO_STATS
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -26,8 +26,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from aici_cli.config import MIB, JobDefaults
-from aici_cli.jobs import Job, LineError, read_jobs
+from aici_cli.jobs import read_jobs
+from aici_cli.vocabulary.config import MIB, JobDefaults
+from aici_cli.vocabulary.job import Job, LineError
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULTS = JobDefaults()

@@ -9,14 +9,14 @@ from typing import Any
 import jsonschema
 import pytest
 
-from aici_cli.config import EngineConfig
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.schema_rewrite import close_objects, exclusive_one_of
 from aici_cli.engine.loop import Engine
-from aici_cli.errors import GrammarError
-from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import GrammarError
+from aici_cli.vocabulary.job import Job
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
 

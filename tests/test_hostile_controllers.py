@@ -29,7 +29,7 @@ from aici_cli.control.wasm import (
     GuestInstance,
     Limits,
 )
-from aici_cli.errors import ControllerError
+from aici_cli.vocabulary.errors import ControllerError
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "guests" / "sandbox_probe.py"

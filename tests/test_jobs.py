@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from aici_cli.config import JobDefaults
-from aici_cli.control.constraint import Constraint
-from aici_cli.errors import UsageError
-from aici_cli.jobs import Job, LineError, open_input, read_jobs
-from aici_cli.results import ResultWriter, error_result
+from aici_cli.jobs import open_input, read_jobs
+from aici_cli.results import ResultWriter
+from aici_cli.vocabulary.config import JobDefaults
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import UsageError
+from aici_cli.vocabulary.job import Job, LineError, error_result
 
 REPO = Path(__file__).resolve().parent.parent
 

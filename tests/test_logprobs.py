@@ -10,9 +10,9 @@ import pytest
 import torch
 from engine_runs import output_ids, run
 
-from aici_cli.control.constraint import Constraint
-from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.job import Job
 
 TOL = 1e-4
 

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aici_cli.cli import main
-from aici_cli.jobs import LineError
 from aici_cli.ordered import InputOrder
+from aici_cli.vocabulary.job import LineError
 
 
 @settings(max_examples=60, deadline=None)

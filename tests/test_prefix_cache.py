@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from aici_cli.config import EngineConfig
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.loop import Engine
 from aici_cli.engine.rows import Prepared, RowTable
-from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.job import Job
 
 TOL = 1e-4
 PREFIX = ("Answer each question with one word.\n"

@@ -23,12 +23,12 @@ from typing import Any
 import jsonschema
 import pytest
 
-from aici_cli.config import EngineConfig, RayOptions, RunConfig
 from aici_cli.control.build import build_controller
 from aici_cli.distributed.driver import LINE_LOSSES
 from aici_cli.distributed.worker import CRASH_ON_ID_ENV
 from aici_cli.formats import load_schema
 from aici_cli.runner import RunOutcome, run_batch
+from aici_cli.vocabulary.config import EngineConfig, RayOptions, RunConfig
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray

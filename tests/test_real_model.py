@@ -13,14 +13,14 @@ import jsonschema
 import pytest
 import torch
 
-from aici_cli.config import EngineConfig
-from aici_cli.control.constraint import Constraint
 from aici_cli.engine.attention import install
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
 from aici_cli.engine.loop import Engine
-from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel, load_model
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.job import Job
 
 pytestmark = pytest.mark.real_model
 

@@ -27,7 +27,8 @@ from aici_cli.report import (
     summarize_results,
 )
 from aici_cli.report_plot import plot
-from aici_cli.stats import RunTally, StepTimes
+from aici_cli.stats import RunTally
+from aici_cli.vocabulary.line_stats import StepTimes
 
 RESULT_VALIDATOR = Draft202012Validator(load_schema("result-line"))
 STATS_VALIDATOR = Draft202012Validator(load_schema("stats"))

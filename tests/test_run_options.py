@@ -17,8 +17,8 @@ from click.testing import CliRunner, Result
 
 from aici_cli.cli import main
 from aici_cli.control.schema_envelope import inert_problem, unwrap
-from aici_cli.errors import UsageError
 from aici_cli.option_values import choices_option
+from aici_cli.vocabulary.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,10 +13,10 @@ import pytest
 from click.testing import CliRunner
 
 from aici_cli.cli import main
-from aici_cli.config import EngineConfig, RunConfig
-from aici_cli.errors import UsageError
 from aici_cli.out_paths import check_writable, writable_problem
 from aici_cli.runner import run_batch
+from aici_cli.vocabulary.config import EngineConfig, RunConfig
+from aici_cli.vocabulary.errors import UsageError
 
 
 def aici_batch() -> list[str]:

@@ -17,13 +17,14 @@ from click.testing import CliRunner
 from engine_runs import output_ids, run
 
 from aici_cli.cli import main
-from aici_cli.control.constraint import Constraint
 from aici_cli.engine import loop
 from aici_cli.engine.penalties import LogitRules, apply_rules
 from aici_cli.engine.sampling import row_generator, sample
-from aici_cli.jobs import Job, load_schema
+from aici_cli.jobs import load_schema
 from aici_cli.models import LoadedModel
 from aici_cli.openai_batch import COMPLETIONS
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.job import Job
 
 NEG_INF = float("-inf")
 

@@ -12,15 +12,16 @@ import pytest
 from click.testing import CliRunner
 
 from aici_cli.cli import main
-from aici_cli.config import EngineConfig
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.relax import Checks, Relaxation, relax_step
 from aici_cli.engine.loop import Engine
 from aici_cli.engine.retry import RETRY_TEMPERATURE, next_attempt
-from aici_cli.errors import GrammarError
-from aici_cli.jobs import Job, load_schema
+from aici_cli.jobs import load_schema
 from aici_cli.models import LoadedModel
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import GrammarError
+from aici_cli.vocabulary.job import Job
 
 # Refused by llguidance as written: the lookaround. Relaxed, any short string goes; the
 # original matches none ("y" cannot also start with "x"), so no output may be valid.

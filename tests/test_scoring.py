@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 
 from aici_cli.cli import main
-from aici_cli.config import EngineConfig
-from aici_cli.control.constraint import Constraint
 from aici_cli.engine.loop import Engine
-from aici_cli.jobs import Job
 from aici_cli.models import LoadedModel
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.job import Job
 
 TOL = 1e-4
 PREFIX = ("Answer each question with one word.\n"

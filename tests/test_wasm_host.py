@@ -28,7 +28,6 @@ from aici_cli.control.actions import (
     Stop,
     TokenSet,
 )
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.wasm import (
     ControllerComponent,
     GuestInstance,
@@ -37,7 +36,8 @@ from aici_cli.control.wasm import (
     values,
 )
 from aici_cli.control.wasm import component as wasm_component
-from aici_cli.errors import ControllerError
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import ControllerError
 
 STEP = StepInput(backtrack=0, tokens=(4,))
 Load = Callable[..., ControllerComponent]

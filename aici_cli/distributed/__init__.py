@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from aici_cli.errors import UsageError
+from aici_cli.vocabulary.errors import UsageError
 
 if TYPE_CHECKING:
-    from aici_cli.config import RunConfig
     from aici_cli.distributed.driver import RayBackend
+    from aici_cli.vocabulary.config import RunConfig
 
 INSTALL_HINT = "--ray needs Ray, which is not installed: pip install 'aici-batch[ray]'"
 

@@ -32,7 +32,6 @@ from typing import Any
 
 import ray
 
-from aici_cli.config import RunConfig
 from aici_cli.distributed.placement import (
     Worker,
     check_resources,
@@ -43,11 +42,12 @@ from aici_cli.distributed.placement import (
 )
 from aici_cli.distributed.worker import Delivery, Figures
 from aici_cli.engine.intake import Emit
-from aici_cli.errors import ClusterError
-from aici_cli.jobs import Job, LineError
-from aici_cli.results import error_result
 from aici_cli.runner import summarize
-from aici_cli.stats import RunTally, StepTimes, percentile
+from aici_cli.stats import RunTally, percentile
+from aici_cli.vocabulary.config import RunConfig
+from aici_cli.vocabulary.errors import ClusterError
+from aici_cli.vocabulary.job import Job, LineError, error_result
+from aici_cli.vocabulary.line_stats import StepTimes
 
 LINE_LOSSES = 3  # worker deaths a line may be in flight at before it is `worker_lost`
 ALONE_AFTER = 2  # from this many, the line runs alone, so that a death is its own

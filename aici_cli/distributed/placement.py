@@ -14,8 +14,8 @@ from typing import Any
 
 import ray
 
-from aici_cli.config import RayOptions, RunConfig
-from aici_cli.errors import ClusterError, ModelError, UsageError
+from aici_cli.vocabulary.config import RayOptions, RunConfig
+from aici_cli.vocabulary.errors import ClusterError, ModelError, UsageError
 
 # Restarts Ray grants one worker. A line that kills its worker costs at most
 # driver.LINE_LOSSES of them before it ends as `worker_lost`; the rest cover crashes of

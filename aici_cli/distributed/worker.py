@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aici_cli.config import RunConfig, load_quantize
-from aici_cli.errors import ModelError, UsageError
-from aici_cli.jobs import Job
-from aici_cli.stats import StepTimes
+from aici_cli.vocabulary.config import RunConfig, load_quantize
+from aici_cli.vocabulary.errors import ModelError, UsageError
+from aici_cli.vocabulary.job import Job
+from aici_cli.vocabulary.line_stats import StepTimes
 
 # Fault injection for the test suite only: a worker whose process environment names a
 # line id here kills its own process (SIGKILL) when that line reaches its engine, as a

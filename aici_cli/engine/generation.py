@@ -12,9 +12,9 @@ import torch
 
 from aici_cli.control.base import Controller, Directive
 from aici_cli.engine.penalties import LogitRules
-from aici_cli.errors import ControllerError
-from aici_cli.jobs import Job
-from aici_cli.stats import LineStats, StepTimes, shared_pass_times
+from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.vocabulary.job import Job
+from aici_cli.vocabulary.line_stats import LineStats, StepTimes, shared_pass_times
 
 if TYPE_CHECKING:
     from aici_cli.engine.branches import LineBranches

@@ -7,18 +7,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from aici_cli.config import EngineConfig
 from aici_cli.control.base import Controller
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.early_close import Closing
 from aici_cli.engine.rows import Prepared
 from aici_cli.engine.scoring import choice_sequences
-from aici_cli.errors import ControllerError, GrammarError, ModelError
-from aici_cli.jobs import Job, LineError
 from aici_cli.models.chat import render_prompt
 from aici_cli.models.load import LoadedModel
-from aici_cli.results import error_result
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.errors import ControllerError, GrammarError, ModelError
+from aici_cli.vocabulary.job import Job, LineError, error_result
 
 ControllerFactory = Callable[[Job], "Controller | None"]
 Emit = Callable[[dict[str, Any]], None]

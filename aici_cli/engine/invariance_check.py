@@ -38,8 +38,8 @@ import torch
 
 from aici_cli.cache_paths import cache_dir
 from aici_cli.engine.invariant import TILE_ROWS, invariant_linear
-from aici_cli.errors import ModelError
 from aici_cli.models.load import LoadedModel
+from aici_cli.vocabulary.errors import ModelError
 
 CHECK_VERSION = 2
 # The largest GEMM a row is compared in, and the row counts compared with it.
@@ -137,7 +137,7 @@ def _rows_problem(f: Callable[[torch.Tensor], torch.Tensor], width: int, lm: Loa
 
 def engine_lines() -> list[Any]:
     """The end-to-end check's lines: greedy, raw logprobs, a shared prefix."""
-    from aici_cli.jobs import Job
+    from aici_cli.vocabulary.job import Job
 
     return [Job(index=i + 1, id=str(i), prompt=PREFIX + q, messages=None, max_tokens=6,
                 temperature=0.0, top_p=1.0, seed=0, logprobs=0)

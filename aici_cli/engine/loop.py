@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from aici_cli.config import EngineConfig
 from aici_cli.control.base import Directive
 from aici_cli.control.grammar import GrammarCompiler
 from aici_cli.control.line_scope import LineScope
@@ -59,10 +58,11 @@ from aici_cli.engine.scoring import (
     token_choice_scores,
 )
 from aici_cli.engine.trace_hooks import NO_TRACE, EngineTracer
-from aici_cli.errors import ControllerError
-from aici_cli.jobs import Job, LineError
 from aici_cli.models.load import LoadedModel
-from aici_cli.stats import StepTimes
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.vocabulary.job import Job, LineError
+from aici_cli.vocabulary.line_stats import StepTimes
 
 # A source may yield None: a live feed (a Ray worker's, aici_cli/distributed/worker.py) with
 # nothing ready now, that is not exhausted; the run asks it again after its next step.

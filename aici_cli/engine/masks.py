@@ -18,7 +18,7 @@ import torch
 
 from aici_cli.control.base import Controller, Directive
 from aici_cli.engine.generation import Generation
-from aici_cli.errors import ControllerError
+from aici_cli.vocabulary.errors import ControllerError
 
 
 def controller_fault(e: Exception) -> tuple[str, str]:

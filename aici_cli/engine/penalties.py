@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from aici_cli.jobs import Job
+from aici_cli.vocabulary.job import Job
 
 if TYPE_CHECKING:  # generation.py imports this module
     from aici_cli.engine.generation import Generation

@@ -8,7 +8,7 @@ from typing import Any
 from aici_cli.control.tool_calls import tool_calls_field
 from aici_cli.engine.clock import ms
 from aici_cli.engine.generation import Finish, Generation
-from aici_cli.jobs import Job
+from aici_cli.vocabulary.job import Job
 
 
 def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from aici_cli.engine.result_line import summed_stats
 from aici_cli.engine.sampling import MIN_TEMPERATURE
-from aici_cli.jobs import Job
+from aici_cli.vocabulary.job import Job
 
 RETRY_TEMPERATURE = 0.7
 

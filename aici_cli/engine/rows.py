@@ -34,7 +34,7 @@ import numpy as np
 
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.generation import Generation
-from aici_cli.jobs import Job
+from aici_cli.vocabulary.job import Job
 
 # Prompt tokens one pass takes on; further new rows wait for the next pass. Bounds the
 # activations of a pass (and its latency for the rows already decoding).

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from aici_cli.engine.clock import StepClock
     from aici_cli.engine.generation import Generation
     from aici_cli.engine.intake import Emit
-    from aici_cli.jobs import Job
-    from aici_cli.stats import StepTimes
+    from aici_cli.vocabulary.job import Job
+    from aici_cli.vocabulary.line_stats import StepTimes
 
 
 class _Nothing:

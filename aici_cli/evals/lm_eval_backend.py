@@ -32,7 +32,6 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import has_bos_prefix, resolve_max_length
 from tqdm import tqdm
 
-from aici_cli.config import EngineConfig, JobDefaults
 from aici_cli.engine.loop import Engine
 from aici_cli.evals.requests import (
     PROMPT_IDS,
@@ -45,8 +44,10 @@ from aici_cli.evals.requests import (
     score_line,
 )
 from aici_cli.evals.token_intake import use_token_intake
-from aici_cli.jobs import Job, LineError, read_jobs
+from aici_cli.jobs import read_jobs
 from aici_cli.models.load import load_model
+from aici_cli.vocabulary.config import EngineConfig, JobDefaults
+from aici_cli.vocabulary.job import Job, LineError
 
 # A (context, continuation) request as TemplateLM hands it over: its strings (None for a
 # rolling window) and their token ids.

@@ -12,9 +12,9 @@ from __future__ import annotations
 from aici_cli.engine.intake import Emit, LineIntake
 from aici_cli.engine.loop import Engine
 from aici_cli.engine.rows import Prepared
-from aici_cli.errors import GrammarError
 from aici_cli.evals.requests import PROMPT_IDS, SEQUENCES
-from aici_cli.jobs import Job
+from aici_cli.vocabulary.errors import GrammarError
+from aici_cli.vocabulary.job import Job
 
 
 class TokenIntake(LineIntake):

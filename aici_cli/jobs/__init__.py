@@ -1,6 +1,6 @@
-"""Input lines in: JSONL lines become `Job`s to run or `LineError`s to report.
+"""Input lines in: JSONL lines become `Job`s to run or `LineError`s to report (both
+declared in `aici_cli.vocabulary.job`).
 
-    types     Job, LineError
     parse     read_jobs, open_input: one line through every check into a Job
     checks    the checks before schema validation: size, UTF-8, JSON, depth, Unicode,
               constraint size
@@ -13,7 +13,7 @@ the CLI imports it at startup.
 
 from aici_cli.formats import load_schema
 from aici_cli.jobs.parse import Translate, open_input, read_jobs
-from aici_cli.jobs.types import Job, LineError, TranslateError
+from aici_cli.vocabulary.job import Job, LineError, TranslateError
 
 __all__ = ["Job", "LineError", "Translate", "TranslateError", "load_schema", "open_input",
            "read_jobs"]

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from aici_cli.jobs.messages import json_syntax_problem, line_error, show_bytes
-from aici_cli.jobs.types import LineError
 from aici_cli.json_text import field_path
+from aici_cli.vocabulary.job import LineError
 
 # ---------------------------------------------------------------- bytes and text
 

@@ -16,10 +16,10 @@ import json
 import re
 from typing import Any
 
-from aici_cli.config import FIELD_OPTIONS, JobDefaults
-from aici_cli.control.constraint import Constraint
 from aici_cli.jobs.parse import read_jobs
-from aici_cli.jobs.types import LineError
+from aici_cli.vocabulary.config import FIELD_OPTIONS, JobDefaults
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.job import LineError
 
 # A line field -> the run option that sets its default.
 OPTIONS = {**FIELD_OPTIONS, "top_logprobs": "--logprobs"}

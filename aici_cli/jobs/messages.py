@@ -11,9 +11,9 @@ from collections.abc import Iterable, Sequence
 
 from jsonschema.exceptions import ValidationError
 
-from aici_cli.config import MIB
-from aici_cli.jobs.types import LineError
 from aici_cli.json_text import field_path, show
+from aici_cli.vocabulary.config import MIB
+from aici_cli.vocabulary.job import LineError
 
 # Longest text of one problem in a message: values are quoted in messages, and a value
 # can be megabytes long; a message must stay a readable single line.

@@ -16,13 +16,10 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, BinaryIO
 
-from aici_cli.config import JobDefaults
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar_check import lark_grammar, whitespace_problem
 from aici_cli.control.schema_check import json_schema_problem
 from aici_cli.control.schema_envelope import inert_problem
 from aici_cli.control.schema_envelope import unwrap as unwrap_envelope
-from aici_cli.errors import UsageError
 from aici_cli.formats import schema_validator
 from aici_cli.jobs.checks import (
     constraint_size_problem,
@@ -37,8 +34,11 @@ from aici_cli.jobs.checks import (
 from aici_cli.jobs.content_parts import join_text_parts
 from aici_cli.jobs.messages import describe, error_rank, line_error
 from aici_cli.jobs.tools import messages_problem, tool_constraint
-from aici_cli.jobs.types import Job, LineError, TranslateError
 from aici_cli.json_text import json_type
+from aici_cli.vocabulary.config import JobDefaults
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import UsageError
+from aici_cli.vocabulary.job import Job, LineError, TranslateError
 
 # Maps a parsed line of another format (e.g. an OpenAI batch request) onto this one's
 # fields, given the line number; raises ValueError (a `TranslateError` to choose the

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.schema_check import json_schema_problem
 from aici_cli.control.tool_calls import call_arguments
+from aici_cli.vocabulary.constraint import Constraint
 
 # The arguments schema of a tool given without `parameters` (vLLM's: an empty object).
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from aici_cli.errors import ModelError, NoChatTemplateError
 from aici_cli.models.one_line import one_line
 from aici_cli.models.tool_prompt import (
     plain_messages,
@@ -13,6 +12,7 @@ from aici_cli.models.tool_prompt import (
     template_tools,
     uses_tools,
 )
+from aici_cli.vocabulary.errors import ModelError, NoChatTemplateError
 
 # The tokenizer attribute `load_model` records the model's name in, for `render_prompt`.
 MODEL_NAME_ATTR = "aici_model_name"

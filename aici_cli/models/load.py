@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from aici_cli.errors import ModelError
 from aici_cli.models.chat import MODEL_NAME_ATTR
 from aici_cli.models.conversion_cache import cache_hint
 from aici_cli.models.device import pick_device, pick_dtype
@@ -22,6 +21,7 @@ from aici_cli.models.one_line import one_line
 from aici_cli.models.quantize import resolve_mode
 from aici_cli.models.quiet import quiet_transformers
 from aici_cli.models.resolve import resolve_with_name
+from aici_cli.vocabulary.errors import ModelError
 
 
 @dataclass

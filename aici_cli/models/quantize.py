@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aici_cli.errors import ModelError
 from aici_cli.models import gguf_blocks
+from aici_cli.vocabulary.errors import ModelError
 
 GROUP = gguf_blocks.BLOCK  # int4 group size: one GGUF block
 MODES = ("none", "int8", "int4")

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from aici_cli.errors import ModelError
 from aici_cli.models.quantize import quantize_model
+from aici_cli.vocabulary.errors import ModelError
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
               "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aici_cli.errors import UsageError
 from aici_cli.registry.refs import OciRef
+from aici_cli.vocabulary.errors import UsageError
 
 TIMEOUT_S = 30.0  # per request: connect and each read
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-from aici_cli.errors import UsageError
+from aici_cli.vocabulary.errors import UsageError
 
 SCHEME = "oci://"
 DEFAULT_TAG = "latest"

@@ -14,7 +14,6 @@ import llguidance.hf
 import referencing
 
 from aici_cli.control import tool_calls
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.grammar.limits import (
     GRAMMAR_LIMITS,
     RELAX_SECONDS,
@@ -32,7 +31,8 @@ from aici_cli.control.grammar.schema_rewrite import (
     json_options,
 )
 from aici_cli.control.schema_check import check_json_schema
-from aici_cli.errors import GrammarError
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import GrammarError
 
 
 @dataclass

@@ -32,7 +32,7 @@ from aici_cli.control.wasm.signatures import (
     import_result_tagged,
     step_field_tagged,
 )
-from aici_cli.errors import ControllerError
+from aici_cli.vocabulary.errors import ControllerError
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ from aici_cli.control.actions import (
     TokenSet,
     TokenSetKind,
 )
-from aici_cli.control.constraint import Constraint
 from aici_cli.control.wasm.faults import clip
 from aici_cli.control.wasm.services import HostServices
-from aici_cli.errors import ControllerError
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.errors import ControllerError
 
 
 def _option(value: Any, tagged: bool) -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aici_cli.control.constraint import Constraint
+from aici_cli.vocabulary.constraint import Constraint
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aici_cli.control.constraint import Constraint
+from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.vocabulary.line_stats import ZERO_STATS
 
 
 @dataclass(frozen=True)
@@ -72,3 +73,16 @@ class TranslateError(ValueError):
     def __init__(self, message: str, type_: str = "invalid_request") -> None:
         super().__init__(message)
         self.type = type_
+
+
+def error_result(err: LineError) -> dict[str, Any]:
+    """The result line for an input line that could not run, so output stays 1:1 with
+    input and consumers can join on `index` without special cases."""
+    return {
+        "id": err.id,
+        "index": err.index,
+        "text": "",
+        "finish_reason": "error",
+        "error": {"type": err.type, "message": err.message},
+        "stats": dict(ZERO_STATS),
+    }

@@ -1,0 +1,64 @@
+"""The shape ARCHITECTURE.md promises a reader: every module of `aici_cli` sits in one of
+the layers import-linter enforces (pyproject.toml), and no module, class or function
+outgrows what a newcomer can hold.
+
+Limits: a module at most 450 lines, a class at most 300, a function at most 60 unless a
+comment in the lines just above its `def` (or its decorators) starts with `# Long:` and
+says why."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "aici_cli"
+MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 450, 300, 60
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _layers() -> list[set[str]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    return [{name.strip() for part in layer.split("|") for name in part.split(":")}
+            for layer in layers]
+
+
+def test_every_module_is_in_one_layer() -> None:
+    tops = {("aici_cli." + p.relative_to(PACKAGE).parts[0]).removesuffix(".py")
+            for p in _sources() if p.parent != PACKAGE or p.name != "__init__.py"}
+    named = [name for layer in _layers() for name in layer]
+    assert sorted(n for n in set(named) if named.count(n) > 1) == []
+    assert sorted(tops - set(named)) == [], "modules in no layer of pyproject.toml"
+    assert sorted(set(named) - tops) == [], "layers name modules that do not exist"
+
+
+def _why_long(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    above = lines[max(0, first - 4) : first - 1]
+    return any(line.strip().startswith("# Long:") for line in above)
+
+
+def test_no_module_class_or_function_too_long() -> None:
+    problems = []
+    for path in _sources():
+        src = path.read_text()
+        lines = src.splitlines()
+        where = path.relative_to(ROOT)
+        if len(lines) > MODULE_LINES:
+            problems.append(f"{where}: {len(lines)} lines (at most {MODULE_LINES})")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > CLASS_LINES:
+                    problems.append(f"{where}: class {node.name}: {size} lines")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > FUNCTION_LINES and not _why_long(lines, node):
+                    problems.append(f"{where}: {node.name}(): {size} lines, no '# Long:' why")
+    assert problems == []
