@@ -273,8 +273,8 @@ class LocalEngine:
                 self.tracing.attach(self.engine)
             self.call_times: list[float] = []  # ms of every wasm guest call in the run
             if config.controller is not None:
-                self.engine.intake.controller_factory = wasm_factory(
-                    config, self.engine, self.call_times, load_controller(config))
+                self.engine.set_controller_factory(wasm_factory(
+                    config, self.engine, self.call_times, load_controller(config)))
         except BaseException as e:
             if self.tracing is not None:
                 self.tracing.close(failed=e)
@@ -286,20 +286,18 @@ class LocalEngine:
         self.engine.run(items, emit, should_admit)
 
     def in_flight(self) -> int:
-        return self.engine.rows.live()
+        return self.engine.in_flight()
 
     def idle(self) -> bool:
         """No row has work and no line waits for one: waiting for input costs nothing."""
-        rows = self.engine.rows
-        return not (rows.busy() or rows.ahead or rows.waiting)
+        return self.engine.idle()
 
     def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
         summary = summarize(config, tally, self.engine.step_times, wall, model_meta(self.lm),
                             self.engine.compile_ms, self.call_times)
         summary["threads"] = torch.get_num_threads()  # what torch used, not what was asked
-        compiled = self.engine.model_pass.decode.compiled
-        if compiled is not None:
-            summary["compiled_steps"] = compiled.steps
+        if self.engine.compiled_steps is not None:
+            summary["compiled_steps"] = self.engine.compiled_steps
         return summary
 
     def close(self) -> None:

@@ -101,8 +101,8 @@ class EngineWorker:
         self.info.update(model_meta(lm), load_s=round(time.perf_counter() - t0, 3))
         if wasm is not None:
             component = _component(config, wasm)
-            self.engine.intake.controller_factory = wasm_factory(
-                config, self.engine, self.call_times, component)
+            self.engine.set_controller_factory(wasm_factory(
+                config, self.engine, self.call_times, component))
             self.info["controller"] = {"compile_ms": round(component.compile_ms, 3),
                                        "cache_hit": component.cache_hit}
 
@@ -166,11 +166,9 @@ class EngineWorker:
     def _lines(self) -> Iterator[Job | None]:
         """The live feed: the next line, or None at once while the engine has work
         (it asks again after its step); blocks only while the engine is idle."""
-        rows = self.engine.rows
         while True:
-            idle = not (rows.busy() or rows.ahead or rows.waiting)
             try:
-                job = self.feed.get(block=idle)
+                job = self.feed.get(block=self.engine.idle())
             except queue.Empty:
                 yield None
                 continue

@@ -115,7 +115,27 @@ class Engine:
 
     @property
     def compile_ms(self) -> list[float]:
+        """Each grammar compile of the run, in ms."""
         return self.intake.compile_ms
+
+    @property
+    def compiled_steps(self) -> int | None:
+        """One-token steps the compiled decode step ran (None: `--compile` off)."""
+        compiled = self.model_pass.decode.compiled
+        return None if compiled is None else compiled.steps
+
+    def set_controller_factory(self, factory: ControllerFactory) -> None:
+        """Every line admitted from now on gets its controller from `factory`."""
+        self.intake.controller_factory = factory
+
+    def in_flight(self) -> int:
+        """Sequences holding a row now."""
+        return self.rows.live()
+
+    def idle(self) -> bool:
+        """No row has work and no line waits for one: waiting for input costs nothing."""
+        rows = self.rows
+        return not (rows.busy() or rows.ahead or rows.waiting)
 
     # ----------------------------------------------------------------------------- run
 
