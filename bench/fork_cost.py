@@ -59,8 +59,8 @@ def run_lines(lm: Any, component: Any, lines: list[dict[str, Any]],
 
     config = EngineConfig(batch_size=batch_size)
     engine = Engine(lm, config)
-    engine.intake.controller_factory = wasm_factory(RunConfig(input="-", engine=config),
-                                                    engine, [], component)
+    engine.set_controller_factory(wasm_factory(RunConfig(input="-", engine=config),
+                                               engine, [], component))
     jobs = [Job(index=i + 1, id=str(i + 1), prompt=None, messages=line["messages"],
                 max_tokens=8, temperature=0.8, top_p=1.0, seed=i, n=line.get("n", 1),
                 extra={"controller_arg": line["controller_arg"]})

@@ -54,7 +54,7 @@ def main() -> int:
             results: list[dict[str, Any]] = []
 
             def drained(e: Engine = engine) -> bool:
-                return not any(e.rows)
+                return e.in_flight() == 0
 
             t0 = time.perf_counter()
             engine.run(jobs, results.append,

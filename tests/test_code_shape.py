@@ -9,8 +9,13 @@ says why."""
 from __future__ import annotations
 
 import ast
-import tomllib
+import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "aici_cli"

@@ -52,8 +52,8 @@ def test_compiled_decode_gives_the_eager_tokens_in_fp32(lm32: LoadedModel) -> No
     lengths = [4, 30, 8]
     eager, eager_engine = _run(lm32, "off", lengths)
     fast, fast_engine = _run(lm32, "on", lengths)
-    assert eager_engine.model_pass.decode.compiled is None
-    step = fast_engine.model_pass.decode.compiled
+    assert eager_engine.runner.model_pass.decode.compiled is None
+    step = fast_engine.runner.model_pass.decode.compiled
     assert step is not None
     assert set(step.compile_s) == {2}  # the span ends at row 2 every time: one bucket
     # Every pass where no line starts feeds one token per row here: all ran compiled.
@@ -70,8 +70,8 @@ def test_compiled_decode_on_cuda_gives_the_eager_tokens_in_fp32(tiny_model_dir: 
     lengths = [4, 30, 8]
     eager, _ = _run(lm, "off", lengths)
     fast, engine = _run(lm, "on", lengths)  # reduce-overhead: CUDA graphs
-    assert engine.model_pass.decode.compiled is not None
-    assert engine.model_pass.decode.compiled.steps >= 20
+    assert engine.runner.model_pass.decode.compiled is not None
+    assert engine.runner.model_pass.decode.compiled.steps >= 20
     assert fast == eager
 
 
@@ -125,6 +125,6 @@ def test_a_failed_compile_leaves_the_run_eager_and_unchanged(
     eager, _ = _run(lm32, "off", lengths)
     fallback, engine = _run(lm32, "on", lengths)
     assert fallback == eager
-    assert engine.model_pass.decode.compiled is None
-    assert engine.model_pass.decode.reason == (
+    assert engine.runner.model_pass.decode.compiled is None
+    assert engine.runner.model_pass.decode.reason == (
         "compiling failed: RuntimeError: C++ compile error: cannot find -lgomp")

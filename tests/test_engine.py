@@ -228,7 +228,8 @@ def test_out_of_memory_retries_with_fewer_rows(lm: LoadedModel,
     engine.run(jobs, results.append)
     assert {r["index"]: r["text"] for r in results} == expected
     assert all(r["finish_reason"] == "length" for r in results)
-    assert engine.rows.live_cap == 2  # four prompts did not fit, two did
+    # Inside the scheduler: the row cap is its own state, and no result shows it.
+    assert engine.scheduler.table.live_cap == 2  # four prompts did not fit, two did
     assert max(sizes) <= 2 * prompt_len + 2
 
 
@@ -380,13 +381,13 @@ def test_result_timings_come_from_the_engine_clock(lm: LoadedModel,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     ticking = Engine(lm, EngineConfig(batch_size=2), now=lambda: clock.t)
-    original = ticking.model_pass.run
+    original = ticking.runner.model_pass.run
 
     def slow_pass(*args: Any) -> Any:
         clock.advance(10)  # every forward pass takes exactly 10 ms
         return original(*args)
 
-    monkeypatch.setattr(ticking.model_pass, "run", slow_pass)
+    monkeypatch.setattr(ticking.runner.model_pass, "run", slow_pass)
     results: list[dict[str, Any]] = []
     ticking.run([job(1, max_tokens=3), job(2, prompt="Other words", max_tokens=5)],
                 results.append)
@@ -407,13 +408,13 @@ def test_a_line_of_several_rows_counts_a_shared_pass_once(
     per row added up."""
     clock = FakeClock()
     ticking = Engine(lm, EngineConfig(batch_size=4, draft_tokens=0), now=lambda: clock.t)
-    original = ticking.model_pass.run
+    original = ticking.runner.model_pass.run
 
     def slow_pass(*args: Any) -> Any:
         clock.advance(10)
         return original(*args)
 
-    monkeypatch.setattr(ticking.model_pass, "run", slow_pass)
+    monkeypatch.setattr(ticking.runner.model_pass, "run", slow_pass)
     if kind == "score":
         line = job(1, constraint=Constraint("choice", ["yes", "no", "maybe"]), score=True)
     else:

@@ -175,8 +175,8 @@ def run(lm: LoadedModel, comp: ControllerComponent, jobs: list[Job],
         **config: Any) -> tuple[dict[int, dict[str, Any]], Engine]:
     cfg = EngineConfig(**{"draft_tokens": 0, **config})
     engine = Engine(lm, cfg)
-    engine.intake.controller_factory = wasm_factory(RunConfig(input="-", engine=cfg), engine,
-                                                    [], comp)
+    engine.set_controller_factory(wasm_factory(RunConfig(input="-", engine=cfg), engine,
+                                               [], comp))
     results: list[dict[str, Any]] = []
     engine.run(jobs, results.append)
     for r in results:

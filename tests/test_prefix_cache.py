@@ -45,19 +45,20 @@ class Probe:
     def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
         self.passes: list[tuple[list[int], torch.Tensor]] = []
         self.fed_tokens = 0
-        original = engine.model_pass.run
+        original = engine.runner.model_pass.run
 
-        def run(first_row: int, gens: Any, drafts: Any, scored: Any = None) -> Any:
+        def run(first_row: int, gens: Any, drafts: Any, scored: Any = None,
+                steps_ahead: int = 0) -> Any:
             seqs = [None if g is None or not g.pending
                     else (g.prompt + g.output)[: g.length + len(g.pending)] for g in gens]
             self.fed_tokens += sum(len(g.pending) for g in gens if g is not None)
-            out = original(first_row, gens, drafts, scored)
+            out = original(first_row, gens, drafts, scored, steps_ahead)
             for k, seq in enumerate(seqs):
                 if seq is not None:
                     self.passes.append((seq, out.every[k].float().clone()))
             return out
 
-        monkeypatch.setattr(engine.model_pass, "run", run)
+        monkeypatch.setattr(engine.runner.model_pass, "run", run)
 
     def assert_exact(self, lm: LoadedModel) -> None:
         assert self.passes

@@ -484,7 +484,7 @@ def test_a_line_cut_inside_a_call_reports_the_whole_calls(lm: LoadedModel) -> No
     """max_tokens cut the output inside its third call (closing off): the result keeps the
     two whole calls as `tool_calls`, names the dropped one, and stays `length`."""
     from aici_cli.engine.generation import Finish, Generation
-    from aici_cli.engine.result_line import generation_result
+    from aici_cli.engine.result_line import finished_text, generation_result
     from aici_cli.vocabulary.job import Job
 
     compiler = GrammarCompiler(lm.tokenizer, lm.vocab_size, sorted(lm.eos_token_ids))
@@ -500,7 +500,8 @@ def test_a_line_cut_inside_a_call_reports_the_whole_calls(lm: LoadedModel) -> No
     gen = Generation(job, [], controller, torch.Generator(), started=0.0)
     gen.output = lm.tokenizer(cut, add_special_tokens=False)["input_ids"]
     gen.finish = Finish("length")
-    result = generation_result(gen, lm.tokenizer, 0.0)
+    text = finished_text(gen, lm.tokenizer)
+    result = generation_result(gen, text, controller.report(text), controller.stats(), 0.0)
     assert result["finish_reason"] == "length"
     assert [c["function"]["arguments"] for c in result["tool_calls"]] == [
         c.arguments for c in whole]

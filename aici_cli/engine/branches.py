@@ -11,7 +11,7 @@ the paths (`(0,) < (1, 0) < (1, 1) < (2,)`), sample by sample.
 A line runs at most `max_branches` sequences in all (its `n` samples included); a fork
 past that ends the line with `bad_action`. Once a line has forked, a fault in any of its
 sequences ends the line: its result is that error, and its other sequences are dropped
-(`Engine._drop_failed`).
+(`Scheduler.drop_failed`).
 """
 
 from __future__ import annotations

@@ -102,14 +102,14 @@ def accept_draft(gen: Generation, draft: Sequence[int], picked: int,
     previous = picked
     for token, expected in zip(draft[1:], predicted):
         # An allowed token that is the unmasked argmax is the masked argmax too.
-        if token != expected or gen.finish is not None or gen.pending != [previous]:
+        if (token != expected or gen.finish is not None or gen.fork_wanted
+                or gen.pending != [previous]):
             break
         # Ask again from the controller's current state: a segment may have ended
         # (its guest decides what follows) since the draft was checked.
         if gen.controller is not None and gen.controller.valid_prefix([token]) < 1:
             break
-        gen.length += 1  # `previous` was fed in this pass as a draft token
-        gen.pending = []
+        gen.fed_draft_token()  # `previous` was fed in this pass as a draft token
         spent += take(gen, token)
         gen.stats.draft_tokens += 1
         previous = token

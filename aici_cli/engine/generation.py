@@ -88,10 +88,13 @@ class Generation:
     # The results of the line's earlier attempts (a relaxed schema's retries, retry.py).
     earlier: list[dict[str, Any]] = field(default_factory=list)
     # What the line's sequences share once its controller can fork (branches.py).
-    line: LineBranches | None = None
+    branches: LineBranches | None = None
     path: tuple[int, ...] = ()  # the branch index taken at each fork so far
     fork_floor: int = 0  # output tokens before the latest fork (shared with its siblings)
     from_fork: bool = False  # made by a fork: the cache may hold its output's keys too
+    # Its controller asked to fork into this many branches during a step: the fork is
+    # made before the next plan (decisions.py), and no more tokens are taken until then.
+    fork_wanted: int = 0
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
@@ -135,12 +138,19 @@ class Generation:
         st.forward_passes += 1
         if self.group is not None:
             self.group.passes[id(times)] = times
-        if self.line is not None:
-            self.line.passes[id(times)] = times
+        if self.branches is not None:
+            self.branches.passes[id(times)] = times
         st.forward_ms += times.forward_ms
         st.mask_ms += times.mask_ms
         st.sample_ms += times.sample_ms
         self.length += len(self.pending)
+        self.pending = []
+
+    def fed_draft_token(self) -> None:
+        """The one pending token was fed in this pass too, as a draft token (a draft's
+        tokens are fed after the row's own): it is in the cache now."""
+        assert len(self.pending) == 1
+        self.length += 1
         self.pending = []
 
     def record_step(self, times: StepTimes, sampled: int, ff_tokens: int,
@@ -200,7 +210,7 @@ class Generation:
         counts; its stats count its own work from the fork on."""
         branch = Generation(self.job, self.prompt, controller, generator, started=self.started,
                             group=self.group, sample=self.sample, earlier=self.earlier,
-                            line=self.line, path=path, fork_floor=len(self.output),
+                            branches=self.branches, path=path, fork_floor=len(self.output),
                             from_fork=True)
         branch.output = list(self.output)
         branch.pending = self.prompt + branch.output

@@ -101,6 +101,8 @@ def _single_group(lengths: Sequence[int], single_tok: list[int], members: list[i
     )
 
 
+# Long: one walk over the rows fills every per-token and per-row list at once (it runs
+# every step); split, each part would walk the rows again.
 def build_inputs(
     first_row: int,
     lengths: Sequence[int],

@@ -2,7 +2,8 @@
 
 Out of memory, a pass is rerun in halves (same rows, same tokens: the step goes on
 unchanged; keys a failed pass wrote are rewritten at the same slots), drafts are dropped,
-and fewer rows are admitted from then on. A row that cannot run even alone fails.
+and fewer rows are admitted from then on (`fits`, which the scheduler reads). A row that
+cannot run even alone fails.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from aici_cli.engine.compiled import DecodeSteps
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.inputs import AttentionLayout, Readout, build_inputs, forward
 from aici_cli.engine.invariant import install as install_tiled_linears
-from aici_cli.engine.rows import RowTable
 from aici_cli.models.load import LoadedModel
 
 
@@ -63,13 +63,13 @@ class PassOutput:
 
 
 class ModelPass:
-    def __init__(self, lm: LoadedModel, cache: RowCache, rows: RowTable,
-                 invariant: bool = False, compile: str = "off") -> None:
+    def __init__(self, lm: LoadedModel, cache: RowCache, invariant: bool = False,
+                 compile: str = "off") -> None:
         """`invariant`: batch-invariant passes (`--deterministic`, see invariant.py);
         `compile`: when one-token steps run compiled (compiled.py)."""
         self.lm = lm
         self.cache = cache
-        self.rows = rows
+        self.fits: int | None = None  # rows that fit in one pass, once one ran out of memory
         self.layout = AttentionLayout.for_config(lm.model.config)
         self.invariant = invariant
         if invariant:
@@ -77,17 +77,19 @@ class ModelPass:
         self.decode = DecodeSteps(compile, lm.model, cache, cache.rows, lm.device, invariant)
 
     def run(self, first_row: int, gens: Sequence[Generation | None],
-            drafts: list[list[int]], scored: list[list[int]] | None = None) -> PassOutput:
+            drafts: list[list[int]], scored: list[list[int]] | None = None,
+            steps_ahead: int = 0) -> PassOutput:
         """Each row feeds its pending tokens and its draft but its last token (a draft d
         is checked against the logits after d[0..-2]: its last token needs no pass of
         its own). `scored[i]`: offsets in row i's pending tokens (before the last) whose
         logits it needs too. Out of memory, `drafts` is cleared and the pass retried
-        without."""
+        without. `steps_ahead`: a bound of the one-token steps still to come (whether
+        compiling the decode step pays, compiled.py)."""
         lengths = [g.length if g is not None else 0 for g in gens]
         chunks = [g.pending if g is not None else [] for g in gens]
         scored = scored if scored is not None else [[] for _ in gens]
         if not any(drafts) and not any(scored) and all(len(c) <= 1 for c in chunks):
-            one = self._one_token(first_row, lengths, chunks, gens)
+            one = self._one_token(first_row, lengths, chunks, steps_ahead)
             if one is not None:
                 return PassOutput(self._vocab(one), [len(gens)] * len(gens), scored, [])
         if any(drafts):
@@ -108,10 +110,10 @@ class ModelPass:
         return PassOutput(self._vocab(logits), extra_at, scored, out_of_memory)
 
     def _one_token(self, first_row: int, lengths: list[int], chunks: list[list[int]],
-                   gens: Sequence[Generation | None]) -> torch.Tensor | None:
+                   steps_ahead: int) -> torch.Tensor | None:
         """The compiled step's logits [b, V] for a pass where every row feeds at most one
         token, or None to run it eagerly (not compiled, or out of memory)."""
-        step = self.decode.pick(self._steps_ahead(gens) if self.decode.compiled else 0)
+        step = self.decode.pick(steps_ahead if self.decode.compiled else 0)
         if step is None or not self.cache.keys:  # buffers exist after the first eager pass
             return None
         compiling = step.bucket(first_row + len(chunks)) not in step.compile_s
@@ -127,14 +129,6 @@ class ModelPass:
             # goes on eagerly; the eager pass rewrites any key the failed call wrote.
             self.decode.give_up(e)
             return None
-
-    def _steps_ahead(self, gens: Sequence[Generation | None]) -> int:
-        """An upper bound of the one-token steps still to come: the tokens the running,
-        waiting and read-ahead lines may still generate, over the rows."""
-        running = [g for g in (*gens, *self.rows.waiting) if g is not None]
-        tokens = sum(max(0, g.job.max_tokens - len(g.output)) for g in running)
-        tokens += sum(p.job.max_tokens for p in self.rows.ahead)
-        return tokens // max(1, self.cache.rows)
 
     def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Drop the padding columns some models carry past the tokenizer's vocabulary."""
@@ -157,7 +151,7 @@ class ModelPass:
         active = [k for k, c in enumerate(chunks) if c]
         if len(active) == 1:
             return self._alone_out_of_memory(chunks, readouts, active)
-        self.rows.live_cap = max(1, min(self.rows.live_cap, len(active) // 2))
+        self.fits = max(1, min(self.fits or len(active), len(active) // 2))
         halves = active[: len(active) // 2], active[len(active) // 2 :]
         parts = [self._forward(first_row, lengths,
                                [c if k in half else [] for k, c in enumerate(chunks)],

@@ -3,6 +3,7 @@ samples) one line for the input line."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aici_cli.control.tool_calls import tool_calls_field
@@ -11,22 +12,28 @@ from aici_cli.engine.generation import Finish, Generation
 from aici_cli.vocabulary.job import Job
 
 
-def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, Any]:
-    """The result line of a finished generation. Closes its controller."""
-    finish = gen.finish or Finish("error", ("internal_error", "sequence ended unfinished"))
+def finished_text(gen: Generation, tokenizer: Any) -> str:
+    """The text of a finished generation's output (cut where a stop string was found)."""
     text = tokenizer.decode(gen.output, skip_special_tokens=True)
-    if finish.text_end is not None:
+    finish = gen.finish
+    if finish is not None and finish.text_end is not None:
         text = text[: finish.text_end]
-    gen.stats.output_tokens = len(gen.output)
-    gen.stats.total_ms = ms(gen.started, now)
+    return text
+
+
+def generation_result(gen: Generation, text: str, fields: dict[str, Any],
+                      controller_stats: dict[str, Any], now: float) -> dict[str, Any]:
+    """The result line of a finished generation whose output reads `text`, given its
+    controller's result `fields` (`Controller.report`) and `controller_stats`. Pure: the
+    generation is not changed."""
+    finish = gen.finish or Finish("error", ("internal_error", "sequence ended unfinished"))
     result: dict[str, Any] = {
         "id": gen.job.id,
         "index": gen.job.index,
         "text": text,
         "finish_reason": finish.reason,
     }
-    if gen.controller is not None:
-        result.update(gen.controller.report(text))
+    result.update(fields)
     calls = result.pop("calls", None)
     if calls is not None and finish.reason in ("stop", "length"):
         result["tool_calls"] = tool_calls_field(calls, gen.job.index, gen.job.id, gen.sample)
@@ -35,12 +42,11 @@ def generation_result(gen: Generation, tokenizer: Any, now: float) -> dict[str, 
     if finish.error is not None:
         etype, message = finish.error
         result["error"] = {"type": etype, "message": f"line {gen.job.index}: {message}"}
-    result["stats"] = gen.stats.as_dict()
-    if gen.controller is not None:
-        for name, value in gen.controller.stats().items():
-            result["stats"][name] = (round(value, 3) if isinstance(value, float)
-                                     else value)
-        gen.controller.close()
+    stats = dataclasses.replace(gen.stats, output_tokens=len(gen.output),
+                                total_ms=ms(gen.started, now))
+    result["stats"] = stats.as_dict()
+    for name, value in controller_stats.items():
+        result["stats"][name] = round(value, 3) if isinstance(value, float) else value
     if gen.logprobs is not None:
         result["logprobs"] = gen.logprobs + [None] * (len(gen.output) - len(gen.logprobs))
     if gen.steps is not None:

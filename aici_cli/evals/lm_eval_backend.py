@@ -43,7 +43,7 @@ from aici_cli.evals.requests import (
     group_by_context,
     score_line,
 )
-from aici_cli.evals.token_intake import use_token_intake
+from aici_cli.evals.token_intake import TokenIntake
 from aici_cli.jobs import read_jobs
 from aici_cli.models.load import load_model
 from aici_cli.vocabulary.config import EngineConfig, JobDefaults
@@ -92,8 +92,8 @@ class AiciBatchLM(TemplateLM):
         self.tokenizer = self.lm.tokenizer
         self.engine = Engine(self.lm, EngineConfig(batch_size=batch_size_arg(batch_size),
                                                    deterministic=bool(deterministic),
-                                                   prefix_cache=bool(prefix_cache)))
-        use_token_intake(self.engine)
+                                                   prefix_cache=bool(prefix_cache)),
+                             intake=TokenIntake)
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self._max_length = max_length

@@ -4,13 +4,13 @@ lm-evaluation-harness tokenizes a request itself (a context and its continuation
 trailing spaces moved to the continuation, left truncation): scoring exactly its tokens
 is what makes this backend's loglikelihoods equal its `hf` backend's. A line carrying
 `requests.PROMPT_IDS` (and, scored, `requests.SEQUENCES`) in `Job.extra` uses those; any
-other line is tokenized as usual.
+other line is tokenized as usual. The backend builds its `Engine` with it
+(`Engine(..., intake=TokenIntake)`).
 """
 
 from __future__ import annotations
 
 from aici_cli.engine.intake import Emit, LineIntake
-from aici_cli.engine.loop import Engine
 from aici_cli.engine.rows import Prepared
 from aici_cli.evals.requests import PROMPT_IDS, SEQUENCES
 from aici_cli.vocabulary.errors import GrammarError
@@ -36,8 +36,3 @@ class TokenIntake(LineIntake):
             return super().choice_sequences(line, emit)
         return [(list(ids), start) for ids, start in sequences]
 
-
-def use_token_intake(engine: Engine) -> None:
-    """Give `engine` a `TokenIntake` (same model, configuration and controllers)."""
-    old = engine.intake
-    engine.intake = TokenIntake(old.lm, old.config, old.max_positions, old.controller_factory)
