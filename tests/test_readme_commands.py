@@ -1,22 +1,24 @@
-"""Every `aici-batch` command in the README's shell blocks runs, as written.
+"""Every `aici-batch` command in the documentation's shell blocks runs, as written.
 
-The commands are read from README.md's ```sh blocks (a line continued with `\\` is one
-command), so this stays true as the README changes: a file a command names must exist, its
-options must parse, and it must run to exit 0 or 1 (1: some lines ended in an error, which
-the README's examples may show) without a traceback. Each block runs in a directory of its
-own holding a copy of `examples/` and the repository's `controllers/`, in order (a
-`report` reads what the `run` before it wrote), on the tiny model (`AICI_BATCH_MODEL`; a
-`--model` in a command is dropped, since the README's models are not all on this machine),
-with a small `--max-tokens` default. Commands run through Click in this process (a
-process each would cost seconds of imports); the shell around them is the shapes the
-README uses, `cat FILE | `, `echo 'TEXT' | ` and `> FILE`, and any other is this test's
-failure, to be taught here.
+The commands are read from the ```sh blocks of README.md and of every page in docs/ (a line
+continued with `\\` is one command), so this stays true as the pages change: a file a
+command names must exist, its options must parse, and it must run to exit 0 or 1 (1: some
+lines ended in an error, which the examples may show) without a traceback. Each block runs
+in a directory of its own holding a copy of `examples/` and the repository's
+`controllers/`, in order (a `report` reads what the `run` before it wrote), on the tiny
+model (`AICI_BATCH_MODEL`; a `--model` in a command is dropped, since the documented models
+are not all on this machine), with a small `--max-tokens` default. Commands run through
+Click in this process (a process each would cost seconds of imports); the shell around them
+is the shapes the pages use, `cat FILE | `, `echo 'TEXT' | ` and `> FILE`, and any other is
+this test's failure, to be taught here.
 
 What does not run here, and why: `aici-batch build` is replaced by the session's build of
 the same example (`built`, `built_js`: the component `aici-batch build` makes, tested in
 test_build.py), and a `--ray`, `publish`, `pull` or `oci://` command (and what follows it
 in its block) is only parsed: it needs a cluster or a registry, and test_ray.py and
-test_oci.py run those paths.
+test_oci.py run those paths. So is `lm-eval` (its tasks download their data sets;
+test_lm_eval.py runs local tasks) and a `report --baseline` (its baseline is the results of
+an earlier run, a CI cache's; test_ci_examples.py and test_report_ci.py run it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from aici_cli.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def shell_blocks(text: str) -> list[tuple[int, list[str]]]:
@@ -56,11 +59,18 @@ def shell_blocks(text: str) -> list[tuple[int, list[str]]]:
     return blocks
 
 
-BLOCKS = shell_blocks(README.read_text(encoding="utf-8"))
+def page_blocks(page: Path) -> list[tuple[str, int, list[str]]]:
+    """(page, line number, commands) of each of the page's ```sh blocks that runs aici-batch."""
+    name = page.relative_to(ROOT).as_posix()
+    return [(name, line, commands)
+            for line, commands in shell_blocks(page.read_text(encoding="utf-8"))]
+
+
+BLOCKS = [block for page in PAGES for block in page_blocks(page)]
 
 
 class Shell:
-    """A command split as the README writes them: what feeds stdin, the aici-batch
+    """A command split as the pages write them: what feeds stdin, the aici-batch
     arguments, where stdout goes."""
 
     def __init__(self, command: str) -> None:
@@ -97,16 +107,35 @@ def without_model(args: list[str]) -> list[str]:
     return out
 
 
+def commands_of(name: str) -> list[str]:
+    return [c for page, _, block in BLOCKS if page == name for c in block]
+
+
 def test_the_readme_has_the_commands_it_should() -> None:
-    commands = [c for _, block in BLOCKS for c in block]
+    commands = commands_of("README.md")
     assert len(commands) >= 12
     assert any("examples/openai_batch.jsonl" in c for c in commands)
     assert any("--json-schema examples/person.schema.json" in c for c in commands)
     assert any("--plot" in c for c in commands)
+    assert any("--resume" in c for c in commands)
+    assert any("--score" in c for c in commands)
+    assert any(c.startswith("aici-batch build ") for c in commands)
 
 
-@pytest.mark.parametrize(("line", "commands"), BLOCKS, ids=[f"line{n}" for n, _ in BLOCKS])
-def test_each_readme_command_runs(line: int, commands: list[str], tmp_path: Path,
+def test_the_docs_pages_have_the_commands_they_should() -> None:
+    """The examples that moved from the README into docs/ are still there, and run."""
+    assert any("examples/openai_batch.jsonl" in c for c in commands_of("docs/formats.md"))
+    controllers = commands_of("docs/controllers.md")
+    for example in ("examples/yes_no.py", "examples/three_ways.py", "examples/vote.py",
+                    "js/examples/yes_no.js"):
+        assert any(f"controllers/{example}" in c for c in controllers), example
+    assert any("--ray" in c for c in commands_of("docs/ray.md"))
+    assert any("--score" in c for c in commands_of("docs/evaluations.md"))
+
+
+@pytest.mark.parametrize(("page", "line", "commands"), BLOCKS,
+                         ids=[f"{page}:line{n}" for page, n, _ in BLOCKS])
+def test_each_documented_command_runs(page: str, line: int, commands: list[str], tmp_path: Path,
                                   tiny_model_dir: Path, request: pytest.FixtureRequest,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
@@ -124,20 +153,23 @@ def test_each_readme_command_runs(line: int, commands: list[str], tmp_path: Path
         sub.make_context(args[0], list(args[1:]))
         if args[0] == "build":
             source = ROOT / args[1]
-            assert source.is_file(), f"README line {line}: {args[1]} does not exist"
+            assert source.is_file(), f"{page} line {line}: {args[1]} does not exist"
             fixture = "built_js" if source.suffix in (".js", ".mjs") else "built"
             component = request.getfixturevalue(fixture)[source.stem]
             shutil.copy(component, tmp_path / args[args.index("-o") + 1])
             continue
         # A command that reaches a cluster or a remote registry is only parsed
-        # (test_ray.py and test_oci.py run them against real local ones).
-        remote = after_remote or "--ray" in args or args[0] in ("publish", "pull") or any(
-            w.startswith("oci://") for w in args)
+        # (test_ray.py and test_oci.py run them against real local ones), and so are
+        # lm-eval, whose tasks download their data (test_lm_eval.py runs local ones), and a
+        # report against an earlier run's results (test_ci_examples.py runs one).
+        remote = after_remote or "--ray" in args or args[0] in ("publish", "pull", "lm-eval") \
+            or any(w.startswith("oci://") for w in args) \
+            or (args[0] == "report" and "--baseline" in args)
         after_remote = remote
         for word in args[1:]:
             local = word.endswith(".wasm") and not remote  # built by its block
             if word.startswith(("examples/", "controllers/")) or local:
-                assert (tmp_path / word).exists(), f"README line {line}: {word} does not exist"
+                assert (tmp_path / word).exists(), f"{page} line {line}: {word} does not exist"
         if remote:
             continue
         stdin = shell.stdin
