@@ -84,7 +84,7 @@ class GuestInstance:
                  line: LineScope) -> None:
         self.services = services
         self.line = line  # storage and outputs shared with the line's other sequences
-        self.logs: list[str] = []  # host.log lines, in order (cut at Limits.log_bytes)
+        self.logs: list[str] = []  # host.log lines, in order (cut at GuestLimits.log_bytes)
         self.outputs: dict[str, Any] = {}  # set-output values, JSON-parsed when they parse
         self.guest_ms = 0.0  # wall time inside constructor + mid-process calls
         self.host_ms = 0.0  # of which inside host functions
@@ -191,7 +191,7 @@ class GuestInstance:
                 "host_error", f"host services failed: vocab_size: {type(e).__name__}: {e}"
             )
             raise self.error from None
-        store = wasmtime.Store(comp._shared.engine)
+        store = wasmtime.Store(comp._shared.wasm_engine)
         store.set_limits(
             memory_size=self._limits.memory_bytes, table_elements=self._limits.table_elements
         )
