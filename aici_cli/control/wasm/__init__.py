@@ -17,8 +17,10 @@ The modules, in the order a component meets them:
 - `host_calls`: `HostCalls`, what those imports ask of the calling instance (a protocol
   `instance` implements, so neither imports the other).
 - `services`: what those imports are served from (`HostServices`, `TokenizerServices`).
-- `instance`: `GuestInstance`, one sequence's store, calls, deadlines and quotas, and the
+- `instance`: `GuestInstance`, one sequence's store, calls and deadlines, and the
   journal that replays it into a fork's new branch.
+- `quotas`: `GuestQuotas`, what a sequence may leave in its result line (logs, outputs)
+  and the `tokens-matching` patterns it may ask for.
 - `limits`: `GuestLimits`, the per-guest resource limits and why each one is there.
 - `faults`: wasmtime errors classified into `ControllerError`s.
 - `values`: wasmtime-py values converted to and from the host's action types.
