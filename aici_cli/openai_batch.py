@@ -95,6 +95,30 @@ def refuse_requests(why: str) -> Translate:
 
 def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     """Map one request onto an aici-batch input line; raises RequestError."""
+    custom_id, url, body = _envelope(obj)
+    line: dict[str, Any] = {"id": custom_id, **_prompt(body, url)}
+    for key in (*_SAME, *_TOOLS):
+        if key in body and body[key] is not None:
+            line[key] = body[key]
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        line["max_tokens"] = limit
+    stop = body.get("stop")
+    if stop is not None:
+        line["stop"] = [stop] if isinstance(stop, str) else stop
+    line.update(_logprobs(body, url == CHAT))
+    constraint, constraint_sources = constraint_fields(body)
+    line.update(constraint)
+    sources = {key: f"body.{key}" for key in line if key != "id"}
+    if "max_completion_tokens" in body:
+        sources["max_tokens"] = "body.max_completion_tokens"
+    sources.update(constraint_sources)
+    return line, Request(custom_id, url, tuple(sources.items()))
+
+
+def _envelope(obj: Any) -> tuple[str, str, dict[str, Any]]:
+    """A request's custom_id, url and body (its null fields left out), each checked;
+    raises RequestError."""
     if not isinstance(obj, dict):
         raise RequestError("a batch request must be a JSON object")
     extra = sorted(set(obj) - set(_REQUEST_KEYS))
@@ -123,41 +147,27 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
                            f"{_did_you_mean(unsupported)}")
     if body.get("stream") is not None and body["stream"] is not False:
         raise RequestError(f"body.stream must be false in a batch, got {show(body['stream'])}")
+    return custom_id, url, body
 
-    line: dict[str, Any] = {"id": custom_id}
+
+def _prompt(body: dict[str, Any], url: str) -> dict[str, Any]:
+    """The line's `messages` (chat) or `prompt` (completions); raises RequestError for
+    the other endpoint's fields."""
     if url == CHAT:
         if "prompt" in body:
             raise RequestError(f"body.prompt belongs to {COMPLETIONS}; {CHAT} takes messages")
-        line["messages"] = body.get("messages")
-    else:
-        if "messages" in body:
-            raise RequestError(f"body.messages belongs to {CHAT}; {COMPLETIONS} takes prompt")
-        tools = [key for key in _TOOLS if body.get(key) is not None]
-        if tools:
-            raise RequestError(f"body.{tools[0]} belongs to {CHAT}, not to {COMPLETIONS}")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            raise RequestError("body.prompt must be one string (one request per line)")
-        line["prompt"] = prompt
-    for key in (*_SAME, *_TOOLS):
-        if key in body and body[key] is not None:
-            line[key] = body[key]
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
-        line["max_tokens"] = limit
-    stop = body.get("stop")
-    if stop is not None:
-        line["stop"] = [stop] if isinstance(stop, str) else stop
-    line.update(_logprobs(body, url == CHAT))
-    constraint, constraint_sources = constraint_fields(body)
-    line.update(constraint)
-    sources = {key: f"body.{key}" for key in line if key != "id"}
-    if "max_completion_tokens" in body:
-        sources["max_tokens"] = "body.max_completion_tokens"
-    sources.update(constraint_sources)
-    return line, Request(custom_id, url, tuple(sources.items()))
+        return {"messages": body.get("messages")}
+    if "messages" in body:
+        raise RequestError(f"body.messages belongs to {CHAT}; {COMPLETIONS} takes prompt")
+    tools = [key for key in _TOOLS if body.get(key) is not None]
+    if tools:
+        raise RequestError(f"body.{tools[0]} belongs to {CHAT}, not to {COMPLETIONS}")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        raise RequestError("body.prompt must be one string (one request per line)")
+    return {"prompt": prompt}
 
 
 def _did_you_mean(unknown: list[str]) -> str:

@@ -75,13 +75,13 @@ class RunOutcome:
 
 def load_controller(config: RunConfig) -> ControllerComponent:
     """The `--controller` component, compiled (or loaded from the compile cache)."""
-    from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
+    from aici_cli.control.wasm import ComponentError, ControllerComponent, GuestLimits
     from aici_cli.registry.operations import controller_file
 
     assert config.controller is not None
     path = controller_file(config.controller)
     try:
-        return ControllerComponent.load(path, Limits(call_ms=config.controller_call_ms))
+        return ControllerComponent.load(path, GuestLimits(call_ms=config.controller_call_ms))
     except ComponentError as e:  # an oci:// one is named by its reference, not its cache file
         raise UsageError(str(e).replace(str(path), config.controller)) from None
 

@@ -38,13 +38,13 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> BuildResult:
 
 
 @pytest.fixture(scope="module")
-def engine() -> wasmtime.Engine:
+def wasm_engine() -> wasmtime.Engine:
     return wasmtime.Engine()
 
 
 @pytest.fixture(scope="module")
-def component(built: BuildResult, engine: wasmtime.Engine) -> wc.Component:
-    return wc.Component.from_file(engine, str(built.out))
+def component(built: BuildResult, wasm_engine: wasmtime.Engine) -> wc.Component:
+    return wc.Component.from_file(wasm_engine, str(built.out))
 
 
 def test_build_writes_the_component(built: BuildResult) -> None:
@@ -55,25 +55,26 @@ def test_build_writes_the_component(built: BuildResult) -> None:
 
 
 def test_component_exports_the_runner_and_imports_only_the_contract(
-    component: wc.Component, engine: wasmtime.Engine
+    component: wc.Component, wasm_engine: wasmtime.Engine
 ) -> None:
-    imports = component.type.imports(engine)
+    imports = component.type.imports(wasm_engine)
     assert set(imports) == IMPORTS  # no WASI at all (--stub-wasi)
-    exports = component.type.exports(engine)
+    exports = component.type.exports(wasm_engine)
     assert EXPORT in exports
-    runner = exports[EXPORT].ty.exports(engine)
+    runner = exports[EXPORT].ty.exports(wasm_engine)
     assert {"runner", "[constructor]runner", "[method]runner.mid-process"} <= set(runner)
-    tokenizer = imports["aici:controller/tokenizer@0.2.0"].ty.exports(engine)
+    tokenizer = imports["aici:controller/tokenizer@0.2.0"].ty.exports(wasm_engine)
     assert "tokens-matching" in tokenizer
-    storage = imports["aici:storage/storage@0.1.0"].ty.exports(engine)
+    storage = imports["aici:storage/storage@0.1.0"].ty.exports(wasm_engine)
     assert set(storage) == {"get", "set", "append"}
 
 
 class Sequence:
     """A minimal wasmtime host around a `StubHost` (the real host lives in aici_cli)."""
 
-    def __init__(self, engine: wasmtime.Engine, component: wc.Component, stub: StubHost) -> None:
-        linker = wc.Linker(engine)
+    def __init__(self, wasm_engine: wasmtime.Engine, component: wc.Component,
+                 stub: StubHost) -> None:
+        linker = wc.Linker(wasm_engine)
         with linker.root() as root:
             with root.add_instance("aici:controller/types@0.2.0"):
                 pass
@@ -94,7 +95,7 @@ class Sequence:
                 storage.add_func("set", lambda store, key, value: stub.storage_set(key, value))
                 storage.add_func("append",
                                  lambda store, key, value: stub.storage_append(key, value))
-        self.store = wasmtime.Store(engine)
+        self.store = wasmtime.Store(wasm_engine)
         instance = linker.instantiate(self.store, component)
         ifc = component.get_export_index(EXPORT)
         assert ifc is not None
@@ -122,10 +123,10 @@ class Sequence:
 
 
 def test_component_runs_yes_no_in_wasmtime(
-    component: wc.Component, engine: wasmtime.Engine
+    component: wc.Component, wasm_engine: wasmtime.Engine
 ) -> None:
     stub = StubHost()
-    seq = Sequence(engine, component, stub)
+    seq = Sequence(wasm_engine, component, stub)
     seq.start('{"question": "Is the sky blue?"}', stub.tokenize("Q: "))
 
     action = seq.mid_process(0, [], None)
@@ -150,10 +151,10 @@ def test_component_runs_yes_no_in_wasmtime(
 
 
 def test_component_turns_controller_errors_into_err(
-    component: wc.Component, engine: wasmtime.Engine
+    component: wc.Component, wasm_engine: wasmtime.Engine
 ) -> None:
     stub = StubHost()
-    seq = Sequence(engine, component, stub)
+    seq = Sequence(wasm_engine, component, stub)
     seq.start("{not json", [])
     error = seq.mid_process(0, [], None)
     assert isinstance(error, str) and error.startswith("ValueError: the controller arg is not JSON")
@@ -354,7 +355,8 @@ def test_a_0_1_0_component_still_loads_and_runs(tiny_model_dir: Path, built_v010
 
     loaded = ControllerComponent.load(built_v010)
     assert loaded.contract.version == "0.1.0"
-    assert "aici:storage/storage@0.1.0" not in loaded._component.type.imports(loaded._shared.engine)
+    assert "aici:storage/storage@0.1.0" not in loaded._component.type.imports(
+        loaded._shared.wasm_engine)
     lines = [{"prompt": "Hello there"}, {"prompt": "Bye", "controller_arg": "5"}]
     res = CliRunner().invoke(main, [
         "run", "-", "--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",

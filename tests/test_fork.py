@@ -19,7 +19,7 @@ import pytest
 from wat import Guest, component, save, u32s
 
 from aici_cli.control.actions import Sample, StepInput, TokenSet
-from aici_cli.control.wasm import ControllerComponent, Limits
+from aici_cli.control.wasm import ControllerComponent, GuestLimits
 from aici_cli.engine.loop import Engine
 from aici_cli.models import LoadedModel
 from aici_cli.runner import wasm_factory
@@ -158,7 +158,7 @@ GUESTS = {
 def guests(tmp_path_factory: pytest.TempPathFactory) -> ControllerComponent:
     folder = tmp_path_factory.mktemp("fork")
     path = save(folder, component(GUESTS, version="0.2.0"))
-    return ControllerComponent.load(path, Limits(storage_bytes=100), cache_dir=folder)
+    return ControllerComponent.load(path, GuestLimits(storage_bytes=100), cache_dir=folder)
 
 
 def job(index: int, arg: str, **kw: Any) -> Job:

@@ -27,7 +27,7 @@ from aici_cli.control.actions import Sample, StepInput, TokenSet
 from aici_cli.control.wasm import (
     ControllerComponent,
     GuestInstance,
-    Limits,
+    GuestLimits,
 )
 from aici_cli.vocabulary.errors import ControllerError
 
@@ -138,7 +138,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start(cache: Path, guest: Guest, **limits: Any) -> GuestInstance:
-    comp = ControllerComponent.load(save(cache, component(guest)), Limits(**limits),
+    comp = ControllerComponent.load(save(cache, component(guest)), GuestLimits(**limits),
                                     cache_dir=cache)
     return comp.instantiate("", [1], FakeServices())
 

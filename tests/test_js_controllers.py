@@ -63,18 +63,18 @@ def comparable(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_component_imports_only_the_contract(built_js: dict[str, Path]) -> None:
-    engine = wasmtime.Engine()
-    component = wc.Component.from_file(engine, str(built_js["rewrite"]))
-    assert set(component.type.imports(engine)) == {
+    wasm_engine = wasmtime.Engine()
+    component = wc.Component.from_file(wasm_engine, str(built_js["rewrite"]))
+    assert set(component.type.imports(wasm_engine)) == {
         "aici:controller/types@0.2.0",
         "aici:controller/tokenizer@0.2.0",
         "aici:controller/host@0.2.0",
         "aici:storage/storage@0.1.0",
     }  # no WASI: every componentize-js feature is disabled
-    exports = component.type.exports(engine)
+    exports = component.type.exports(wasm_engine)
     assert set(exports) == {CONTRACT}
     assert {"[constructor]runner", "[method]runner.mid-process"} <= set(
-        exports[CONTRACT].ty.exports(engine)
+        exports[CONTRACT].ty.exports(wasm_engine)
     )
 
 

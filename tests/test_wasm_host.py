@@ -31,7 +31,7 @@ from aici_cli.control.actions import (
 from aici_cli.control.wasm import (
     ControllerComponent,
     GuestInstance,
-    Limits,
+    GuestLimits,
     WasmController,
     values,
 )
@@ -51,10 +51,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def load(folder: Path) -> Load:
-    def load(guests: Guest | Mapping[str, Guest], limits: Limits | None = None
+    def load(guests: Guest | Mapping[str, Guest], limits: GuestLimits | None = None
              ) -> ControllerComponent:
         path = save(folder, component(guests))
-        return ControllerComponent.load(path, limits or Limits(), cache_dir=folder)
+        return ControllerComponent.load(path, limits or GuestLimits(), cache_dir=folder)
 
     return load
 
@@ -177,7 +177,7 @@ def test_tokens_matching_error_reaches_the_guest_as_err(load: Load) -> None:
 
 
 def test_host_time_is_not_charged_to_the_deadline(load: Load) -> None:
-    comp = load(MATCHING, Limits(call_ms=20))
+    comp = load(MATCHING, GuestLimits(call_ms=20))
     runner = start(comp, services=FakeServices(matching_delay_s=0.03))  # 2 x 30 ms on the host
     assert runner.mid_process(STEP) == Sample(TokenSet("host-set", handle=1))
     assert runner.host_ms >= 60
@@ -295,7 +295,7 @@ def test_trap_kills_only_its_runner(load: Load) -> None:
 
 
 def test_deadline(load: Load) -> None:
-    runner = start(load(LOOP, Limits(call_ms=20)))
+    runner = start(load(LOOP, GuestLimits(call_ms=20)))
     t0 = time.perf_counter()
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
@@ -308,7 +308,7 @@ def test_deadline(load: Load) -> None:
 
 
 def test_fuel(load: Load) -> None:
-    runner = start(load(LOOP, Limits(call_ms=60_000, fuel_per_call=1_000_000)))
+    runner = start(load(LOOP, GuestLimits(call_ms=60_000, fuel_per_call=1_000_000)))
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
     assert (info.value.type, info.value.message) == (
@@ -328,7 +328,7 @@ def test_memory_cap(load: Load) -> None:
         """,
         funcs=(OOM_HOOK,),
     )
-    runner = start(load(guest, Limits(memory_bytes=2 << 20)))
+    runner = start(load(guest, GuestLimits(memory_bytes=2 << 20)))
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
     assert info.value.type == "controller_memory"
@@ -348,7 +348,7 @@ def test_host_exception_traps_the_guest_not_the_host(load: Load) -> None:
 
 # Chatty guests get a generous deadline: each import call costs wasmtime-py ~20-30 us of
 # conversion outside the host function itself, and that time is charged to the guest.
-CHATTY = Limits(call_ms=10_000, log_bytes=1000)
+CHATTY = GuestLimits(call_ms=10_000, log_bytes=1000)
 
 
 def test_log_cap_truncates_with_a_note(load: Load) -> None:
@@ -427,9 +427,9 @@ def test_runners_on_many_threads(load: Load) -> None:
     assert errors == []
 
 
-def test_one_engine_and_one_idle_daemon_ticker(load: Load) -> None:
+def test_one_wasm_engine_and_one_idle_daemon_ticker(load: Load) -> None:
     comp = load(STOP)
-    other = load(STOP, Limits(call_ms=5))
+    other = load(STOP, GuestLimits(call_ms=5))
     assert other._shared is comp._shared
     start(other).mid_process(STEP)
     tickers = [t for t in threading.enumerate() if t.name == "aici-wasm-epoch"]

@@ -13,7 +13,7 @@ from wasmtime.component import Component
 from wat import Guest, component, save, u32s
 
 from aici_cli.control.actions import Sample, StepInput, Stop, TokenSet
-from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
+from aici_cli.control.wasm import ComponentError, ControllerComponent, GuestLimits
 
 STEP = StepInput(backtrack=0, tokens=(4,))
 STOP = Guest("(call $stop)")
@@ -38,9 +38,9 @@ def test_compile_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded: list[str] = []
     real = Component.deserialize_file
 
-    def spy(engine: object, path: str) -> Component:
+    def spy(wasm_engine: object, path: str) -> Component:
         loaded.append(path)
-        return real(engine, path)  # type: ignore[arg-type]
+        return real(wasm_engine, path)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Component, "deserialize_file", staticmethod(spy))
     second = ControllerComponent.load(path, cache_dir=tmp_path)
@@ -141,7 +141,7 @@ def test_invalid_text(tmp_path: Path) -> None:
 def test_memory_cap_below_the_initial_memory_fails_at_load(tmp_path: Path) -> None:
     path = save(tmp_path, component(STOP))  # its memory starts at one 64 KiB page
     with pytest.raises(ComponentError, match="needs more memory at start than the 1 KiB cap"):
-        ControllerComponent.load(path, Limits(memory_bytes=1024), cache_dir=tmp_path)
+        ControllerComponent.load(path, GuestLimits(memory_bytes=1024), cache_dir=tmp_path)
 
 
 # Changing the eos-token import to u64 also needs the core module's import to agree.

@@ -9,7 +9,7 @@ line's guests sees it (the README's "Storage" section gives the order of calls).
 Both are bounded like a sequence's outputs, with a precise error rather than silent loss:
 storage by keys and by bytes of key and value, `storage_quota` beyond them; the line's
 outputs by `too_many_outputs` / `outputs_too_large`. The caller passes the caps (the
-component's `Limits`), so this module needs neither wasmtime nor torch.
+component's `GuestLimits`), so this module needs neither wasmtime nor torch.
 """
 
 from __future__ import annotations

@@ -188,12 +188,12 @@ class EngineWorker:
 def _component(config: RunConfig, wasm: bytes) -> Any:
     """The `--controller` component from its bytes; compiled once per node (the
     compile cache is on the node's disk, and locked while one worker compiles)."""
-    from aici_cli.control.wasm import ComponentError, ControllerComponent, Limits
+    from aici_cli.control.wasm import ComponentError, ControllerComponent, GuestLimits
 
     assert config.controller is not None
     try:
         return ControllerComponent.from_bytes(Path(config.controller), wasm,
-                                              Limits(call_ms=config.controller_call_ms))
+                                              GuestLimits(call_ms=config.controller_call_ms))
     except ComponentError as e:
         raise UsageError(str(e)) from None
 

@@ -188,27 +188,38 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
     if isinstance(constraint, LineError):
         return constraint
 
+    problem = _fields_problem(obj, constraint, defaults)
+    if problem is not None:
+        return line_error(index, id_, "invalid_line", problem)
+    return _make_job(obj, index, id_, constraint, defaults)
+
+
+def _fields_problem(obj: dict[str, Any], constraint: Constraint | None,
+                    defaults: JobDefaults) -> str | None:
+    """What is wrong with fields that are valid alone but not together (the input-line
+    schema cannot say so), or None."""
     score = bool(obj.get("score", defaults.score))
     if score and (constraint is None or constraint.kind != "choice"):
-        return line_error(index, id_, "invalid_line",
-                          "field 'score' needs 'choices' (the options to rank)")
+        return "field 'score' needs 'choices' (the options to rank)"
     if score and int(obj.get("n", 1)) > 1:
-        return line_error(index, id_, "invalid_line",
-                          "field 'score' ranks the choices once: 'n' must be 1")
-
+        return "field 'score' ranks the choices once: 'n' must be 1"
     if "top_logprobs" in obj and not obj.get("logprobs"):
-        return line_error(index, id_, "invalid_line",
-                          "field 'top_logprobs' needs 'logprobs': true")
-    logprobs = int(obj.get("top_logprobs", 0)) if obj.get("logprobs") else None
-    if "logprobs" not in obj:
-        logprobs = defaults.logprobs
-
+        return "field 'top_logprobs' needs 'logprobs': true"
     max_tokens = int(obj.get("max_tokens", defaults.max_tokens))
     min_tokens = int(obj.get("min_tokens", defaults.min_tokens))
     if min_tokens > max_tokens:
-        return line_error(index, id_, "invalid_line", f"field 'min_tokens' must be at most "
-                          f"max_tokens ({max_tokens}), got {min_tokens}")
+        return (f"field 'min_tokens' must be at most max_tokens ({max_tokens}), "
+                f"got {min_tokens}")
+    return None
 
+
+def _make_job(obj: dict[str, Any], index: int, id_: str | int | None,
+              constraint: Constraint | None, defaults: JobDefaults) -> Job:
+    """The Job of a checked line: each field the line's own, else the run's default."""
+    score = bool(obj.get("score", defaults.score))
+    logprobs = int(obj.get("top_logprobs", 0)) if obj.get("logprobs") else None
+    if "logprobs" not in obj:
+        logprobs = defaults.logprobs
     extra: dict[str, Any] = {}
     if "controller_arg" in obj:
         extra["controller_arg"] = obj["controller_arg"]
@@ -221,7 +232,7 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
         prompt=obj.get("prompt"),
         messages=[dict(m) for m in messages] if messages is not None else None,
         tools=obj.get("tools"),
-        max_tokens=max_tokens,
+        max_tokens=int(obj.get("max_tokens", defaults.max_tokens)),
         temperature=float(obj.get("temperature", defaults.temperature)),
         top_p=float(obj.get("top_p", defaults.top_p)),
         seed=int(obj.get("seed", defaults.seed)),
@@ -236,7 +247,7 @@ def _job(obj: dict[str, Any], index: int, defaults: JobDefaults) -> Job | LineEr
         presence_penalty=float(obj.get("presence_penalty", defaults.presence_penalty)),
         repetition_penalty=float(obj.get("repetition_penalty", defaults.repetition_penalty)),
         logit_bias=_logit_bias(obj.get("logit_bias", {})),
-        min_tokens=min_tokens,
+        min_tokens=int(obj.get("min_tokens", defaults.min_tokens)),
         stop_token_ids=frozenset(int(t) for t in obj.get("stop_token_ids", ())),
         ignore_eos=bool(obj.get("ignore_eos", defaults.ignore_eos)),
         top_k=max(0, int(obj.get("top_k", defaults.top_k))),  # -1 is off too (vLLM)

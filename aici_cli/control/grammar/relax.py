@@ -5,18 +5,19 @@ Each step reads llguidance's error and changes only what that error names: it dr
 keywords llguidance does not implement (`not`, `dependencies`, `if`/`then`/`else`, ...),
 formats it does not know, and `pattern`s its regex engine refuses (lookarounds,
 backreferences); a recursive `$ref` that llguidance would have to merge with other keys is
-rewritten exactly where it can be, else the fewest such references that stop the error are
-dropped (`_circular_ref`); for a property that cannot be satisfied it leaves objects open
-to undeclared keys, then leaves `oneOf` branches overlapping (both rewrites only ever narrow
-the schema, see `schema_rewrite.py`), then drops the property from `required`. When no rule
-applies, the deepest subschema whose replacement by `{}` lets the schema compile is
-replaced. Every step is recorded as a short string; the output is still validated against
-the original schema.
+rewritten exactly where it can be (`ref_merges.py`), else the fewest such references that
+stop the error are dropped (`_circular_ref`); for a property that cannot be satisfied it
+leaves objects open to undeclared keys, then leaves `oneOf` branches overlapping (both
+rewrites only ever narrow the schema, see `schema_rewrite.py`), then drops the property
+from `required`. When no rule applies, the deepest subschema whose replacement by `{}`
+lets the schema compile is replaced. Every step is recorded as a short string; the output
+is still validated against the original schema.
 
 The rules work on the user's schema (a copy); the usual rewrites (`exclusive_one_of`,
 `close_objects`) are applied to it afresh before each compile. Searches compile the schema
 again and again (`Checks.probe`), so they are bounded (`MAX_SEARCH_PROBES`), as is the
-whole (`MAX_RELAX_STEPS`, and the compiler's `RELAX_SECONDS`).
+whole (`MAX_RELAX_STEPS`, and the compiler's `RELAX_SECONDS`). The rules find what to
+change by walking the schema (`schema_walk.py`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ import copy
 import json
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+from aici_cli.control.grammar.ref_merges import merge_exactly, merged_use
 from aici_cli.control.grammar.schema_rewrite import close_objects, exclusive_one_of
+from aici_cli.control.grammar.schema_walk import SchemaNode, children, pointer, shown, walk
 
 # Steps before giving up. Of the 4,622 JSONSchemaBench dev schemas, the 45 that need relaxing
 # take 3 steps (median), 11 at most (large recursive schemas).
@@ -38,87 +41,6 @@ MAX_RELAX_STEPS = 16
 
 # Compiles one search may spend (each 1-100 ms on real schemas).
 MAX_SEARCH_PROBES = 64
-
-# Paths listed per step; the rest are counted.
-_MAX_PATHS_SHOWN = 4
-
-# Keywords whose value is one subschema, a list of them, or a map of names to them.
-_ONE = ("additionalProperties", "additionalItems", "contains", "propertyNames", "not",
-        "if", "then", "else", "unevaluatedProperties", "unevaluatedItems", "items")
-_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_MAP = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas",
-        "dependencies")
-# Keywords whose value is data, never a schema.
-_DATA = ("enum", "const", "default", "examples", "required", "type", "format", "pattern",
-         "$ref", "$schema", "$id", "id", "title", "description", "$comment")
-_COMBINERS = ("allOf", "anyOf", "oneOf")
-# Keys that assert nothing (llguidance's list): never merged with a `$ref` beside them.
-_ANNOTATIONS = {"$anchor", "$defs", "definitions", "$schema", "$id", "id", "$comment", "title",
-                "description", "default", "readOnly", "writeOnly", "examples",
-                "contentMediaType", "contentEncoding"}
-# Drafts in which every keyword beside `$ref` is ignored.
-_REF_ALONE = re.compile(r"draft-0[3-7]/")
-
-Owner = dict[str, Any] | list[Any]
-
-
-@dataclass
-class SchemaNode:
-    """A subschema, where it sits (`owner[key]`) and its JSON pointer."""
-
-    node: Any
-    owner: Owner | None
-    key: str | int
-    path: str
-    keyword: str = ""  # the keyword it sits under in its parent schema
-    parent: dict[str, Any] | None = None  # that parent schema
-
-
-def pointer(path: str) -> str:
-    """A JSON pointer as shown in a step: the root is "/"."""
-    return path or "/"
-
-
-def walk(schema: Any) -> Iterator[SchemaNode]:
-    """Every subschema of `schema`, depth first, the root first. Keys that are not
-    keywords of JSON Schema are walked too when they hold objects (real schemas keep
-    definitions under names like `definations` and reach them by `$ref`)."""
-    stack = [SchemaNode(schema, None, "", "")]
-    while stack:
-        item = stack.pop()
-        yield item
-        stack.extend(reversed(list(children(item.node, item.path))))
-
-
-def children(node: Any, path: str) -> Iterator[SchemaNode]:
-    """The direct subschemas of a (dict) schema node."""
-    if not isinstance(node, dict):
-        return
-    for key, value in node.items():
-        here = f"{path}/{_escape(key)}"
-        if key in _DATA:
-            continue
-        if isinstance(value, list) and (key in _LIST or key not in _ONE + _MAP):
-            for i, member in enumerate(value):
-                if isinstance(member, dict):
-                    yield SchemaNode(member, value, i, f"{here}/{i}", key, node)
-        elif isinstance(value, dict) and (key in _MAP or (
-                key not in _ONE and value and all(isinstance(v, dict) for v in value.values()))):
-            for name, sub in value.items():
-                if isinstance(sub, dict):
-                    yield SchemaNode(sub, value, name, f"{here}/{_escape(name)}", key, node)
-        elif isinstance(value, dict):
-            yield SchemaNode(value, node, key, here, key, node)
-
-
-def _escape(key: Any) -> str:
-    return str(key).replace("~", "~0").replace("/", "~1")
-
-
-def _shown(paths: list[str]) -> str:
-    shown = ", ".join(pointer(p) for p in paths[:_MAX_PATHS_SHOWN])
-    more = len(paths) - _MAX_PATHS_SHOWN
-    return f"{shown} and {more} more" if more > 0 else shown
 
 
 @dataclass
@@ -199,7 +121,7 @@ def _drop_unimplemented(state: Relaxation, error: str, *_: Any) -> str:
     for keyword in keywords:
         paths = _drop_keyword(state.schema, keyword)
         if paths:
-            done.append(f"dropped {keyword} at {_shown(paths)}")
+            done.append(f"dropped {keyword} at {shown(paths)}")
     return "; ".join(done)
 
 
@@ -212,7 +134,7 @@ def _drop_unknown_format(state: Relaxation, error: str, *_: Any) -> str:
         return ""
     name = m.group(1).strip().splitlines()[0]
     paths = _drop_keyword(state.schema, "format", lambda v: v == name)
-    return f"dropped format {name!r} at {_shown(paths)}" if paths else ""
+    return f"dropped format {name!r} at {shown(paths)}" if paths else ""
 
 
 def _drop_bad_patterns(state: Relaxation, error: str, checks: Checks) -> str:
@@ -264,8 +186,8 @@ def _circular_ref(state: Relaxation, error: str, checks: Checks) -> str:
     first = state.circular[target] == 0
     state.circular[target] += 1
     if first:
-        uses = [item for item in walk(state.schema) if _merged_use(item, target)]
-        step = _merge_exactly(state, target, uses)
+        uses = [item for item in walk(state.schema) if merged_use(item, target)]
+        step = merge_exactly(state.schema, target, uses)
         if step:
             return step
     refs = [item.node for item in walk(state.schema) if isinstance(item.node, dict)
@@ -287,7 +209,7 @@ def _circular_ref(state: Relaxation, error: str, checks: Checks) -> str:
     for node in culprits:
         del node["$ref"]
     return (f"dropped circular $ref {target!r} at "
-            f"{_shown([paths[id(node)] for node in culprits])}")
+            f"{shown([paths[id(node)] for node in culprits])}")
 
 
 def _fewest(items: list[Any], enough: Callable[[list[Any]], bool]) -> list[Any]:
@@ -320,103 +242,6 @@ def _fewest(items: list[Any], enough: Callable[[list[Any]], bool]) -> list[Any]:
     return found if budget[0] >= 0 else items
 
 
-def _merged_use(item: SchemaNode, target: str) -> bool:
-    node = item.node
-    if not isinstance(node, dict) or item.owner is None:
-        return False
-    ref = node.get("$ref")
-    if not isinstance(ref, str) or unquote(ref) != target:
-        return False
-    return bool(_beside_ref(node)) or bool(_merged_with(item))
-
-
-def _beside_ref(node: dict[str, Any]) -> list[str]:
-    """The asserting keys beside a node's `$ref`."""
-    return [k for k in node if k != "$ref" and k not in _ANNOTATIONS]
-
-
-def _merged_with(item: SchemaNode) -> list[str]:
-    """For a member of allOf/anyOf/oneOf: the keys of its parent schema that llguidance
-    merges into it (allOf: the other members too, named "allOf")."""
-    parent = item.parent
-    if parent is None or item.keyword not in _COMBINERS:
-        return []
-    keys = [k for k in parent if k not in _ANNOTATIONS and k not in _COMBINERS]
-    if item.keyword == "allOf" and len(parent["allOf"]) > 1:
-        keys.append("allOf")
-    return keys
-
-
-def _merge_exactly(state: Relaxation, target: str, uses: list[SchemaNode]) -> str:
-    ref_alone = _REF_ALONE.search(str(_dialect(state.schema))) is not None
-    resolved = _resolve(state.schema, target)
-    inline = isinstance(resolved, dict) and not any(k in resolved for k in ("$id", "id"))
-    ignored, implied, inlined = [], [], []
-    for item in uses:
-        node, parent = item.node, item.parent
-        beside = _beside_ref(node)
-        if beside and ref_alone:
-            for k in beside:
-                del node[k]
-            ignored.append(item.path)
-            if not _merged_with(item):
-                continue
-        merged = _merged_with(item)
-        if merged == ["type"] and parent is not None and _branches_imply_type(state.schema,
-                                                                               parent):
-            del parent["type"]
-            implied.append(item.path.rsplit("/", 2)[0])
-            continue
-        if inline and (merged or _beside_ref(node)):
-            assert item.owner is not None
-            replacement = copy.deepcopy(resolved)
-            siblings = {k: v for k, v in node.items() if k != "$ref"}
-            if siblings:  # 2019-09 on: the keys beside `$ref` apply too
-                replacement = {**siblings, "allOf": [*siblings.get("allOf", []), replacement]}
-            item.owner[item.key] = replacement  # type: ignore[index]
-            inlined.append(item.path)
-    done = []
-    if ignored:
-        done.append(f"dropped keys beside $ref {target!r} at {_shown(ignored)} (ignored "
-                    "by the draft)")
-    if implied:
-        done.append(f"dropped type beside anyOf/oneOf at {_shown(sorted(set(implied)))} "
-                    "(every branch declares it)")
-    if inlined:
-        done.append(f"inlined $ref {target!r} at {_shown(inlined)}")
-    return "; ".join(done)
-
-
-def _branches_imply_type(schema: Any, parent: dict[str, Any]) -> bool:
-    """Whether every anyOf/oneOf branch of `parent` declares `parent`'s `type` itself."""
-    kind = parent.get("type")
-    for keyword in ("anyOf", "oneOf"):
-        for branch in parent.get(keyword, []) if isinstance(parent.get(keyword), list) else []:
-            if isinstance(branch, dict) and isinstance(branch.get("$ref"), str):
-                branch = _resolve(schema, unquote(branch["$ref"])) or branch
-            if not isinstance(branch, dict) or branch.get("type") != kind:
-                return False
-    return True
-
-
-def _dialect(schema: Any) -> Any:
-    return schema.get("$schema", "") if isinstance(schema, dict) else ""
-
-
-def _resolve(schema: Any, ref: str) -> Any:
-    """The subschema at a local JSON pointer `#/a/b`, or None."""
-    node = schema
-    for part in ref[1:].split("/")[1:] if ref != "#" else []:
-        key = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and key in node:
-            node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
-            node = node[int(key)]
-        else:
-            return None
-    return node
-
-
 _UNSATISFIABLE_REQUIRED = re.compile(r"required property '(.*?)' is unsatisfiable")
 
 
@@ -440,7 +265,7 @@ def _unsatisfiable_required(state: Relaxation, error: str, checks: Checks) -> st
         if isinstance(required, list) and name in required:
             item.node["required"] = [k for k in required if k != name]
             paths.append(item.path)
-    return f"dropped required {name!r} at {_shown(paths)}" if paths else ""
+    return f"dropped required {name!r} at {shown(paths)}" if paths else ""
 
 
 def _weaken_smallest(state: Relaxation, error: str, probe: Probe) -> str:

@@ -67,56 +67,63 @@ def close_objects(schema: Any) -> Any:
     could not be satisfied at all).
     """
     merged_refs: set[str] = set()  # local `$ref` targets that must stay open
-
-    def walk(node: Any, in_all_of: bool, path: str) -> Any:
-        if isinstance(node, list):
-            return [walk(x, in_all_of, f"{path}/{i}") for i, x in enumerate(node)]
-        if not isinstance(node, dict):
-            return node
-        in_all_of = in_all_of or path in merged_refs
-        parent_keys = "properties" in node or "required" in node
-        ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#") and (in_all_of or parent_keys):
-            merged_refs.add(unquote(ref[1:]))  # a URI fragment: percent-encoded
-        out = {}
-        for key, value in node.items():
-            where = f"{path}/{_pointer_token(key)}"
-            if key in ("enum", "const", "default", "examples", "not"):
-                out[key] = value  # data, or (`not`) a schema that must stay as written
-            elif key == "properties" and isinstance(value, dict):
-                out[key] = {k: walk(v, False, f"{where}/{_pointer_token(k)}")
-                            for k, v in value.items()}
-            else:
-                # A member of a merged node merges with what is merged beside it, too.
-                merged = key in ("allOf", "oneOf") or (
-                    key == "anyOf" and (parent_keys or in_all_of))
-                out[key] = walk(value, merged, where)
-        open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-        combined = any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
-        if (
-            isinstance(node.get("properties"), dict)
-            and not any(k in node for k in open_keys)
-            and not in_all_of
-            and not combined
-        ):
-            out["additionalProperties"] = False
-            # A key the object requires but does not declare stays allowed (with any
-            # value): closed without it, the object could not be written at all.
-            required = node.get("required")
-            if isinstance(required, list):
-                missing = [k for k in required
-                           if isinstance(k, str) and k not in out["properties"]]
-                if missing:
-                    out["properties"] = {**out["properties"], **{k: {} for k in missing}}
-        return out
-
     # A definition may be written before the `$ref` that merges it is seen: walk again
     # until no new target turns up (each pass only adds targets; a schema has finitely many).
     while True:
         seen = len(merged_refs)
-        closed = walk(schema, False, "")
+        closed = _closing(schema, False, "", merged_refs)
         if len(merged_refs) == seen:
             return closed
+
+
+def _closing(node: Any, in_all_of: bool, path: str, merged_refs: set[str]) -> Any:
+    """`node` (at JSON pointer `path`) closed as `close_objects` says; `in_all_of`: it is
+    merged with what is beside it, so it stays open. Adds to `merged_refs` the local
+    `$ref` targets it finds merged."""
+    if isinstance(node, list):
+        return [_closing(x, in_all_of, f"{path}/{i}", merged_refs) for i, x in enumerate(node)]
+    if not isinstance(node, dict):
+        return node
+    in_all_of = in_all_of or path in merged_refs
+    parent_keys = "properties" in node or "required" in node
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and (in_all_of or parent_keys):
+        merged_refs.add(unquote(ref[1:]))  # a URI fragment: percent-encoded
+    out = {}
+    for key, value in node.items():
+        where = f"{path}/{_pointer_token(key)}"
+        if key in ("enum", "const", "default", "examples", "not"):
+            out[key] = value  # data, or (`not`) a schema that must stay as written
+        elif key == "properties" and isinstance(value, dict):
+            out[key] = {k: _closing(v, False, f"{where}/{_pointer_token(k)}", merged_refs)
+                        for k, v in value.items()}
+        else:
+            # A member of a merged node merges with what is merged beside it, too.
+            merged = key in ("allOf", "oneOf") or (
+                key == "anyOf" and (parent_keys or in_all_of))
+            out[key] = _closing(value, merged, where, merged_refs)
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    combined = any(k in node for k in ("allOf", "anyOf", "oneOf", "$ref"))
+    if (
+        isinstance(node.get("properties"), dict)
+        and not any(k in node for k in open_keys)
+        and not in_all_of
+        and not combined
+    ):
+        _close(out, node.get("required"))
+    return out
+
+
+def _close(out: dict[str, Any], required: Any) -> None:
+    """Disallows the undeclared keys of the object schema `out` (whose `required` is
+    given), in place."""
+    out["additionalProperties"] = False
+    # A key the object requires but does not declare stays allowed (with any value):
+    # closed without it, the object could not be written at all.
+    if isinstance(required, list):
+        missing = [k for k in required if isinstance(k, str) and k not in out["properties"]]
+        if missing:
+            out["properties"] = {**out["properties"], **{k: {} for k in missing}}
 
 
 def _pointer_token(key: str) -> str:

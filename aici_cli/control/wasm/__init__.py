@@ -9,7 +9,7 @@ engine.
 
 The modules, in the order a component meets them:
 - `component_file`: reading the file (binary or text); `ComponentError`.
-- `engine`: the process-wide wasmtime engine and its epoch ticker thread.
+- `wasm_engine`: the process-wide wasmtime engine and its epoch ticker thread.
 - `compile_cache`: compiling, through a cache of serialized components on disk.
 - `signatures`: the contract's versions, imports and exports, checked at load.
 - `component`: `ControllerComponent` (load, trial instantiation, instantiate).
@@ -17,9 +17,11 @@ The modules, in the order a component meets them:
 - `host_calls`: `HostCalls`, what those imports ask of the calling instance (a protocol
   `instance` implements, so neither imports the other).
 - `services`: what those imports are served from (`HostServices`, `TokenizerServices`).
-- `instance`: `GuestInstance`, one sequence's store, calls, deadlines and quotas, and the
+- `instance`: `GuestInstance`, one sequence's store, calls and deadlines, and the
   journal that replays it into a fork's new branch.
-- `limits`: `Limits`, the per-guest resource limits and why each one is there.
+- `quotas`: `GuestQuotas`, what a sequence may leave in its result line (logs, outputs)
+  and the `tokens-matching` patterns it may ask for.
+- `limits`: `GuestLimits`, the per-guest resource limits and why each one is there.
 - `faults`: wasmtime errors classified into `ControllerError`s.
 - `values`: wasmtime-py values converted to and from the host's action types.
 - `frozen_types`: reflected types read once, which makes conversions ~5x faster.
@@ -30,7 +32,7 @@ from aici_cli.control.wasm.component import ControllerComponent
 from aici_cli.control.wasm.component_file import ComponentError
 from aici_cli.control.wasm.controller import WasmController
 from aici_cli.control.wasm.instance import GuestInstance
-from aici_cli.control.wasm.limits import Limits
+from aici_cli.control.wasm.limits import GuestLimits
 from aici_cli.control.wasm.services import HostServices, TokenizerServices
 from aici_cli.control.wasm.signatures import CONTROLLER_INTERFACE
 
@@ -39,8 +41,8 @@ __all__ = [
     "ComponentError",
     "ControllerComponent",
     "GuestInstance",
+    "GuestLimits",
     "HostServices",
-    "Limits",
     "TokenizerServices",
     "WasmController",
 ]

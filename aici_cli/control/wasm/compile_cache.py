@@ -24,12 +24,12 @@ def default_cache_dir() -> Path:
 
 
 def compile_component(
-    engine: wasmtime.Engine, wasm: bytes, fingerprint: str, cache_dir: Path
+    wasm_engine: wasmtime.Engine, wasm: bytes, fingerprint: str, cache_dir: Path
 ) -> tuple[Component, bool, Path | None]:
     """Compiles `wasm`, through `cache_dir/components/<key>.cwasm`.
 
     Returns (component, cache_hit, cache_file). The key is the sha256 of the wasm bytes
-    and the engine fingerprint (wasmtime version, config, target). A cache file that
+    and the wasm engine's fingerprint (wasmtime version, config, target). A cache file that
     fails to deserialize (truncated, other wasmtime) is recompiled and replaced. Writes
     are atomic (temp file + rename) so concurrent loads never see half a file; a cache
     that cannot be written is skipped silently. The cache holds native code: it must
@@ -38,30 +38,30 @@ def compile_component(
     key = hashlib.sha256(wasm + b"\0" + fingerprint.encode()).hexdigest()
     folder = cache_dir / "components"
     path = folder / f"{key}.cwasm"
-    cached = _deserialize(engine, path)
+    cached = _deserialize(wasm_engine, path)
     if cached is not None:
         return cached, True, path
     # Processes of one machine (the workers of a Ray node) compile a component once: the
     # first takes the lock and compiles, the others wait for it and load its file.
     with exclusive_lock(folder, key[:16]):
-        cached = _deserialize(engine, path)
+        cached = _deserialize(wasm_engine, path)
         if cached is not None:
             return cached, True, path
-        return _compile_and_store(engine, wasm, folder, key, path)
+        return _compile_and_store(wasm_engine, wasm, folder, key, path)
 
 
-def _deserialize(engine: wasmtime.Engine, path: Path) -> Component | None:
+def _deserialize(wasm_engine: wasmtime.Engine, path: Path) -> Component | None:
     if not path.is_file():
         return None
     try:
-        return Component.deserialize_file(engine, str(path))
+        return Component.deserialize_file(wasm_engine, str(path))
     except wasmtime.WasmtimeError:
         return None  # stale or damaged: recompiled and overwritten
 
 
-def _compile_and_store(engine: wasmtime.Engine, wasm: bytes, folder: Path, key: str,
+def _compile_and_store(wasm_engine: wasmtime.Engine, wasm: bytes, folder: Path, key: str,
                        path: Path) -> tuple[Component, bool, Path | None]:
-    component = Component(engine, wasm)
+    component = Component(wasm_engine, wasm)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key[:16]}.", suffix=".tmp")

@@ -14,12 +14,11 @@ from wasmtime.component import Component, FuncType
 from aici_cli.control.line_scope import LineScope
 from aici_cli.control.wasm.compile_cache import compile_component, default_cache_dir
 from aici_cli.control.wasm.component_file import ComponentError, read_wasm
-from aici_cli.control.wasm.engine import SharedEngine, shared_engine
 from aici_cli.control.wasm.faults import is_trap, root_cause
 from aici_cli.control.wasm.frozen_types import freeze
 from aici_cli.control.wasm.host_functions import make_linker
 from aici_cli.control.wasm.instance import GuestInstance
-from aici_cli.control.wasm.limits import DEFAULT_LIMITS, Limits, size_text
+from aici_cli.control.wasm.limits import DEFAULT_GUEST_LIMITS, GuestLimits, size_text
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.control.wasm.signatures import (
     CONSTRUCTOR,
@@ -32,6 +31,7 @@ from aici_cli.control.wasm.signatures import (
     import_result_tagged,
     step_field_tagged,
 )
+from aici_cli.control.wasm.wasm_engine import SharedWasmEngine, shared_wasm_engine
 from aici_cli.vocabulary.errors import ControllerError
 
 
@@ -57,8 +57,8 @@ class ControllerComponent:
         self,
         path: Path,
         component: Component,
-        shared: SharedEngine,
-        limits: Limits,
+        shared: SharedWasmEngine,
+        limits: GuestLimits,
         contract: Contract,
         lowering: Lowering,
         compile_ms: float,
@@ -77,7 +77,7 @@ class ControllerComponent:
         iface = component.get_export_index(contract.controller)
         self._ctor_index = component.get_export_index(CONSTRUCTOR, iface)
         self._mid_index = component.get_export_index(MID_PROCESS, iface)
-        self._linker = make_linker(shared.engine, contract, lowering.tokens_matching,
+        self._linker = make_linker(shared.wasm_engine, contract, lowering.tokens_matching,
                                    lowering.storage_get)
         self._types_lock = threading.Lock()
         self._mid_type: FuncType | None = None
@@ -85,7 +85,8 @@ class ControllerComponent:
 
     @classmethod
     def load(
-        cls, path: str | Path, limits: Limits = DEFAULT_LIMITS, cache_dir: Path | None = None
+        cls, path: str | Path, limits: GuestLimits = DEFAULT_GUEST_LIMITS,
+        cache_dir: Path | None = None,
     ) -> ControllerComponent:
         """Reads, compiles (or loads from the compile cache) and checks a component.
 
@@ -98,16 +99,16 @@ class ControllerComponent:
 
     @classmethod
     def from_bytes(
-        cls, path: Path, wasm: bytes, limits: Limits = DEFAULT_LIMITS,
+        cls, path: Path, wasm: bytes, limits: GuestLimits = DEFAULT_GUEST_LIMITS,
         cache_dir: Path | None = None,
     ) -> ControllerComponent:
         """`load` for a component's binary read elsewhere (by `read_wasm`; a Ray
         worker gets it through the object store); `path` names it in messages."""
-        shared = shared_engine()
+        shared = shared_wasm_engine()
         t0 = time.perf_counter()
         try:
             component, hit, cache_file = compile_component(
-                shared.engine,
+                shared.wasm_engine,
                 wasm,
                 shared.fingerprint,
                 cache_dir if cache_dir is not None else default_cache_dir(),
@@ -117,16 +118,16 @@ class ControllerComponent:
                 f"{path} is not a valid WebAssembly component: {root_cause(str(e))}"
             ) from None
         compile_ms = (time.perf_counter() - t0) * 1000
-        engine = shared.engine
-        contract = find_contract(path, component, engine)
-        check_imports(path, component, engine, contract)
-        mid_ty = check_exports(path, component, engine, contract)
+        wasm_engine = shared.wasm_engine
+        contract = find_contract(path, component, wasm_engine)
+        check_imports(path, component, wasm_engine, contract)
+        mid_ty = check_exports(path, component, wasm_engine, contract)
         lowering = Lowering(
             segment_text=step_field_tagged(mid_ty, "segment-text"),
             branch=contract.forks and step_field_tagged(mid_ty, "branch"),
-            tokens_matching=import_result_tagged(component, engine, contract.tokenizer,
+            tokens_matching=import_result_tagged(component, wasm_engine, contract.tokenizer,
                                                  "tokens-matching"),
-            storage_get=import_result_tagged(component, engine, STORAGE_INTERFACE, "get"),
+            storage_get=import_result_tagged(component, wasm_engine, STORAGE_INTERFACE, "get"),
         )
         self = cls(path, component, shared, limits, contract, lowering, compile_ms, hit,
                    cache_file)
@@ -137,8 +138,8 @@ class ControllerComponent:
         """The names the component exports and imports, sorted (what the OCI artifact's
         config lists)."""
         ty = self._component.type
-        engine = self._shared.engine
-        return sorted(ty.exports(engine)), sorted(ty.imports(engine))
+        wasm_engine = self._shared.wasm_engine
+        return sorted(ty.exports(wasm_engine)), sorted(ty.imports(wasm_engine))
 
     def instantiate(self, arg: str, prompt: list[int], services: HostServices,
                     line: LineScope | None = None) -> GuestInstance:
@@ -175,7 +176,7 @@ class ControllerComponent:
     def _trial_instantiate(self) -> None:
         """Instantiates once at load so that link errors are a ComponentError, not N
         per-sequence failures. Traps here are ignored: they are per-sequence matters."""
-        store = wasmtime.Store(self._shared.engine)
+        store = wasmtime.Store(self._shared.wasm_engine)
         store.set_limits(
             memory_size=self.limits.memory_bytes, table_elements=self.limits.table_elements
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from aici_cli.control.wasm.limits import Limits, size_text
+from aici_cli.control.wasm.limits import GuestLimits, size_text
 from aici_cli.vocabulary.errors import ControllerError
 
 
@@ -35,7 +35,7 @@ _WASI_FRAME = re.compile(
 )
 
 
-def classify(message: str, phase: str, budget_ms: int, limits: Limits) -> ControllerError:
+def classify(message: str, phase: str, budget_ms: int, limits: GuestLimits) -> ControllerError:
     """The error of a call (`phase`: instantiation, constructor, mid-process) that ended
     with the wasmtime error `message`."""
     cause = root_cause(message)

@@ -26,12 +26,12 @@ from aici_cli.control.wasm.signatures import STORAGE_INTERFACE, Contract
 from aici_cli.vocabulary.errors import ControllerError
 
 
-def make_linker(engine: wasmtime.Engine, contract: Contract, tokens_matching_tagged: bool,
+def make_linker(wasm_engine: wasmtime.Engine, contract: Contract, tokens_matching_tagged: bool,
                 storage_get_tagged: bool = False) -> Linker:
     """A linker defining every function this host provides to a component of `contract`;
     `tokens_matching_tagged` / `storage_get_tagged`: whether the component's
     `tokens-matching` / storage `get` result is lowered as a `Variant`."""
-    linker = Linker(engine)
+    linker = Linker(wasm_engine)
 
     def storage_get(g: HostCalls, key: str) -> Any:
         value = g.storage_get(key)

@@ -1,4 +1,6 @@
-"""One sequence's guest: its own Store, instance and `runner` resource, its calls and quotas.
+"""One sequence's guest: its own Store, instance and `runner` resource, its calls and
+deadlines, and the journal that replays it into a fork's new branch (what it may leave in
+its result line is `quotas.py`'s).
 
 Isolation: one `Store` per sequence. A trap poisons a store for good ("cannot enter
 component instance"), so one failing controller ends only its own sequence; a dead guest
@@ -34,7 +36,6 @@ constructor, plus one call per journaled call.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -48,7 +49,7 @@ from aici_cli.control.actions import Action, StepInput
 from aici_cli.control.line_scope import LineScope
 from aici_cli.control.wasm.faults import Fault, Overrun, classify, clip
 from aici_cli.control.wasm.host_calls import HostCalls, current, to_u32
-from aici_cli.control.wasm.limits import size_text
+from aici_cli.control.wasm.quotas import GuestQuotas
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.control.wasm.values import split_result, step_record, to_action
 from aici_cli.vocabulary.errors import ControllerError
@@ -84,8 +85,7 @@ class GuestInstance:
                  line: LineScope) -> None:
         self.services = services
         self.line = line  # storage and outputs shared with the line's other sequences
-        self.logs: list[str] = []  # host.log lines, in order (cut at Limits.log_bytes)
-        self.outputs: dict[str, Any] = {}  # set-output values, JSON-parsed when they parse
+        self.quotas = GuestQuotas(component.limits)  # its logs, outputs and patterns
         self.guest_ms = 0.0  # wall time inside constructor + mid-process calls
         self.host_ms = 0.0  # of which inside host functions
         self.setup_ms = 0.0  # Store + instantiation
@@ -97,11 +97,6 @@ class GuestInstance:
         self._resource: ResourceAny | None = None
         self._mid: Any = None
         self._vocab = 0
-        self._log_used = 0
-        self._log_cut = False
-        self._output_used = 0  # bytes of key + value text of the current outputs
-        self._output_sizes: dict[str, int] = {}
-        self._patterns: set[str] = set()  # distinct tokens-matching patterns asked for
         self._pending: ControllerError | None = None
         self._call_start = 0.0
         self._call_host_s = 0.0
@@ -178,6 +173,16 @@ class GuestInstance:
     def dead(self) -> bool:
         return self.error is not None or self._store is None
 
+    @property
+    def logs(self) -> list[str]:
+        """host.log lines, in order (cut at `GuestLimits.log_bytes`)."""
+        return self.quotas.logs
+
+    @property
+    def outputs(self) -> dict[str, Any]:
+        """set-output values, JSON-parsed when they parse."""
+        return self.quotas.outputs
+
     # -- internals --
 
     def _start(self, arg: str, prompt: list[int]) -> None:
@@ -191,7 +196,7 @@ class GuestInstance:
                 "host_error", f"host services failed: vocab_size: {type(e).__name__}: {e}"
             )
             raise self.error from None
-        store = wasmtime.Store(comp._shared.engine)
+        store = wasmtime.Store(comp._shared.wasm_engine)
         store.set_limits(
             memory_size=self._limits.memory_bytes, table_elements=self._limits.table_elements
         )
@@ -288,51 +293,16 @@ class GuestInstance:
         guest_ms = (time.perf_counter() - self._call_start - self._call_host_s) * 1000
         store.set_epoch_deadline(max(1, math.ceil(self._budget_ms - guest_ms)))
 
-    # -- quotas: what a guest may leave in its result line --
+    # -- quotas: what a guest may leave in its result line (`quotas.py`) --
 
     def log(self, message: str) -> None:
-        """Keeps lines up to `log_bytes` (each line counts its newline, so floods of empty
-        lines are bounded too); the line that crosses the cap keeps its head."""
-        if self._log_cut:
-            return
-        data = message.encode("utf-8", "replace")
-        room = self._limits.log_bytes - self._log_used
-        if len(data) + 1 > room:
-            self._log_cut = True
-            if room > 1:
-                self.logs.append(data[: room - 1].decode("utf-8", "ignore"))
-            self.logs.append(f"[logs truncated: more than {self._limits.log_bytes} bytes]")
-            return
-        self._log_used += len(data) + 1
-        self.logs.append(message)
+        self.quotas.log(message)
 
     def set_output(self, key: str, value: str) -> None:
-        limits = self._limits
-        if key not in self.outputs and len(self.outputs) >= limits.max_outputs:
-            raise Fault(
-                ControllerError(
-                    "too_many_outputs",
-                    f"set-output {clip(key, 100)!r}: more than {limits.max_outputs} outputs "
-                    "per sequence",
-                )
-            )
-        size = len(key.encode("utf-8", "replace")) + len(value.encode("utf-8", "replace"))
-        used = self._output_used - self._output_sizes.get(key, 0) + size
-        if used > limits.output_bytes:
-            raise Fault(
-                ControllerError(
-                    "outputs_too_large",
-                    f"set-output {clip(key, 100)!r}: the outputs would take {used:,} bytes "
-                    f"of key and value text, more than the {size_text(limits.output_bytes)} "
-                    "allowed per sequence",
-                )
-            )
-        self._output_used = used
-        self._output_sizes[key] = size
-        try:
-            self.outputs[key] = json.loads(value)
-        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
-            self.outputs[key] = value
+        self.quotas.set_output(key, value)
+
+    def count_pattern(self, pattern: str) -> None:
+        self.quotas.count_pattern(pattern)
 
     # -- storage and the line's outputs (contract 0.2.0), shared by the line's guests --
 
@@ -385,22 +355,6 @@ class GuestInstance:
                 f"{_DETERMINISM}",
             ))
         return entry[2]
-
-    def count_pattern(self, pattern: str) -> None:
-        """Raises ValueError (the guest's `err`) past the per-sequence pattern caps."""
-        limits = self._limits
-        if len(pattern) > limits.pattern_chars:
-            raise ValueError(
-                f"pattern of {len(pattern):,} characters; at most {limits.pattern_chars:,} "
-                "are allowed"
-            )
-        if pattern not in self._patterns:
-            if len(self._patterns) >= limits.max_patterns:
-                raise ValueError(
-                    f"more than {limits.max_patterns} distinct patterns per sequence "
-                    "(each one scans the vocabulary); reuse the handles you have"
-                )
-            self._patterns.add(pattern)
 
 
 _DETERMINISM = (

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Limits:
+class GuestLimits:
     """Per-guest resource limits: wasmtime enforces the first five, the host the rest."""
 
     call_ms: int = 50  # wall-clock deadline per mid-process call (epoch interruption)
@@ -52,7 +52,7 @@ class Limits:
     storage_bytes: int = 1 << 20  # per-line storage key + value bytes; beyond: storage_quota
 
 
-DEFAULT_LIMITS = Limits()
+DEFAULT_GUEST_LIMITS = GuestLimits()
 
 
 def size_text(n: int) -> str:

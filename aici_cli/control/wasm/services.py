@@ -45,7 +45,7 @@ class TokenizerServices:
     minutes on a pattern like `(a|a)+` while holding the GIL, which would stall every
     sequence; the timeout costs ~1.5 us per token. A pattern that fails (syntax or time)
     fails again at once. The cache of sets is capped at `cache_bytes` for the run (then
-    new patterns get an error), and each sequence may add only `Limits.max_patterns`.
+    new patterns get an error), and each sequence may add only `GuestLimits.max_patterns`.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token: int, lltok: Any,

@@ -189,17 +189,17 @@ def _check_signature(path: Path, where: str, found: str, expected: str) -> None:
     raise ComponentError(f"{path}: {where} has {detail}; rebuild against wit/controller.wit")
 
 
-def _instance_funcs(item: Any, engine: wasmtime.Engine) -> dict[str, FuncType] | None:
+def _instance_funcs(item: Any, wasm_engine: wasmtime.Engine) -> dict[str, FuncType] | None:
     ty = item.ty
     if not isinstance(ty, ComponentInstanceType):
         return None
-    return {n: e.ty for n, e in ty.exports(engine).items() if isinstance(e.ty, FuncType)}
+    return {n: e.ty for n, e in ty.exports(wasm_engine).items() if isinstance(e.ty, FuncType)}
 
 
-def find_contract(path: Path, component: Component, engine: wasmtime.Engine) -> Contract:
+def find_contract(path: Path, component: Component, wasm_engine: wasmtime.Engine) -> Contract:
     """The contract version whose controller interface the component exports (by name:
     `check_exports` checks its functions)."""
-    exports = component.type.exports(engine)
+    exports = component.type.exports(wasm_engine)
     for contract in CONTRACTS:
         if contract.controller in exports:
             return contract
@@ -219,11 +219,11 @@ def find_contract(path: Path, component: Component, engine: wasmtime.Engine) -> 
     )
 
 
-def check_imports(path: Path, component: Component, engine: wasmtime.Engine,
+def check_imports(path: Path, component: Component, wasm_engine: wasmtime.Engine,
                   contract: Contract) -> None:
     """Every import must be one this host provides to the component's contract version:
     no WASI, no interfaces of another version."""
-    imports = component.type.imports(engine)
+    imports = component.type.imports(wasm_engine)
     wasi = sorted(name for name in imports if name.startswith("wasi:"))
     if wasi:
         more = f" (and {len(wasi) - 1} more WASI interfaces)" if len(wasi) > 1 else ""
@@ -245,7 +245,7 @@ def check_imports(path: Path, component: Component, engine: wasmtime.Engine,
                 else "; this host provides only " + ", ".join(sorted(provided))
             )
             raise ComponentError(f"{path} imports {name}, which this host does not provide{hint}")
-        funcs = _instance_funcs(item, engine)
+        funcs = _instance_funcs(item, wasm_engine)
         if funcs is None:
             raise ComponentError(f"{path} imports {name} as something other than an instance")
         for func, fty in sorted(funcs.items()):
@@ -257,12 +257,12 @@ def check_imports(path: Path, component: Component, engine: wasmtime.Engine,
             _check_signature(path, f"import {name}#{func}", signature(fty), signatures[name][func])
 
 
-def check_exports(path: Path, component: Component, engine: wasmtime.Engine,
+def check_exports(path: Path, component: Component, wasm_engine: wasmtime.Engine,
                   contract: Contract) -> FuncType:
     """The contract interface, its constructor and mid-process; returns mid-process's type."""
     iface = contract.controller
-    item = component.type.exports(engine).get(iface)
-    funcs = None if item is None else _instance_funcs(item, engine)
+    item = component.type.exports(wasm_engine).get(iface)
+    funcs = None if item is None else _instance_funcs(item, wasm_engine)
     if funcs is None:
         raise ComponentError(f"{path} exports {iface} as something other than an instance")
     for name, expected in contract.signatures[iface].items():
@@ -295,15 +295,15 @@ def step_field_tagged(mid_process: FuncType, field: str) -> bool:
     return is_tagged(dict(record.fields)[field])
 
 
-def import_result_tagged(component: Component, engine: wasmtime.Engine, iface: str,
+def import_result_tagged(component: Component, wasm_engine: wasmtime.Engine, iface: str,
                          func: str) -> bool:
     """How an import's variant-like result (`tokens-matching`'s `result<u32, string>`,
     storage `get`'s `option<list<u8>>`) must be lowered (False when the component does
     not import it)."""
-    item = component.type.imports(engine).get(iface)
+    item = component.type.imports(wasm_engine).get(iface)
     if item is None or not isinstance(item.ty, ComponentInstanceType):
         return False
-    f = item.ty.exports(engine).get(func)
+    f = item.ty.exports(wasm_engine).get(func)
     if f is None or not isinstance(f.ty, FuncType) or f.ty.result is None:
         return False
     return is_tagged(f.ty.result)

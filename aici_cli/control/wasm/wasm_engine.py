@@ -17,7 +17,7 @@ import wasmtime
 
 
 class EpochTicker:
-    """Advances an engine's epoch once per elapsed millisecond while guest calls run.
+    """Advances a wasm engine's epoch once per elapsed millisecond while guest calls run.
 
     A deadline of N ticks is then about N ms. The tick count follows the monotonic clock
     (not the number of sleeps, which overshoot by ~0.1-0.3 ms each), and the thread
@@ -25,8 +25,8 @@ class EpochTicker:
     decode loop. Daemon: it never keeps the process alive.
     """
 
-    def __init__(self, engine: wasmtime.Engine) -> None:
-        self._engine = engine
+    def __init__(self, wasm_engine: wasmtime.Engine) -> None:
+        self._wasm_engine = wasm_engine
         self._lock = threading.Lock()  # guards _active, _resume and the increments
         self._active = 0
         self._resume = time.monotonic()  # when _active last went from 0 to 1
@@ -64,35 +64,37 @@ class EpochTicker:
                 last = max(last, self._resume)
                 elapsed = int((time.monotonic() - last) * 1000)
                 for _ in range(elapsed):
-                    self._engine.increment_epoch()
+                    self._wasm_engine.increment_epoch()
                 last += elapsed / 1000
 
 
 @dataclass(frozen=True)
-class SharedEngine:
-    engine: wasmtime.Engine
+class SharedWasmEngine:
+    """The one wasmtime engine of the process, with its epoch ticker."""
+
+    wasm_engine: wasmtime.Engine
     ticker: EpochTicker
     fingerprint: str  # everything besides the wasm bytes that a compiled artifact depends on
 
 
-_engine_lock = threading.Lock()
-_shared: SharedEngine | None = None
+_shared_lock = threading.Lock()
+_shared: SharedWasmEngine | None = None
 
 
-def shared_engine() -> SharedEngine:
-    """The process-wide engine (fuel + epochs on) and its ticker, created once."""
+def shared_wasm_engine() -> SharedWasmEngine:
+    """The process-wide wasm engine (fuel + epochs on) and its ticker, created once."""
     global _shared
-    with _engine_lock:
+    with _shared_lock:
         if _shared is None:
             config = wasmtime.Config()
             config.consume_fuel = True
             config.epoch_interruption = True
-            engine = wasmtime.Engine(config)
+            wasm_engine = wasmtime.Engine(config)
             fingerprint = (
                 f"wasmtime={_wasmtime_version()};fuel=1;epoch=1;"
                 f"arch={platform.machine()};os={platform.system()}"
             )
-            _shared = SharedEngine(engine, EpochTicker(engine), fingerprint)
+            _shared = SharedWasmEngine(wasm_engine, EpochTicker(wasm_engine), fingerprint)
         return _shared
 
 
