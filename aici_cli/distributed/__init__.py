@@ -2,7 +2,8 @@
 reading, output file, resume and per-line errors as a run in one process.
 
     placement  connect to Ray, start the workers (actors), wait until they are ready
-    worker     `EngineWorker`: one loaded model and one engine, fed chunks of lines
+    worker     `EngineWorker`: one model and one engine (`backends.build.build_engine`,
+               as a local run builds its own), fed chunks of lines
     driver     `RayBackend`: hands out chunks with bounded in-flight work, passes each
                result to the run's sink, gives a dead worker's unfinished lines to others
 

@@ -1,4 +1,5 @@
-"""`RayBackend`: the driver of a Ray run, a `runner.Backend` like the local engine.
+"""`RayBackend`: the driver of a Ray run, a `Backend` (`aici_cli.backends.protocol`) like
+the local engine.
 
 The driver reads the input lazily through the same `read_jobs` as a local run: a bad line
 becomes its error result here and never leaves the driver. Good lines go to workers in
@@ -42,7 +43,8 @@ from aici_cli.distributed.placement import (
 )
 from aici_cli.distributed.worker import Delivery, Figures
 from aici_cli.engine.intake import Emit
-from aici_cli.runner import summarize
+from aici_cli.live_input import LiveInput
+from aici_cli.run_summary import summarize
 from aici_cli.stats import RunTally, percentile
 from aici_cli.vocabulary.config import RunConfig
 from aici_cli.vocabulary.errors import ClusterError
@@ -124,7 +126,10 @@ class RayBackend:
     # ------------------------------------------------------------------------ run
 
     def run(self, items: Iterator[Job | LineError], emit: Emit,
-            should_admit: Callable[[], bool], note: Callable[[str], None]) -> None:
+            should_admit: Callable[[], bool], note: Callable[[str], None],
+            live: LiveInput[Job | LineError] | None = None) -> None:
+        """As `Backend.run`. The input is read in place, `live` or not: the lines decode
+        in the workers' processes while the driver waits for it."""
         self.emit, self.note = emit, note
         source: Iterator[Job | LineError] | None = iter(items)
         while True:
