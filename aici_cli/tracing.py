@@ -130,13 +130,13 @@ class RunTracer(EngineTracer):
         """A perf_counter time as epoch nanoseconds."""
         return int(t * 1e9) + self.shift_ns
 
-    def loaded(self, lm: Any, started: float) -> None:
-        """The model is loaded (it took from `started` until now)."""
+    def loaded(self, lm: Any, started: float, ended: float) -> None:
+        """The model is loaded: it took from `started` until `ended` (`perf_counter`s)."""
         self.model = lm.name
         self.run.set_attribute("gen_ai.request.model", lm.name)
         self.run.set_attribute("aici.device", str(lm.device))
         self.tracer.start_span("load model", context=self.run_context,
-                               start_time=self.ns(started)).end(self.ns(time.perf_counter()))
+                               start_time=self.ns(started)).end(self.ns(ended))
 
     def attach(self, engine: Engine) -> None:
         self.engine = engine

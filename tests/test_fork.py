@@ -18,11 +18,11 @@ import jsonschema
 import pytest
 from wat import Guest, component, save, u32s
 
+from aici_cli.backends.build import wasm_factory
 from aici_cli.control.actions import Sample, StepInput, TokenSet
 from aici_cli.control.wasm import ControllerComponent, GuestLimits
 from aici_cli.engine.loop import Engine
 from aici_cli.models import LoadedModel
-from aici_cli.runner import wasm_factory
 from aici_cli.vocabulary.config import EngineConfig, RunConfig
 from aici_cli.vocabulary.errors import ControllerError
 from aici_cli.vocabulary.job import Job

@@ -17,10 +17,10 @@ from click.testing import CliRunner
 from aici_cli.cli import main
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar_check import lark_grammar, whitespace_problem
+from aici_cli.input_format import detect_format
 from aici_cli.jobs import load_schema
 from aici_cli.models import LoadedModel
 from aici_cli.openai_batch import CHAT, COMPLETIONS, line_format, to_line
-from aici_cli.runner import _detect_format
 from aici_cli.vocabulary.constraint import Constraint
 
 DATA = Path(__file__).parent / "data"
@@ -463,13 +463,13 @@ def test_auto_format_is_decided_by_the_lines(tiny_model_dir: Path, tmp_path: Pat
 def test_detection_reads_no_further_than_the_deciding_line() -> None:
     lines = [b"\n", b"{oops\n", b'{"x": 1}\n', b'{"custom_id": "a"}\n', b'{"prompt": "p"}\n']
     source = iter(lines)
-    peeked, fmt, why = _detect_format(source, "auto")  # type: ignore[arg-type]
+    peeked, fmt, why = detect_format(source, "auto")  # type: ignore[arg-type]
     assert (fmt, why) == ("openai", "--format auto, decided by line 4")
     assert peeked == lines[:4] and list(source) == lines[4:]  # the rest is still unread
     bom = io.BytesIO(b'\xef\xbb\xbf{"custom_id": "a"}\n')  # as editors on Windows write
-    assert _detect_format(bom, "auto")[1] == "openai"
-    assert _detect_format(io.BytesIO(b"{}\n[]\n"), "auto")[1:] == (
+    assert detect_format(bom, "auto")[1] == "openai"
+    assert detect_format(io.BytesIO(b"{}\n[]\n"), "auto")[1:] == (
         "aici", "--format auto: no line in the first 2 decided")
-    assert _detect_format(io.BytesIO(b"{}\n"), "openai") == ([], "openai", "--format openai")
+    assert detect_format(io.BytesIO(b"{}\n"), "openai") == ([], "openai", "--format openai")
     assert line_format({"body": {}}) == "openai" and line_format({"n": 2}) == "aici"
     assert line_format({"x": 1}) is None and line_format([1]) is None

@@ -2,9 +2,11 @@
 reading, output file, resume and per-line errors as a run in one process.
 
     placement  connect to Ray, start the workers (actors), wait until they are ready
-    worker     `EngineWorker`: one loaded model and one engine, fed chunks of lines
+    worker     `EngineWorker`: one model and one engine (`backends.build.build_engine`,
+               as a local run builds its own), fed chunks of lines
     driver     `RayBackend`: hands out chunks with bounded in-flight work, passes each
                result to the run's sink, gives a dead worker's unfinished lines to others
+    summary    `RunFigures`: what the driver gathers for the run summary, and the summary
 
 Ray is an optional dependency (`pip install 'aici-batch[ray]'`): nothing imports it
 unless a run asks for `--ray`, and this module itself is light (the CLI checks with it).

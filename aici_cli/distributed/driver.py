@@ -1,4 +1,5 @@
-"""`RayBackend`: the driver of a Ray run, a `runner.Backend` like the local engine.
+"""`RayBackend`: the driver of a Ray run, a `Backend` (`aici_cli.backends.protocol`) like
+the local engine.
 
 The driver reads the input lazily through the same `read_jobs` as a local run: a bad line
 becomes its error result here and never leaves the driver. Good lines go to workers in
@@ -40,14 +41,14 @@ from aici_cli.distributed.placement import (
     start_workers,
     stop_workers,
 )
-from aici_cli.distributed.worker import Delivery, Figures
+from aici_cli.distributed.summary import RunFigures
+from aici_cli.distributed.worker import Delivery
 from aici_cli.engine.intake import Emit
-from aici_cli.runner import summarize
-from aici_cli.stats import RunTally, percentile
+from aici_cli.live_input import LiveInput
+from aici_cli.stats import RunTally
 from aici_cli.vocabulary.config import RunConfig
 from aici_cli.vocabulary.errors import ClusterError
 from aici_cli.vocabulary.job import Job, LineError, error_result
-from aici_cli.vocabulary.line_stats import StepTimes
 
 LINE_LOSSES = 3  # worker deaths a line may be in flight at before it is `worker_lost`
 ALONE_AFTER = 2  # from this many, the line runs alone, so that a death is its own
@@ -90,9 +91,7 @@ class RayBackend:
         self.retry: deque[Job] = deque()  # lost once: handed out again as usual
         self.alone: deque[Job] = deque()  # lost `ALONE_AFTER` times: one at a time
         self.losses: dict[int, int] = {}  # by index, lines lost at least once
-        self.reassigned = 0
-        self.delivery_ms: list[float] = []  # per line: worker's yield to written
-        self.figures: list[Figures] = []  # the workers' step times etc., per chunk
+        self.figures = RunFigures()
         self.next_chunk = 0
         self.emit: Emit = lambda result: None
         self.note: Callable[[str], None] = lambda message: None
@@ -124,7 +123,10 @@ class RayBackend:
     # ------------------------------------------------------------------------ run
 
     def run(self, items: Iterator[Job | LineError], emit: Emit,
-            should_admit: Callable[[], bool], note: Callable[[str], None]) -> None:
+            should_admit: Callable[[], bool], note: Callable[[str], None],
+            live: LiveInput[Job | LineError] | None = None) -> None:
+        """As `Backend.run`. The input is read in place, `live` or not: the lines decode
+        in the workers' processes while the driver waits for it."""
         self.emit, self.note = emit, note
         source: Iterator[Job | LineError] | None = iter(items)
         while True:
@@ -259,7 +261,7 @@ class RayBackend:
 
     def _deliver(self, chunk: Chunk, delivery: Delivery) -> None:
         if delivery.figures is not None:
-            self.figures.append(delivery.figures)
+            self.figures.engines.append(delivery.figures)
             return
         result = delivery.result
         assert result is not None
@@ -268,10 +270,7 @@ class RayBackend:
             return
         self.losses.pop(job.index, None)
         self.emit(result)
-        worker = chunk.worker
-        worker.lines += 1
-        worker.output_tokens += int(result.get("stats", {}).get("output_tokens", 0))
-        self.delivery_ms.append((time.time() - delivery.sent_at) * 1000)
+        self.figures.delivered(chunk.worker, result, delivery.sent_at)
 
     def _finished(self, gen: Any, chunk: Chunk) -> None:
         del self.chunks[gen]
@@ -298,7 +297,7 @@ class RayBackend:
 
     def _strike(self, job: Job, worker: Worker) -> None:
         n = self.losses[job.index] = self.losses.get(job.index, 0) + 1
-        self.reassigned += 1
+        self.figures.reassigned += 1
         if n >= LINE_LOSSES:
             self.losses.pop(job.index)
             self.emit(error_result(LineError(
@@ -352,46 +351,7 @@ class RayBackend:
     # -------------------------------------------------------------------- summary
 
     def summary(self, config: RunConfig, tally: RunTally, wall: float) -> dict[str, Any]:
-        steps: list[StepTimes] = []
-        compiled: list[float] = []
-        calls: list[float] = []
-        for figures in self.figures:  # a lost chunk's figures are lost with it
-            steps += figures.steps
-            compiled += figures.compile_ms
-            calls += figures.call_times
-        info = self.workers[0].info
-        model: dict[str, str] = {k: str(info[k]) for k in ("model", "device", "dtype", "quantize")
-                                 if k in info}
-        summary = summarize(config, tally, steps, wall, model, compiled, calls)
-        summary["ray"] = self._ray_summary(wall)
-        return summary
-
-    def _ray_summary(self, wall: float) -> dict[str, Any]:
-        """Per worker lines/s and tokens/s over the run's wall time, the faults, and the
-        driver's own cost per line (a result's yield on its worker to its line written,
-        transfer included)."""
-        def rate(n: int) -> float:
-            return round(n / wall, 3) if wall > 0 else 0.0
-
-        workers = []
-        for w in self.workers:
-            entry = {"worker": w.name, "node": str(w.info.get("node", "")), "lines": w.lines,
-                     "output_tokens": w.output_tokens, "lines_per_s": rate(w.lines),
-                     "tokens_per_s": rate(w.output_tokens), "losses": w.losses}
-            if "controller" in w.info:
-                entry["controller"] = w.info["controller"]
-            workers.append(entry)
-        delivery = self.delivery_ms
-        return {
-            "workers": workers,
-            "worker_losses": sum(w.losses for w in self.workers),
-            "lines_reassigned": self.reassigned,
-            "driver_ms_per_line": {
-                "p50": round(percentile(delivery, 50), 3),
-                "p99": round(percentile(delivery, 99), 3),
-                "mean": round(sum(delivery) / len(delivery), 3) if delivery else 0.0,
-            },
-        }
+        return self.figures.summary(config, tally, wall, self.workers)
 
 
 def client_mode() -> bool:

@@ -19,10 +19,9 @@ import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from aici_cli.vocabulary.config import RunConfig, load_quantize
+from aici_cli.vocabulary.config import RunConfig
 from aici_cli.vocabulary.errors import ModelError, UsageError
 from aici_cli.vocabulary.job import Job
 from aici_cli.vocabulary.line_stats import StepTimes
@@ -88,23 +87,18 @@ class EngineWorker:
     def _load(self, config: RunConfig, wasm: bytes | None) -> None:
         import torch
 
-        from aici_cli.engine.loop import Engine
-        from aici_cli.models.load import load_model
-        from aici_cli.runner import model_meta, wasm_factory
+        from aici_cli.backends.build import build_engine, model_meta
 
         assert config.ray is not None
         # Ray sets OMP_NUM_THREADS from num_cpus; torch's own pool needs telling too.
         torch.set_num_threads(max(1, int(config.ray.cpus_per_worker)))
-        t0 = time.perf_counter()
-        lm = load_model(config.model, config.device, config.dtype, load_quantize(config))
-        self.engine = Engine(lm, config.engine)
-        self.info.update(model_meta(lm), load_s=round(time.perf_counter() - t0, 3))
-        if wasm is not None:
-            component = _component(config, wasm)
-            self.engine.set_controller_factory(wasm_factory(
-                config, self.engine, self.call_times, component))
-            self.info["controller"] = {"compile_ms": round(component.compile_ms, 3),
-                                       "cache_hit": component.cache_hit}
+        built = build_engine(config, wasm)
+        self.engine = built.engine
+        self.call_times = built.call_times
+        self.info.update(model_meta(built.lm), load_s=round(built.load_s, 3))
+        if built.component is not None:
+            self.info["controller"] = {"compile_ms": round(built.component.compile_ms, 3),
+                                       "cache_hit": built.component.cache_hit}
 
     # ---------------------------------------------------------------- actor methods
 
@@ -183,19 +177,6 @@ class EngineWorker:
             outbox = self.outboxes.get(chunk) if chunk is not None else None
         if outbox is not None:  # else a line handed here twice: its other result went out
             outbox.put(Delivery(result, time.time()))
-
-
-def _component(config: RunConfig, wasm: bytes) -> Any:
-    """The `--controller` component from its bytes; compiled once per node (the
-    compile cache is on the node's disk, and locked while one worker compiles)."""
-    from aici_cli.control.wasm import ComponentError, ControllerComponent, GuestLimits
-
-    assert config.controller is not None
-    try:
-        return ControllerComponent.from_bytes(Path(config.controller), wasm,
-                                              GuestLimits(call_ms=config.controller_call_ms))
-    except ComponentError as e:
-        raise UsageError(str(e)) from None
 
 
 def _node() -> str:

@@ -9,6 +9,8 @@ The modules, in the order an artifact meets them:
   or the command line, no retries, one-line `RegistryError`s.
 - `store`: pulled artifacts in the component cache, keyed by digest (offline reruns).
 - `operations`: `publish`, `pull`, and pinning a run's `--controller` to one digest.
+- `run_controller`: a run's `--controller` pinned (`pin`), and the digest its results
+  and summary record of it.
 
 Torch-free; wasmtime is imported only to check a component (publish, and a pull's
 contract check).
