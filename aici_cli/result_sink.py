@@ -11,7 +11,7 @@ from typing import Any
 
 from aici_cli.openai_batch import BatchFormat
 from aici_cli.ordered import InputOrder
-from aici_cli.results import ResultWriter
+from aici_cli.result_writer import ResultWriter
 from aici_cli.resume import InputLines
 from aici_cli.stats import RunTally
 from aici_cli.ui import RunDisplay

@@ -30,7 +30,7 @@ from aici_cli.openai_batch import BatchFormat, refuse_requests
 from aici_cli.out_paths import check_writable, run_outputs
 from aici_cli.registry import run_controller
 from aici_cli.result_sink import ResultSink
-from aici_cli.results import ResultWriter
+from aici_cli.result_writer import ResultWriter
 from aici_cli.resume import InputLines, OutputFile, ResumeError, ResumePlan
 from aici_cli.run_summary import RunStart, run_facts, write_summary
 from aici_cli.ui import ModelLoading, RunDisplay, failure_line, load_progress, loading_what

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from aici_cli.jobs import open_input, read_jobs
-from aici_cli.results import ResultWriter
+from aici_cli.result_writer import ResultWriter
 from aici_cli.vocabulary.config import JobDefaults
 from aici_cli.vocabulary.constraint import Constraint
 from aici_cli.vocabulary.errors import UsageError

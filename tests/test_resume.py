@@ -23,7 +23,7 @@ from click.testing import CliRunner, Result
 from aici_cli.cli import main
 from aici_cli.formats import load_schema
 from aici_cli.jobs import read_jobs
-from aici_cli.results import ResultWriter
+from aici_cli.result_writer import ResultWriter
 from aici_cli.resume import (
     DIGEST_FIELD,
     InputLines,

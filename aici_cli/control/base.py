@@ -94,7 +94,7 @@ class Controller(Protocol):
         """The sequence ended: release what the controller holds (a guest instance)."""
         ...
 
-    def join_line(self, line: LineScope) -> None:
+    def join_line(self, scope: LineScope) -> None:
         """Before `start`: what the line's sequences share (storage, the line's outputs)."""
         ...
 
@@ -143,7 +143,7 @@ class ControllerBase:
     def close(self) -> None:
         return None
 
-    def join_line(self, line: LineScope) -> None:
+    def join_line(self, scope: LineScope) -> None:
         return None
 
     def fork(self, n: int) -> list[Controller]:

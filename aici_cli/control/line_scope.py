@@ -4,7 +4,7 @@ A controller that forks (`aici:controller@0.2.0`) runs one guest per branch; the
 of a line (and its `n` samples) share one `LineScope`: a key-value storage
 (`aici:storage/storage`) and the line's `outputs` (`host.set-line-output`). The host calls
 one guest at a time, so a write applies at once and every later call of any of the
-line's guests sees it (the README's "Storage" section gives the order of calls).
+line's guests sees it (docs/controllers.md, "Storage", gives the order of calls).
 
 Both are bounded like a sequence's outputs, with a precise error rather than silent loss:
 storage by keys and by bytes of key and value, `storage_quota` beyond them; the line's

@@ -7,8 +7,8 @@ declared in `aici_cli.vocabulary.job`).
     messages  the one-line problem text of a LineError
 
 Whether a `json_schema` is usable is `aici_cli.control.schema_check`; the tool's own
-schemas are `aici_cli.formats`; result lines out are `aici_cli.results`. Torch-free:
-the CLI imports it at startup.
+schemas are `aici_cli.formats`; result lines out are written by
+`aici_cli.result_writer`. Torch-free: the CLI imports it at startup.
 """
 
 from aici_cli.formats import load_schema

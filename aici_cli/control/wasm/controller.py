@@ -91,19 +91,19 @@ class WasmController(ControllerBase):
         # past it, the tokens before it are shared with the other branches.
         self.floor: int | None = None
         self.replay_ms = 0.0  # bringing this branch's guest to its fork point (replay)
-        self.line: LineScope | None = None  # what the line's sequences share
+        self.scope: LineScope | None = None  # what the line's sequences share
         self._pending: StepInput | None = None  # sampled tokens the guest has not seen yet
         self.trace: CallTrace | None = None  # a tracer's: told of every guest call
 
     # --- the engine's contract ---------------------------------------------------------
 
-    def join_line(self, line: LineScope) -> None:
-        self.line = line
+    def join_line(self, scope: LineScope) -> None:
+        self.scope = scope
 
     def start(self, prompt: Sequence[int]) -> Directive:
         t0 = time.perf_counter()
         self.guest = self.component.instantiate(self.arg, list(prompt), self.services,
-                                                self.line)
+                                                self.scope)
         if self.trace is not None:
             self.trace("start", t0, time.perf_counter())
         return self._follow(self._call(StepInput()), Directive())
@@ -118,7 +118,7 @@ class WasmController(ControllerBase):
                 t0 = time.perf_counter()
                 branch = WasmController(self.component, self.arg, self.services,
                                         self.compiler, self.fast_forward, self.call_times)
-                branch.line = self.line
+                branch.scope = self.scope
                 branch.guest = self.guest.replica()
                 branch.generated = branch.floor = self.generated
                 t1 = time.perf_counter()

@@ -82,9 +82,9 @@ class GuestInstance:
     """
 
     def __init__(self, component: ControllerComponent, services: HostServices,
-                 line: LineScope) -> None:
+                 scope: LineScope) -> None:
         self.services = services
-        self.line = line  # storage and outputs shared with the line's other sequences
+        self.scope = scope  # storage and outputs shared with the line's other sequences
         self.quotas = GuestQuotas(component.limits)  # its logs, outputs and patterns
         self.guest_ms = 0.0  # wall time inside constructor + mid-process calls
         self.host_ms = 0.0  # of which inside host functions
@@ -135,7 +135,7 @@ class GuestInstance:
         raise, or controller_nondeterministic when it answers otherwise."""
         journal = self.journal
         assert journal is not None, "only a 0.2.0 guest can fork"
-        guest = GuestInstance(self._component, self.services, self.line)
+        guest = GuestInstance(self._component, self.services, self.scope)
         guest.journal = None  # a replayed call is journaled already
         guest._replay = iter(journal.storage)
         try:
@@ -309,7 +309,7 @@ class GuestInstance:
     def storage_get(self, key: str) -> bytes | None:
         if self._replay is not None:
             return self._replayed("get", key)
-        value = self.line.get(key)
+        value = self.scope.get(key)
         self._record("get", key, value)
         return value
 
@@ -318,7 +318,7 @@ class GuestInstance:
             self._replayed("set", key)  # applied when the forking guest made it
             return
         limits = self._limits
-        _as_fault(lambda: self.line.set(key, value, limits.storage_keys, limits.storage_bytes))
+        _as_fault(lambda: self.scope.set(key, value, limits.storage_keys, limits.storage_bytes))
         self._record("set", key, None)
 
     def storage_append(self, key: str, value: bytes) -> int:
@@ -326,7 +326,7 @@ class GuestInstance:
             return int(self._replayed("append", key))
         limits = self._limits
         length = _as_fault(
-            lambda: self.line.append(key, value, limits.storage_keys, limits.storage_bytes)
+            lambda: self.scope.append(key, value, limits.storage_keys, limits.storage_bytes)
         )
         self._record("append", key, length)
         return length
@@ -335,7 +335,7 @@ class GuestInstance:
         if self._replay is not None:
             return  # made once already, by the forking guest
         limits = self._limits
-        _as_fault(lambda: self.line.set_output(key, value, limits.max_outputs,
+        _as_fault(lambda: self.scope.set_output(key, value, limits.max_outputs,
                                                limits.output_bytes))
 
     def _record(self, op: str, key: str, answer: Any) -> None:
