@@ -160,7 +160,7 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
     click.option("--deterministic", is_flag=True,
                  help="Batch-invariant passes: a line's tokens are the same whatever its batch "
                       "size, neighbours, row, drafts, prefix-cache hits or --resume (costs "
-                      "throughput; see README)."),
+                      "throughput; see docs/reliability.md)."),
     click.option("--step-stats", is_flag=True, help="Add per-step records to each result line."),
     click.option("--stats-out", type=click.Path(dir_okay=False), default=None,
                  help="Write the run summary (JSON) here."),

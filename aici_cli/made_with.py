@@ -1,7 +1,8 @@
 """What shapes a result, recorded in it (`made_with`), so that `--resume` refuses to mix
 results made two ways in one file.
 
-Every result carries the model that made it (as results name it) and the run options
+Every result carries the model that made it (as results name it, with the quantization
+it ran at: `--quantize auto` resolves per model, known once it loads) and the run options
 that set what a line asks for, where they differ from the defaults: the line defaults
 (`--max-tokens`, `--temperature`, `--json-schema`, `--grammar`, `--stop`, ...), the
 options that change what a JSON output may be or how it ends (`--json-permissive`,
@@ -13,8 +14,8 @@ than beside the file: a torn or partly resumed file, and resumes across local an
 Not recorded, because they do not change what is asked, only how it is computed:
 `--batch-size`, `--device`, `--dtype`, `--deterministic`, `--draft-tokens`, `--no-ff`,
 `--no-prefix-cache`, `--lookahead`, the Ray options, timeouts and output options. Some of
-them change a line's tokens in the last bits of its logits (see README, Reproducible
-results) exactly as another batch does, which no run controls either.
+them change a line's tokens in the last bits of its logits (see docs/reliability.md,
+"Reproducible results") exactly as another batch does, which no run controls either.
 
 Torch-free.
 """
@@ -31,7 +32,7 @@ FIELD = "made_with"
 
 # A record key -> the run option that sets it (for messages).
 _OPTIONS = {
-    "model": "--model", **FIELD_OPTIONS,
+    "model": "--model", "quantize": "--quantize", **FIELD_OPTIONS,
     "json_permissive": "--json-permissive", "close_at_limit": "--close-at-limit",
     "loop_guard": "--loop-guard", "schema_retries": "--schema-retries",
     "logprobs_mode": "--logprobs-mode", "controller": "--controller",
@@ -39,8 +40,10 @@ _OPTIONS = {
 }
 
 
-# The recorded run options (all but the model, which is known once the model loads).
-OPTION_KEYS = set(_OPTIONS) - {"model"}
+# Known once the model loads: its name and the quantization it runs at.
+MODEL_KEYS = {"model", "quantize"}
+# The recorded run options known before the model loads.
+OPTION_KEYS = set(_OPTIONS) - MODEL_KEYS
 
 
 def _full(config: RunConfig, controller: str | None) -> dict[str, Any]:
@@ -48,7 +51,7 @@ def _full(config: RunConfig, controller: str | None) -> dict[str, Any]:
     d, e = config.defaults, config.engine
     constraint = d.constraint
     record: dict[str, Any] = {
-        "json_schema": None, "regex": None, "choices": None, "grammar": None,
+        "quantize": "none", "json_schema": None, "regex": None, "choices": None, "grammar": None,
         "stop": list(d.stop), "max_tokens": d.max_tokens, "temperature": d.temperature,
         "top_p": d.top_p, "seed": d.seed, "top_k": d.top_k, "min_p": d.min_p,
         "frequency_penalty": d.frequency_penalty, "presence_penalty": d.presence_penalty,
@@ -78,11 +81,14 @@ def digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()[:16]
 
 
-def run_record(config: RunConfig, model: str, controller: str | None) -> dict[str, Any]:
+def run_record(config: RunConfig, model: str, controller: str | None,
+               quantize: str = "none") -> dict[str, Any]:
     """The `made_with` of this run's results: the model, and the options that differ
-    from the defaults. `controller` is the digest of the `--controller` file."""
+    from the defaults. `controller` is the digest of the `--controller` file; `quantize`
+    what the model runs at (`none`: its own dtype)."""
     record: dict[str, Any] = {"model": model}
-    record.update({k: v for k, v in _full(config, controller).items() if v != DEFAULTS[k]})
+    full = {**_full(config, controller), "quantize": quantize}
+    record.update({k: v for k, v in full.items() if v != DEFAULTS[k]})
     return record
 
 

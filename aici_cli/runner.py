@@ -24,7 +24,7 @@ from aici_cli.input_format import detect_format
 from aici_cli.interrupts import Interrupts, signal_name
 from aici_cli.jobs import Translate, open_input, read_jobs
 from aici_cli.live_input import LiveInput, may_block
-from aici_cli.made_with import OPTION_KEYS, run_record
+from aici_cli.made_with import MODEL_KEYS, OPTION_KEYS, run_record
 from aici_cli.models.progress import reporting_to
 from aici_cli.openai_batch import BatchFormat, refuse_requests
 from aici_cli.out_paths import check_writable, run_outputs
@@ -145,9 +145,9 @@ def _run(config: RunConfig, stderr: IO[str],
         backend = _start_backend(config)
     started.load_s = time.perf_counter() - started.t0  # imports, model, controller
     try:
-        record = run_record(config, backend.model_name, controller)
+        record = run_record(config, backend.model_name, controller, backend.quantize)
         if plan is not None:
-            _check_made_with(config, plan, record, {"model"}, mixed)
+            _check_made_with(config, plan, record, MODEL_KEYS, mixed)
         if output is not None:
             output.prepare(plan)
         out = output.stream() if output is not None else sys.stdout

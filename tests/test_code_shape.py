@@ -67,3 +67,16 @@ def test_no_module_class_or_function_too_long() -> None:
                 if size > FUNCTION_LINES and not _why_long(lines, node):
                     problems.append(f"{where}: {node.name}(): {size} lines, no '# Long:' why")
     assert problems == []
+
+
+def test_every_module_architecture_names_exists() -> None:
+    """ARCHITECTURE.md names modules as `name.py`, `dir/name.py` or `name.py: Class`:
+    each is a file of the tree (under aici_cli/, or the repository's own paths)."""
+    import re
+
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    names = set(re.findall(r"`([\w/]+\.py)(?::[^`]*)?`", text))
+    files = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if ".venv" not in p.parts}
+    missing = sorted(n for n in names
+                     if not any(f == n or f.endswith("/" + n) for f in files))
+    assert len(names) > 60 and missing == []

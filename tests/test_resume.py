@@ -517,6 +517,24 @@ def test_another_model_is_refused_once_it_is_known(
     assert out.read_bytes() == before
 
 
+def test_another_quantization_is_refused_once_it_is_known(
+    clean_run: tuple[Path, list[bytes], Path], model_args: list[str], tmp_path: Path
+) -> None:
+    """Quantized weights change the logits as another model does: results made at one
+    quantization are not resumed at another (`--quantize auto` resolves per model, so
+    this is checked once the model has loaded)."""
+    src, out = half_done(clean_run, tmp_path)
+    before = out.read_bytes()
+
+    res = invoke(["run", str(src), "-o", str(out), *model_args, "--resume",
+                  "--quantize", "int8"])
+
+    assert res.exit_code == 2
+    assert (f"--resume: {out} holds results made with --quantize none (result line 1), "
+            "this run has --quantize int8") in res.stderr
+    assert out.read_bytes() == before
+
+
 @pytest.mark.parametrize("option", [
     ["--batch-size", "2"], ["--no-prefix-cache"], ["--draft-tokens", "0"], ["--no-ff"],
     ["--lookahead", "1"], ["--deterministic"], ["--step-stats"], ["--dtype", "float32"],

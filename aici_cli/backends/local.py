@@ -30,6 +30,7 @@ class LocalEngine:
             self.built = build_engine(config)
             self.engine = self.built.engine
             self.model_name = self.built.lm.name
+            self.quantize = self.built.lm.quantize
             if self.tracing is not None:
                 self.tracing.loaded(self.built.lm, self.built.load_started,
                                     self.built.load_ended)

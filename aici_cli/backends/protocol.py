@@ -24,6 +24,7 @@ class Backend(Protocol):
     controller that cannot load leaves it as it was."""
 
     model_name: str
+    quantize: str  # what the model runs at (`none`: its own dtype), once it has loaded
 
     def run(self, items: Iterator[Job | LineError], emit: Emit,
             should_admit: Callable[[], bool], note: Callable[[str], None],
