@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aici_cli.control.line_scope import LineScope
-from aici_cli.engine.result_line import summed_stats
-from aici_cli.vocabulary.line_stats import StepTimes, shared_pass_times
+from aici_cli.vocabulary.line_stats import StepTimes, shared_pass_times, summed_stats
 
 
 @dataclass

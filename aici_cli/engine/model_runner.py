@@ -23,9 +23,9 @@ from aici_cli.engine.generation import Generation
 from aici_cli.engine.logprobs import log_softmax
 from aici_cli.engine.masks import MaskVerdict, TokenMasks, apply_masks
 from aici_cli.engine.passes import ModelPass
-from aici_cli.engine.penalties import checked_draft_picks, rules_before_masks
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.engine.sampling import sample
+from aici_cli.engine.step_rules import checked_draft_picks, rules_before_masks
 from aici_cli.models.load import LoadedModel
 from aici_cli.vocabulary.config import EngineConfig
 from aici_cli.vocabulary.errors import ControllerError

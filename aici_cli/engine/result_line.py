@@ -10,6 +10,7 @@ from aici_cli.control.tool_calls import tool_calls_field
 from aici_cli.engine.clock import ms
 from aici_cli.engine.generation import Finish, Generation
 from aici_cli.vocabulary.job import Job
+from aici_cli.vocabulary.line_stats import summed_stats
 
 
 def finished_text(gen: Generation, tokenizer: Any) -> str:
@@ -82,22 +83,3 @@ def with_answer(job: Job, result: dict[str, Any]) -> dict[str, Any]:
         result["answer"] = job.answer
         result["correct"] = result["finish_reason"] != "error" and result["text"] == job.answer
     return result
-
-
-def summed_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The stats of a line run as several rows: the rows' work added up, the first token
-    of any row, the last row to finish."""
-    stats: dict[str, Any] = {}
-    for r in results:
-        for key, value in r.get("stats", {}).items():
-            if isinstance(value, bool):  # a flag: set when any row's is
-                stats[key] = stats.get(key, False) or value
-            elif isinstance(value, str):  # a reason (close_reason): the first row's
-                stats.setdefault(key, value)
-            else:
-                stats[key] = round(stats.get(key, 0) + value, 3)
-    stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
-                           default=0.0)
-    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
-    stats["started_ms"] = min(r["stats"].get("started_ms", 0.0) for r in results)
-    return stats

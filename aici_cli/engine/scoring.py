@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from aici_cli.engine.generation import Generation
-from aici_cli.engine.result_line import summed_stats
 from aici_cli.engine.rows import common_prefix
 from aici_cli.vocabulary.errors import GrammarError
+from aici_cli.vocabulary.line_stats import summed_stats
 
 
 def choice_sequences(tokenizer: Any, text: str, special: bool, context: Sequence[int],

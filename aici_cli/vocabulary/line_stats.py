@@ -75,3 +75,22 @@ def shared_pass_times(passes: Iterable[StepTimes]) -> dict[str, float]:
     passes = list(passes)
     return {name: round(sum(getattr(t, name) for t in passes), 3)
             for name in ("forward_ms", "mask_ms", "sample_ms")}
+
+
+def summed_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stats of a line run as several rows: the rows' work added up, the first token
+    of any row, the last row to finish."""
+    stats: dict[str, Any] = {}
+    for r in results:
+        for key, value in r.get("stats", {}).items():
+            if isinstance(value, bool):  # a flag: set when any row's is
+                stats[key] = stats.get(key, False) or value
+            elif isinstance(value, str):  # a reason (close_reason): the first row's
+                stats.setdefault(key, value)
+            else:
+                stats[key] = round(stats.get(key, 0) + value, 3)
+    stats["ttft_ms"] = min((r["stats"]["ttft_ms"] for r in results if r["stats"]["ttft_ms"]),
+                           default=0.0)
+    stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
+    stats["started_ms"] = min(r["stats"].get("started_ms", 0.0) for r in results)
+    return stats

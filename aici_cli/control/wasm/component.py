@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,19 +30,9 @@ from aici_cli.control.wasm.signatures import (
     import_result_tagged,
     step_field_tagged,
 )
-from aici_cli.control.wasm.wasm_engine import SharedWasmEngine, shared_wasm_engine
+from aici_cli.control.wasm.values import Lowering
+from aici_cli.control.wasm.wasm_engine import EpochTicker, SharedWasmEngine, shared_wasm_engine
 from aici_cli.vocabulary.errors import ControllerError
-
-
-@dataclass(frozen=True)
-class Lowering:
-    """How wasmtime-py wants the component's variant-like values that the host builds:
-    tagged `Variant`s or bare payloads (see `signatures.is_tagged`)."""
-
-    segment_text: bool = False  # step-input.segment-text: option<string>
-    branch: bool = False  # step-input.branch: option<u32> (0.2.0)
-    tokens_matching: bool = False  # tokens-matching's result<u32, string>
-    storage_get: bool = False  # storage get's option<list<u8>> (0.2.0)
 
 
 class ControllerComponent:
@@ -75,13 +64,27 @@ class ControllerComponent:
         self._shared = shared
         self.lowering = lowering
         iface = component.get_export_index(contract.controller)
-        self._ctor_index = component.get_export_index(CONSTRUCTOR, iface)
-        self._mid_index = component.get_export_index(MID_PROCESS, iface)
+        self.ctor_index = component.get_export_index(CONSTRUCTOR, iface)
+        self.mid_index = component.get_export_index(MID_PROCESS, iface)
         self._linker = make_linker(shared.wasm_engine, contract, lowering.tokens_matching,
                                    lowering.storage_get)
         self._types_lock = threading.Lock()
         self._mid_type: FuncType | None = None
         self._mid_type_failed = False
+
+    # -- what a GuestInstance is made from (instance.GuestBlueprint) --
+
+    @property
+    def wasm_engine(self) -> wasmtime.Engine:
+        return self._shared.wasm_engine
+
+    @property
+    def ticker(self) -> EpochTicker:
+        return self._shared.ticker
+
+    def link(self, store: wasmtime.Store) -> Any:
+        """The component instantiated in `store`, its imports linked to the host."""
+        return self._linker.instantiate(store, self._component)
 
     @classmethod
     def load(
@@ -152,13 +155,13 @@ class ControllerComponent:
         """
         guest = GuestInstance(self, services, line if line is not None else LineScope())
         try:
-            guest._start(arg, list(prompt))
+            guest.construct(arg, list(prompt))
         except ControllerError:
             guest.close()
             raise
         return guest
 
-    def _memoize_mid_type(self, func: Any, store: wasmtime.Store) -> None:
+    def memoize_mid_type(self, func: Any, store: wasmtime.Store) -> None:
         """Makes `func` use one frozen copy of mid-process's type (see `frozen_types`)."""
         with self._types_lock:
             if self._mid_type is None and not self._mid_type_failed:

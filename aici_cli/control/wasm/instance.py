@@ -40,7 +40,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import wasmtime
 from wasmtime.component import ResourceAny
@@ -55,9 +55,33 @@ from aici_cli.control.wasm.values import split_result, step_record, to_action
 from aici_cli.vocabulary.errors import ControllerError
 
 if TYPE_CHECKING:
-    from aici_cli.control.wasm.component import ControllerComponent
+    from aici_cli.control.wasm.limits import GuestLimits
+    from aici_cli.control.wasm.signatures import Contract
+    from aici_cli.control.wasm.values import Lowering
+    from aici_cli.control.wasm.wasm_engine import EpochTicker
 
 T = TypeVar("T")
+
+
+class GuestBlueprint(Protocol):
+    """What a guest instance is made from: a compiled, checked component
+    (`component.ControllerComponent`) and the host it links to."""
+
+    limits: GuestLimits
+    contract: Contract
+    lowering: Lowering
+    ctor_index: Any  # the runner's constructor and mid-process, as export indices
+    mid_index: Any
+
+    @property
+    def wasm_engine(self) -> wasmtime.Engine: ...
+
+    @property
+    def ticker(self) -> EpochTicker: ...
+
+    def link(self, store: wasmtime.Store) -> Any: ...
+
+    def memoize_mid_type(self, func: Any, store: wasmtime.Store) -> None: ...
 
 
 @dataclass
@@ -81,7 +105,7 @@ class GuestInstance:
     dead.
     """
 
-    def __init__(self, component: ControllerComponent, services: HostServices,
+    def __init__(self, component: GuestBlueprint, services: HostServices,
                  scope: LineScope) -> None:
         self.services = services
         self.scope = scope  # storage and outputs shared with the line's other sequences
@@ -139,7 +163,7 @@ class GuestInstance:
         guest.journal = None  # a replayed call is journaled already
         guest._replay = iter(journal.storage)
         try:
-            guest._start(self._arg, self._prompt)
+            guest.construct(self._arg, self._prompt)
             for i, (inp, expected) in enumerate(zip(journal.inputs, journal.actions)):
                 got = guest.mid_process(inp)
                 if got != expected:
@@ -185,7 +209,8 @@ class GuestInstance:
 
     # -- internals --
 
-    def _start(self, arg: str, prompt: list[int]) -> None:
+    def construct(self, arg: str, prompt: list[int]) -> None:
+        """Instantiate the component in a new store and run the runner's constructor."""
         comp = self._component
         self._arg, self._prompt = arg, prompt
         t0 = time.perf_counter()
@@ -196,17 +221,17 @@ class GuestInstance:
                 "host_error", f"host services failed: vocab_size: {type(e).__name__}: {e}"
             )
             raise self.error from None
-        store = wasmtime.Store(comp._shared.wasm_engine)
+        store = wasmtime.Store(comp.wasm_engine)
         store.set_limits(
             memory_size=self._limits.memory_bytes, table_elements=self._limits.table_elements
         )
         self._store = store
         instance = self._call(
-            "instantiation", self._limits.init_ms, comp._linker.instantiate, comp._component
+            "instantiation", self._limits.init_ms, comp.link
         )
-        ctor = instance.get_func(store, comp._ctor_index)
-        self._mid = instance.get_func(store, comp._mid_index)
-        comp._memoize_mid_type(self._mid, store)
+        ctor = instance.get_func(store, comp.ctor_index)
+        self._mid = instance.get_func(store, comp.mid_index)
+        comp.memoize_mid_type(self._mid, store)
         self.setup_ms = (time.perf_counter() - t0) * 1000
         self._resource = self._call("constructor", self._limits.init_ms, ctor, arg, prompt)
 
@@ -215,7 +240,7 @@ class GuestInstance:
         store = self._enterable()
         if phase == "mid-process":
             self.calls += 1
-        ticker = self._component._shared.ticker
+        ticker = self._component.ticker
         self._budget_ms = budget_ms
         self._pending = None
         self._call_host_s = 0.0

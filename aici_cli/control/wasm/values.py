@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 from wasmtime.component import Record, Variant
@@ -34,6 +35,18 @@ from aici_cli.control.wasm.faults import clip
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.vocabulary.constraint import Constraint
 from aici_cli.vocabulary.errors import ControllerError
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """How wasmtime-py wants the component's variant-like values that the host builds:
+    tagged `Variant`s or bare payloads (see `signatures.is_tagged`)."""
+
+    segment_text: bool = False  # step-input.segment-text: option<string>
+    branch: bool = False  # step-input.branch: option<u32> (0.2.0)
+    tokens_matching: bool = False  # tokens-matching's result<u32, string>
+    storage_get: bool = False  # storage get's option<list<u8>> (0.2.0)
+
 
 
 def _option(value: Any, tagged: bool) -> Any:
