@@ -57,6 +57,10 @@ def main() -> int:
     from aici_cli.vocabulary.job import Job
 
     files = sorted(DATA.glob("*.json"))
+    if not files:  # a checkout without shared/ beside it: the project's own schema
+        files = sorted((REPO / "examples").glob("*.schema.json"))
+        print(f"no schemas at {DATA}: using {', '.join(f.name for f in files)}",
+              file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         lm = load_model(model_spec(name), args.device, args.dtype, args.quantize)
