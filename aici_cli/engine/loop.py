@@ -76,9 +76,10 @@ class Engine:
         self.finishing = Finishing(lm.tokenizer, config.schema_retries, now)
         launcher = Launcher(self.intake, self.decisions, self.eos, config.step_stats, now,
                             now(), tracer)
-        self.scheduler = Scheduler(table, self.intake, launcher, self.finishing,
-                                   config.draft_tokens, self.eos, self.masked_logprobs)
         self.runner = ModelRunner(lm, cache, config)
+        self.scheduler = Scheduler(table, self.intake, launcher, self.finishing,
+                                   config.draft_tokens, self.eos, self.masked_logprobs,
+                                   self.runner.model_pass.decode.compiled is not None)
         self.update = Update(self.decisions, self.masked_logprobs, self.token_bytes, now,
                              tracer)
 
@@ -158,7 +159,8 @@ class Engine:
         self._retire(plan, self.update.fail(plan, out))
         applied = self.update.apply(plan, out)
         self.step_times.append(clock.finish(out.times, applied.controller_ms))
-        served = [None if k in out.failed else g for k, g in enumerate(plan.gens)]
+        served = ([None if k in out.failed else g for k, g in enumerate(plan.gens)]
+                  if out.failed else list(plan.gens))
         self.tracer.step(clock, out.times, served)  # trace hook
         for k in applied.forking:  # between steps now: the forks asked for in this one
             gen = plan.gens[k]

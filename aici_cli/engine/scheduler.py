@@ -33,7 +33,7 @@ _END = object()
 class Scheduler:
     def __init__(self, table: RowTable, intake: LineIntake, launcher: Launcher,
                  finishing: Finishing, draft_tokens: int, eos: frozenset[int] | set[int],
-                 masked_logprobs: bool) -> None:
+                 masked_logprobs: bool, count_steps_ahead: bool) -> None:
         self.table = table
         self.intake = intake
         self.launcher = launcher
@@ -41,6 +41,9 @@ class Scheduler:
         self.draft_tokens = draft_tokens
         self.eos = eos
         self.masked_logprobs = masked_logprobs
+        # Only a compiled decode step reads `StepPlan.steps_ahead` (whether compiling
+        # pays): without one, the plan skips the walk over the queues.
+        self.count_steps_ahead = count_steps_ahead
 
     # ----------------------------------------------------------------------- admission
 
@@ -123,7 +126,7 @@ class Scheduler:
                             if g is not None and g.finish is not None)
         return StepPlan(tuple(span), tuple(gens), tuple(drafts),
                         tuple(self._offsets(gens, scoring)), scoring, closing, kind, fed,
-                        self._steps_ahead(gens))
+                        self._steps_ahead(gens) if self.count_steps_ahead else 0)
 
     def _drafts(self, gens: list[Generation | None]) -> list[list[int]]:
         drafts = propose_drafts(gens, self.draft_tokens, self.eos)

@@ -56,7 +56,8 @@ class Update:
         return list(out.failed)
 
     def apply(self, plan: StepPlan, out: StepOutput) -> Applied:
-        gens = [None if k in out.failed else g for k, g in enumerate(plan.gens)]
+        gens = ([None if k in out.failed else g for k, g in enumerate(plan.gens)]
+                if out.failed else list(plan.gens))
         self._fill_fed_logprobs(gens, out)
         controller_ms = self._hand_over(gens, out)
         for k, directive in out.deferred.items():
