@@ -11,6 +11,9 @@ Rows (greedy, the default model's GGUF for both sides unless --gguf):
                outputs, at batch 1 and 8, prompt-lookup drafts on and off
 
 Every configuration runs in a subprocess of its own (clean peak RSS, no shared caches).
+On a shared machine the load changes from minute to minute: `--rounds N` runs the
+one-stream configurations N times in turn, both sides in every round, and reports each
+one's median tok/s and the median over rounds of its ratio to llama.cpp in that round.
 This project's side runs for each --quantize and --compile given; a compiled run first
 warms its bucket (compile time reported apart: inductor caches it on disk for the next run).
 
@@ -300,6 +303,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--only", default="stream,schemas,start")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="one-stream rounds, configurations interleaved (medians reported)")
+    ap.add_argument("--drafts", default="4,0", help="prompt-lookup draft settings to run")
     ap.add_argument("--llama-server", default=shutil.which("llama-server"))
     ap.add_argument("--server-args", default="",
                     help="extra llama-server arguments (e.g. --no-repack)")
@@ -330,22 +336,27 @@ def main() -> int:
         print(f"{name:58} {json.dumps(shown)}", flush=True)
 
     quantizes, compiles = args.quantize.split(","), args.compile.split(",")
+    drafts_list = [int(d) for d in args.drafts.split(",")]
     if "stream" in only:
-        for q in quantizes:
-            for c in compiles:
-                for drafts in (4, 0):
-                    row(f"one stream {args.stream_tokens} tok | ours {q} compile {c} "
-                        f"drafts {drafts}",
-                        {"side": "ours", "kind": "stream", "quantize": q, "compile": c,
-                         "batch": 1, "drafts": drafts, "max_tokens": args.stream_tokens})
+        stream = [(f"one stream {args.stream_tokens} tok | ours {q} compile {c} drafts {d}",
+                   {"side": "ours", "kind": "stream", "quantize": q, "compile": c,
+                    "batch": 1, "drafts": d, "max_tokens": args.stream_tokens})
+                  for q in quantizes for c in compiles for d in drafts_list]
         if have_peer:
-            row(f"one stream {args.stream_tokens} tok | llama-cpp-python",
-                {"side": "peer", "kind": "stream", "max_tokens": args.stream_tokens})
+            stream.append((f"one stream {args.stream_tokens} tok | llama-cpp-python",
+                           {"side": "peer", "kind": "stream",
+                            "max_tokens": args.stream_tokens}))
+        first = len(rows)
+        for _ in range(args.rounds):
+            for name, task in stream:
+                row(name, task)
+        if args.rounds > 1:
+            rows.extend(_round_medians(rows[first:], len(stream), have_peer))
     if "schemas" in only:
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             for q in quantizes:
                 for c in compiles:
-                    for drafts in (4, 0):
+                    for drafts in drafts_list:
                         row(f"{args.schemas} schemas batch {bs} | ours {q} compile {c} "
                             f"drafts {drafts}",
                             {"side": "ours", "kind": "schemas", "quantize": q, "compile": c,
@@ -371,6 +382,29 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def _round_medians(measured: list[dict[str, Any]], per_round: int,
+                   have_peer: bool) -> list[dict[str, Any]]:
+    """Per configuration: the median tok/s over rounds and, with the peer in every round
+    (its row last), the median of the round-by-round ratio to it."""
+    import statistics
+
+    rounds = [measured[i : i + per_round] for i in range(0, len(measured), per_round)]
+    out = []
+    for j in range(per_round - (1 if have_peer else 0)):
+        speeds = [r[j].get("tok_s") for r in rounds]
+        ratios = [r[j]["tok_s"] / r[-1]["tok_s"] for r in rounds
+                  if have_peer and r[j].get("tok_s") and r[-1].get("tok_s")]
+        summary = {"row": f"{rounds[0][j]['row']} | median of {len(rounds)} rounds",
+                   "tok_s": statistics.median(x for x in speeds if x) if any(speeds) else None,
+                   "ratio_to_peer": round(statistics.median(ratios), 2) if ratios else None,
+                   "tok_s_rounds": speeds}
+        if have_peer:
+            summary["peer_tok_s_rounds"] = [r[-1].get("tok_s") for r in rounds]
+        print(f"{summary['row']:58} {json.dumps(summary)}", flush=True)
+        out.append(summary)
+    return out
 
 
 def _importable(name: str) -> bool:

@@ -61,6 +61,11 @@ def test_compiled_decode_gives_the_eager_tokens_in_fp32(lm32: LoadedModel) -> No
     assert step.steps == decode_passes >= 20
     assert fast == eager
     assert [len(fast[i]) for i in (1, 2, 3)] == lengths
+    # A second engine on the model runs its graphs: nothing is compiled again.
+    again, again_engine = _run(lm32, "on", lengths)
+    assert again == eager
+    second = again_engine.runner.model_pass.decode.compiled
+    assert second is not None and second.graphs is step.graphs
 
 
 @pytest.mark.cuda
@@ -112,7 +117,9 @@ def test_models_that_are_not_llama_shaped_stay_eager(lm32: LoadedModel) -> None:
 
 
 def test_a_failed_compile_leaves_the_run_eager_and_unchanged(
-        lm32: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A model of its own: compiled graphs are kept per model, and lm32's may exist.
+    lm32 = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
     monkeypatch.setattr(compiled, "compiler_problem", lambda device: None)
 
     def broken(fn: Any, **kwargs: Any) -> Any:

@@ -3,8 +3,9 @@
 A step where every row feeds one sampled token is most of a run's passes, and in eager
 PyTorch it pays a dispatch per op: ~15 ops per layer, 30 layers. Here that step runs as
 one `torch.compile`d function per decoder layer ("regional" compilation: every layer has
-the same code, so one graph serves all of them and compiling costs one layer's time),
-called with static shapes:
+the same code, so one graph serves all of them and compiling costs one layer's time;
+decode_layer.py, which also stacks q/k/v and gate/up into one matrix each), called with
+static shapes:
 
 - rows: the cache rows 0..B-1 for the smallest bucket B in `BUCKETS` (or the batch size)
   that holds the step's span; rows sitting the step out ride along as idle rows;
@@ -31,14 +32,13 @@ same functions run in `reduce-overhead` mode (CUDA graphs).
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from aici_cli.engine.cache import RowCache
+from aici_cli.engine.decode_layer import layer_graphs
 
 # Row-count buckets of the compiled step: each is compiled once, on first use.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -82,14 +82,7 @@ class CompiledDecode:
         self.cache = cache
         self.rows = rows
         self.device = device
-        self.layers = list(model.model.layers)
-        attn = self.layers[0].self_attn
-        self.head_dim = int(attn.head_dim)
-        self.kv_heads = int(model.config.num_key_value_heads)
-        self.heads = int(model.config.num_attention_heads)
-        self.scaling = float(attn.scaling)
-        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        self._layer: Any = None  # torch.compile'd on first use (imports the compiler stack)
+        self.graphs = layer_graphs(model, device)
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
         self.steps = 0
         self._marked_capacity = 0
@@ -116,9 +109,6 @@ class CompiledDecode:
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         valid_t = torch.tensor(valid, dtype=torch.bool, device=dev)
         started = time.perf_counter() if rows not in self.compile_s else None
-        if self._layer is None:
-            mode = "reduce-overhead" if dev.type == "cuda" else "default"
-            self._layer = torch.compile(self._layer_step, mode=mode, fullgraph=True)
         inner = self.model.model
         h = inner.embed_tokens(ids_t)  # [B, hidden]
         cos, sin = inner.rotary_emb(h[:, None], pos_t[:, None])  # [B, 1, D] each
@@ -126,9 +116,9 @@ class CompiledDecode:
         mask = (torch.arange(capacity, device=dev)[None, :] <= pos_t[:, None])[:, None, None]
         if dev.type == "cuda":
             self._static_cache_addresses()
-        for i, layer in enumerate(self.layers):
+        for i, (layer, step) in enumerate(self.graphs.steps()):
             k_buf, v_buf = self.cache.keys[i], self.cache.values[i]
-            h = self._layer(layer, h, cos, sin, k_buf, v_buf, pos_t, valid_t, mask)
+            h = step(layer, h, cos, sin, k_buf, v_buf, pos_t, valid_t, mask)
         span = h[first_row : first_row + b]
         logits = self.model.lm_head(inner.norm(span))
         if started is not None:
@@ -144,32 +134,6 @@ class CompiledDecode:
         for buf in (*self.cache.keys, *self.cache.values):
             torch._dynamo.mark_static_address(buf)
         self._marked_capacity = self.cache.capacity
-
-    def _layer_step(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    k_buf: torch.Tensor, v_buf: torch.Tensor, pos: torch.Tensor,
-                    valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One decoder layer for B rows of one token each. h: [B, hidden]; cos/sin:
-        [B, 1, D]; k_buf/v_buf: the layer's cache [rows, kv_heads, C, D] (written in
-        place at (row b, slot pos[b]) for valid rows); mask: [B, 1, 1, C] bool."""
-        rows, heads, kv_heads, dim = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(rows, heads, 1, dim)
-        k = attn.k_proj(x).view(rows, kv_heads, 1, dim)
-        v = attn.v_proj(x).view(rows, kv_heads, 1, dim)
-        q, k = self.rope(q, k, cos, sin)  # HF's own RoPE: [B, heads, 1, D]
-        at = torch.arange(rows, device=h.device)
-        slot = torch.where(valid, pos, torch.zeros_like(pos))
-        keep = valid[:, None, None]
-        k_buf[at, :, slot] = torch.where(keep, k[:, :, 0], k_buf[at, :, slot])
-        v_buf[at, :, slot] = torch.where(keep, v[:, :, 0], v_buf[at, :, slot])
-        # Query heads stacked per key/value head, as rows_attention's one-token group.
-        qg = q[:, :, 0].reshape(rows, kv_heads, heads // kv_heads, dim)
-        o = F.scaled_dot_product_attention(qg, k_buf[:rows], v_buf[:rows], attn_mask=mask,
-                                           scale=self.scaling)
-        h = h + attn.o_proj(o.reshape(rows, heads * dim))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
-
 
 # `--compile auto` compiles once the work still ahead is at least this many one-token
 # steps (an upper bound: lines may end before max_tokens). Compiling costs ~10 s with a
@@ -194,6 +158,11 @@ class DecodeSteps:
         self.reason = unsupported(model) or compiler_problem(device)
         if self.reason is None:
             self.compiled = CompiledDecode(model, cache, rows, device)
+
+    @property
+    def chosen(self) -> bool:
+        """One-token steps run compiled from now on (for `auto`: once it chose to)."""
+        return self.compiled is not None and self._chosen
 
     def give_up(self, error: BaseException) -> None:
         """Compiling failed: every later step runs eagerly, and `reason` says why."""

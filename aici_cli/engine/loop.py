@@ -79,7 +79,8 @@ class Engine:
         self.runner = ModelRunner(lm, cache, config)
         self.scheduler = Scheduler(table, self.intake, launcher, self.finishing,
                                    config.draft_tokens, self.eos, self.masked_logprobs,
-                                   self.runner.model_pass.decode.compiled is not None)
+                                   self.runner.model_pass.decode.compiled is not None,
+                                   lambda: self.runner.model_pass.decode.chosen)
         self.update = Update(self.decisions, self.masked_logprobs, self.token_bytes, now,
                              tracer)
 

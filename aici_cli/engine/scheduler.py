@@ -11,7 +11,7 @@ admitted or launched while a step runs.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from aici_cli.engine.draft import propose_drafts
 from aici_cli.engine.finishing import Finishing
@@ -33,7 +33,8 @@ _END = object()
 class Scheduler:
     def __init__(self, table: RowTable, intake: LineIntake, launcher: Launcher,
                  finishing: Finishing, draft_tokens: int, eos: frozenset[int] | set[int],
-                 masked_logprobs: bool, count_steps_ahead: bool) -> None:
+                 masked_logprobs: bool, count_steps_ahead: bool,
+                 decode_compiled: Callable[[], bool] = lambda: False) -> None:
         self.table = table
         self.intake = intake
         self.launcher = launcher
@@ -44,6 +45,8 @@ class Scheduler:
         # Only a compiled decode step reads `StepPlan.steps_ahead` (whether compiling
         # pays): without one, the plan skips the walk over the queues.
         self.count_steps_ahead = count_steps_ahead
+        # Whether one-token steps run compiled now: a draft then costs an eager pass.
+        self.decode_compiled = decode_compiled
 
     # ----------------------------------------------------------------------- admission
 
@@ -129,7 +132,10 @@ class Scheduler:
                         self._steps_ahead(gens) if self.count_steps_ahead else 0)
 
     def _drafts(self, gens: list[Generation | None]) -> list[list[int]]:
-        drafts = propose_drafts(gens, self.draft_tokens, self.eos)
+        # Without drafts, would this be a one-token step run compiled?
+        compiled = (self.draft_tokens > 1 and self.decode_compiled()
+                    and all(g is None or len(g.pending) == 1 for g in gens))
+        drafts = propose_drafts(gens, self.draft_tokens, self.eos, compiled)
         if self.masked_logprobs:  # no masks at draft positions: no drafts for those rows
             drafts = [[] if g is not None and g.logprobs is not None else d
                       for g, d in zip(gens, drafts)]

@@ -1,0 +1,139 @@
+"""One Llama decoder layer for B rows of one token each, as the compiled step runs it,
+and the compiled graphs of a model's layers (kept per model, for every engine on it).
+
+Per layer and step: norm, q/k/v as one stacked matrix (models/fused_linear.py), HF's own
+RoPE, the new key and value written into the row cache, attention over the whole cache
+capacity with a mask by position, o, norm, gate/up as one stacked matrix, down, both
+residuals: 4 weight reads, not 7.
+
+Graphs are compiled per layer *signature* (submodule types, tensor shapes and dtypes,
+head counts: every layer of a Llama model has the same one), so one graph serves all
+layers and compiling costs one layer's time. Each signature's graph has a code object of
+its own, so dynamo's guards on the layer's modules can be dropped (they cost ~45 us a
+call, 30 calls a step): a graph can only ever see layers of its own signature, and a
+model's modules do not change once it is loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from aici_cli.models.fused_linear import stack_linears
+
+
+class DecodeLayer(torch.nn.Module):
+    """A Llama decoder layer's parts as `layer_step` calls them, over the same weights the
+    model's own modules read (the stacked matrices are their storage)."""
+
+    def __init__(self, layer: Any, config: Any) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.qkv = stack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up = stack_linears([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn
+        self.intermediate = int(mlp.down_proj.in_features)
+        self.head_dim = int(attn.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.scaling = float(attn.scaling)
+        self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+    def signature(self) -> tuple[Any, ...]:
+        """What a graph of this layer depends on; layers of equal signature share one."""
+        tensors = [*self.named_parameters(), *self.named_buffers()]
+        return (tuple((name, type(m)) for name, m in self.named_modules()),
+                tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in tensors),
+                self.intermediate, self.head_dim, self.heads, self.kv_heads, self.scaling,
+                self.rope, type(self.act_fn))
+
+
+def layer_step(layer: DecodeLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_buf: torch.Tensor, v_buf: torch.Tensor, pos: torch.Tensor,
+               valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One decoder layer for B rows of one token each. h: [B, hidden]; cos/sin: [B, 1, D];
+    k_buf/v_buf: the layer's cache [rows, kv_heads, C, D] (written in place at (row b,
+    slot pos[b]) for valid rows); mask: [B, 1, 1, C] bool. Returns the new h."""
+    rows, heads, kv_heads, dim = h.shape[0], layer.heads, layer.kv_heads, layer.head_dim
+    qkv = layer.qkv(layer.input_norm(h))  # [B, (heads + 2 kv_heads) D]
+    q = qkv[:, : heads * dim].view(rows, heads, 1, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, 1, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, 1, dim)
+    q, k = layer.rope(q, k, cos, sin)  # HF's own RoPE: [B, heads, 1, D]
+    at = torch.arange(rows, device=h.device)
+    slot = torch.where(valid, pos, torch.zeros_like(pos))
+    keep = valid[:, None, None]
+    k_buf[at, :, slot] = torch.where(keep, k[:, :, 0], k_buf[at, :, slot])
+    v_buf[at, :, slot] = torch.where(keep, v[:, :, 0], v_buf[at, :, slot])
+    # Query heads stacked per key/value head, as rows_attention's one-token group.
+    qg = q[:, :, 0].reshape(rows, kv_heads, heads // kv_heads, dim)
+    o = F.scaled_dot_product_attention(qg, k_buf[:rows], v_buf[:rows], attn_mask=mask,
+                                       scale=layer.scaling)
+    h = h + layer.o_proj(o.reshape(rows, heads * dim))
+    gate_up = layer.gate_up(layer.post_norm(h))  # [B, 2 I]
+    mid = layer.act_fn(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
+    return h + layer.down_proj(mid)
+
+
+StepFn = Callable[..., torch.Tensor]
+
+
+class LayerGraphs:
+    """A model's decode layers and their compiled graphs, one per signature (compiled on
+    first use: compiling imports the compiler stack)."""
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.device = device
+        self.layers = [DecodeLayer(layer, model.config) for layer in model.model.layers]
+        groups: dict[tuple[Any, ...], int] = {}
+        self.group = [groups.setdefault(layer.signature(), len(groups))
+                      for layer in self.layers]
+        self._compiled: dict[int, StepFn] = {}
+
+    def steps(self) -> Iterator[tuple[DecodeLayer, StepFn]]:
+        """Each layer, in order, with its compiled step."""
+        for layer, group in zip(self.layers, self.group):
+            yield layer, self._graph(group)
+
+    def _graph(self, group: int) -> StepFn:
+        fn = self._compiled.get(group)
+        if fn is None:
+            step = _own_code(layer_step, f"{id(self):x}_{group}")
+            if self.device.type == "cuda":
+                fn = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+            else:  # without module guards (module docstring); size asserts cost as much
+                fn = torch.compile(step, fullgraph=True, options={
+                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                    "size_asserts": False})
+            self._compiled[group] = fn
+        return fn
+
+
+def _own_code(fn: Any, tag: str) -> Any:
+    """A copy of function `fn` with a code object of its own: dynamo keeps compiled graphs
+    per code object, so no other signature's layers ever reach this copy's graphs."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+
+
+_BY_MODEL: weakref.WeakKeyDictionary[Any, LayerGraphs] = weakref.WeakKeyDictionary()
+
+
+def layer_graphs(model: Any, device: torch.device) -> LayerGraphs:
+    """The model's decode layers and graphs, made once per model: every engine on the
+    model reuses its graphs (a second engine recompiles nothing)."""
+    graphs = _BY_MODEL.get(model)
+    if graphs is None:
+        graphs = _BY_MODEL[model] = LayerGraphs(model, device)
+    return graphs

@@ -1,0 +1,113 @@
+"""Which rows draft (engine/draft.py `worth_drafting`): a row drafts only while its drafts
+bring more than they add to the pass (more where the step would otherwise run compiled),
+and retries now and then."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aici_cli.engine.draft import (
+    COMPILED_MIN_GAIN,
+    EAGER_MIN_GAIN,
+    RETRY_AFTER,
+    accept_draft,
+    propose_drafts,
+    worth_drafting,
+)
+from aici_cli.engine.generation import Generation
+from aici_cli.engine.loop import Engine
+from aici_cli.models.load import LoadedModel, load_model
+from aici_cli.vocabulary.config import EngineConfig
+from aici_cli.vocabulary.job import Job
+
+
+def _gen(prompt: list[int], output: list[int]) -> Generation:
+    job = Job(index=1, id="g", prompt="", messages=None, max_tokens=1000, temperature=0.0,
+              top_p=1.0, seed=0, constraint=None)
+    gen = Generation(job, list(prompt), None, torch.Generator(), started=0.0)
+    gen.length = len(prompt) + len(output)
+    gen.output = list(output)
+    gen.pending = [output[-1]] if output else []
+    return gen
+
+
+@settings(max_examples=60, deadline=None)
+@given(accepted=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+       gap=st.integers(0, 3 * RETRY_AFTER), compiled=st.booleans())
+def test_a_row_drafts_only_while_its_drafts_pay(accepted: list[int], gap: int,
+                                                compiled: bool) -> None:
+    """After draft passes that brought `accepted` extra tokens each, the row drafts iff
+    the running mean is at least the step's minimum gain (COMPILED_MIN_GAIN where the step
+    would run compiled, else EAGER_MIN_GAIN), or `gap` tokens have passed since its last
+    draft pass (at least RETRY_AFTER)."""
+    gen = _gen([1, 2, 3], [1, 2, 3, 1, 2])
+    gain = gen.draft_gain
+    for n in accepted:
+        # The model confirms the first n draft tokens after the picked one.
+        draft = [3, 1, 2, 3]
+        predicted = [*draft[1 : 1 + n], 99, 99, 99][: len(draft) - 1]
+        gen.pending = [gen.output[-1]]
+
+        def take(g: Generation, token: int) -> float:
+            g.output.append(token)
+            g.length += 1
+            g.pending = [token]
+            return 0.0
+
+        gen.pending = [3]
+        gen.output.append(3)
+        gen.length += 1
+        accept_draft(gen, draft, 3, predicted, take)
+        gain = (gain + n) / 2
+        assert gen.drafted_at == len(gen.output)
+    assert gen.draft_gain == pytest.approx(gain)
+    gen.output.extend([7] * gap)
+    gen.length += gap
+    min_gain = COMPILED_MIN_GAIN if compiled else EAGER_MIN_GAIN
+    expect = gain >= min_gain or gap >= RETRY_AFTER
+    assert worth_drafting(gen, compiled) is expect
+    if compiled:  # a compiled step asks for more than an eager one
+        assert worth_drafting(gen, False) or not expect
+    gen.pending = [gen.output[-1]]
+    drafts = propose_drafts([gen], 4, eos=set(), compiled=compiled)
+    if not expect:
+        assert drafts == [[]]
+
+
+@pytest.fixture(scope="module")
+def lm32(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor needs a C++ compiler for CPU kernels")
+def test_compiled_steps_draft_only_where_drafts_pay_and_keep_the_tokens(
+        lm32: LoadedModel) -> None:
+    """A compiled run with drafts on gives the tokens of the run without drafts (fp32),
+    and its multi-token passes are bounded by the gate: each is an accepted draft, one of
+    the optimistic first tries, or a retry after RETRY_AFTER tokens."""
+    jobs = [Job(index=1, id="s", max_tokens=120, temperature=0.0, top_p=1.0, seed=0,
+                constraint=None, prompt="a b c d e f", messages=None, ignore_eos=True)]
+
+    def run(drafts: int) -> tuple[list[Any], Engine]:
+        engine = Engine(lm32, EngineConfig(batch_size=1, compile="on", draft_tokens=drafts))
+        out: list[dict[str, Any]] = []
+        engine.run(jobs, out.append)
+        return out, engine
+
+    plain, _ = run(0)
+    drafted, engine = run(4)
+    assert drafted[0]["text"] == plain[0]["text"]
+    draft_passes = sum(1 for s in engine.step_times if s.kind == "decode" and s.tokens > 1)
+    accepted = drafted[0]["stats"]["draft_tokens"]
+    # Each failed pass halves the running mean (a success brings at most 3 tokens: two
+    # more failures before it falls under 1).
+    assert draft_passes <= 2 + 3 * accepted + 120 // RETRY_AFTER + 1
+    assert engine.compiled_steps is not None and engine.compiled_steps > 0
