@@ -25,9 +25,12 @@ from data_split import half_of  # noqa: E402
 pytestmark = pytest.mark.real_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
-# Each loops on the default model: a digit run inside a string with a minimum length, a
-# path repeated in a string, a key that keeps growing.
-LOOPING = ["Github_trivial/o89135.json", "Github_easy/o9369.json", "Snowplow/sp_51_Normalized.json"]
+# Each loops on the default model: a digit run inside a string with a minimum length, an
+# array item repeated, a key that keeps growing. (Which outputs loop depends on the
+# passes a run makes: bf16 logits differ in the last bits between a one-token pass and a
+# pass with a draft. Github_easy/o9369 looped while every step drafted; since drafts stop
+# where they do not pay (engine/draft.py) it ends on its own.)
+LOOPING = ["Github_trivial/o89135.json", "Github_easy/o11171.json", "Snowplow/sp_51_Normalized.json"]
 
 
 def run(tmp_path: Path, *flags: str) -> dict[str, dict[str, Any]]:
