@@ -1,10 +1,9 @@
 """The compiled one-token decode step (`--compile`), gpt-fast's recipe on the row cache.
 
 A step where every row feeds one sampled token is most of a run's passes, and in eager
-PyTorch it pays a dispatch per op: ~15 ops per layer, 30 layers. Here that step runs as
-one `torch.compile`d function per decoder layer ("regional" compilation: every layer has
-the same code, so one graph serves all of them and compiling costs one layer's time;
-decode_layer.py, which also stacks q/k/v and gate/up into one matrix each), called with
+PyTorch it pays a dispatch per op: ~15 ops per layer, 30 layers. Here that step runs
+`torch.compile`d (decode_layer.py: on CPU one graph for all layers, on CUDA one per layer
+replayed as CUDA graphs; q/k/v and gate/up stacked into one matrix each), called with
 static shapes:
 
 - rows: the cache rows 0..B-1 for the smallest bucket B in `BUCKETS` (or the batch size)
@@ -116,9 +115,8 @@ class CompiledDecode:
         mask = (torch.arange(capacity, device=dev)[None, :] <= pos_t[:, None])[:, None, None]
         if dev.type == "cuda":
             self._static_cache_addresses()
-        for i, (layer, step) in enumerate(self.graphs.steps()):
-            k_buf, v_buf = self.cache.keys[i], self.cache.values[i]
-            h = step(layer, h, cos, sin, k_buf, v_buf, pos_t, valid_t, mask)
+        h = self.graphs.forward(h, cos, sin, list(self.cache.keys), list(self.cache.values),
+                                pos_t, valid_t, mask)
         span = h[first_row : first_row + b]
         logits = self.model.lm_head(inner.norm(span))
         if started is not None:

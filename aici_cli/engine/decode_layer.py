@@ -6,12 +6,18 @@ RoPE, the new key and value written into the row cache, attention over the whole
 capacity with a mask by position, o, norm, gate/up as one stacked matrix, down, both
 residuals: 4 weight reads, not 7.
 
-Graphs are compiled per layer *signature* (submodule types, tensor shapes and dtypes,
-head counts: every layer of a Llama model has the same one), so one graph serves all
-layers and compiling costs one layer's time. Each signature's graph has a code object of
-its own, so dynamo's guards on the layer's modules can be dropped (they cost ~45 us a
-call, 30 calls a step): a graph can only ever see layers of its own signature, and a
-model's modules do not change once it is loaded.
+On CPU all layers are one graph: one call a step instead of 30, and inductor fuses each
+layer's residual add into the next layer's norm. Measured on the 2-core Xeon (default
+model, int4, batch 1, interleaved): 15.0 ms a step against 18.5 ms with a graph per layer;
+it compiles in ~48 s cold and ~5.5 s from inductor's disk cache (a graph per layer: ~30 s
+and ~3.5 s). On CUDA each layer is called through a graph per layer *signature*
+(submodule types, tensor shapes and dtypes, head counts: all layers of a Llama model share
+one), replayed as CUDA graphs.
+
+Every graph has a code object of its own (per model, and per signature), so dynamo's
+guards on the layers' modules can be dropped on CPU (they cost ~45 us a layer a call): a
+graph can only ever see the layers it was made for, and a model's modules do not change
+once it is loaded.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,12 +91,27 @@ def layer_step(layer: DecodeLayer, h: torch.Tensor, cos: torch.Tensor, sin: torc
     return h + layer.down_proj(mid)
 
 
+def all_layers_step(layers: list[DecodeLayer], h: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                    pos: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`layer_step` through every layer in turn; `keys`/`values`: each layer's cache."""
+    for layer, k_buf, v_buf in zip(layers, keys, values):
+        h = layer_step(layer, h, cos, sin, k_buf, v_buf, pos, valid, mask)
+    return h
+
+
 StepFn = Callable[..., torch.Tensor]
+
+# Dynamo's guards on the layers' modules are dropped (module docstring); size asserts cost
+# about as much as the guards.
+_CPU_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
+    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    "size_asserts": False}
 
 
 class LayerGraphs:
-    """A model's decode layers and their compiled graphs, one per signature (compiled on
-    first use: compiling imports the compiler stack)."""
+    """A model's decode layers and their compiled graph(s), made on first use (compiling
+    imports the compiler stack)."""
 
     def __init__(self, model: Any, device: torch.device) -> None:
         self.device = device
@@ -98,23 +119,27 @@ class LayerGraphs:
         groups: dict[tuple[Any, ...], int] = {}
         self.group = [groups.setdefault(layer.signature(), len(groups))
                       for layer in self.layers]
-        self._compiled: dict[int, StepFn] = {}
+        self._compiled: dict[int, StepFn] = {}  # CUDA: per signature
+        self._whole: StepFn | None = None  # CPU: all layers
 
-    def steps(self) -> Iterator[tuple[DecodeLayer, StepFn]]:
-        """Each layer, in order, with its compiled step."""
-        for layer, group in zip(self.layers, self.group):
-            yield layer, self._graph(group)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
+                valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Every layer for B rows of one token each (shapes as in `layer_step`)."""
+        if self.device.type != "cuda":
+            if self._whole is None:
+                self._whole = torch.compile(_own_code(all_layers_step, f"{id(self):x}"),
+                                            fullgraph=True, options=_CPU_OPTIONS)
+            return self._whole(self.layers, h, cos, sin, keys, values, pos, valid, mask)
+        for layer, group, k_buf, v_buf in zip(self.layers, self.group, keys, values):
+            h = self._graph(group)(layer, h, cos, sin, k_buf, v_buf, pos, valid, mask)
+        return h
 
     def _graph(self, group: int) -> StepFn:
         fn = self._compiled.get(group)
         if fn is None:
             step = _own_code(layer_step, f"{id(self):x}_{group}")
-            if self.device.type == "cuda":
-                fn = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-            else:  # without module guards (module docstring); size asserts cost as much
-                fn = torch.compile(step, fullgraph=True, options={
-                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                    "size_asserts": False})
+            fn = torch.compile(step, mode="reduce-overhead", fullgraph=True)
             self._compiled[group] = fn
         return fn
 
