@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from aici_cli.engine.draft import (
     COMPILED_MIN_GAIN,
     EAGER_MIN_GAIN,
+    MAX_BACKOFF,
     RETRY_AFTER,
     accept_draft,
     propose_drafts,
+    retry_wait,
     worth_drafting,
 )
 from aici_cli.engine.generation import Generation
@@ -40,15 +42,17 @@ def _gen(prompt: list[int], output: list[int]) -> Generation:
 
 @settings(max_examples=60, deadline=None)
 @given(accepted=st.lists(st.integers(0, 3), min_size=1, max_size=12),
-       gap=st.integers(0, 3 * RETRY_AFTER), compiled=st.booleans())
+       gap=st.integers(0, 20 * RETRY_AFTER), compiled=st.booleans())
 def test_a_row_drafts_only_while_its_drafts_pay(accepted: list[int], gap: int,
                                                 compiled: bool) -> None:
     """After draft passes that brought `accepted` extra tokens each, the row drafts iff
     the running mean is at least the step's minimum gain (COMPILED_MIN_GAIN where the step
     would run compiled, else EAGER_MIN_GAIN), or `gap` tokens have passed since its last
-    draft pass (at least RETRY_AFTER)."""
+    draft pass: RETRY_AFTER, doubled for each pass in a row after the first that brought
+    nothing (at most MAX_BACKOFF times)."""
     gen = _gen([1, 2, 3], [1, 2, 3, 1, 2])
     gain = gen.draft_gain
+    misses = 0
     for n in accepted:
         # The model confirms the first n draft tokens after the picked one.
         draft = [3, 1, 2, 3]
@@ -66,12 +70,15 @@ def test_a_row_drafts_only_while_its_drafts_pay(accepted: list[int], gap: int,
         gen.length += 1
         accept_draft(gen, draft, 3, predicted, take)
         gain = (gain + n) / 2
+        misses = 0 if n else misses + 1
         assert gen.drafted_at == len(gen.output)
     assert gen.draft_gain == pytest.approx(gain)
+    wait = RETRY_AFTER * 2 ** min(max(misses - 1, 0), MAX_BACKOFF)
+    assert retry_wait(gen) == wait
     gen.output.extend([7] * gap)
     gen.length += gap
     min_gain = COMPILED_MIN_GAIN if compiled else EAGER_MIN_GAIN
-    expect = gain >= min_gain or gap >= RETRY_AFTER
+    expect = gain >= min_gain or gap >= wait
     assert worth_drafting(gen, compiled) is expect
     if compiled:  # a compiled step asks for more than an eager one
         assert worth_drafting(gen, False) or not expect
@@ -109,5 +116,5 @@ def test_compiled_steps_draft_only_where_drafts_pay_and_keep_the_tokens(
     accepted = drafted[0]["stats"]["draft_tokens"]
     # Each failed pass halves the running mean (a success brings at most 3 tokens: two
     # more failures before it falls under 1).
-    assert draft_passes <= 2 + 3 * accepted + 120 // RETRY_AFTER + 1
+    assert draft_passes <= 2 + 3 * accepted + 120 // RETRY_AFTER + 1  # waits only grow
     assert engine.compiled_steps is not None and engine.compiled_steps > 0

@@ -30,7 +30,8 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabenc
 # passes a run makes: bf16 logits differ in the last bits between a one-token pass and a
 # pass with a draft. Github_easy/o9369 looped while every step drafted; since drafts stop
 # where they do not pay (engine/draft.py) it ends on its own.)
-LOOPING = ["Github_trivial/o89135.json", "Github_easy/o11171.json", "Snowplow/sp_51_Normalized.json"]
+LOOPING = ["Github_trivial/o89135.json", "Github_easy/o11171.json",
+           "Snowplow/sp_51_Normalized.json"]
 
 
 def run(tmp_path: Path, *flags: str) -> dict[str, dict[str, Any]]:

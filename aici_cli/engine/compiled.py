@@ -134,9 +134,10 @@ class CompiledDecode:
         self._marked_capacity = self.cache.capacity
 
 # `--compile auto` compiles once the work still ahead is at least this many one-token
-# steps (an upper bound: lines may end before max_tokens). Compiling costs ~10 s with a
-# warm inductor cache and ~30 s cold (default model, 2 CPU cores, bf16) and saves a few
-# ms of a step (docs/speed.md): a shorter run is done before it would pay.
+# steps (an upper bound: lines may end before max_tokens). Compiling costs ~5.5 s with a
+# warm inductor cache and ~48 s cold (default model, 2 CPU cores) and saves ~10 ms of a
+# batch-1 step (docs/speed.md): it pays after ~550 steps warm and ~4,800 cold, and which
+# one a run meets is not known ahead, so a shorter run stays eager.
 AUTO_MIN_STEPS = 2000
 
 

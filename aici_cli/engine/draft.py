@@ -25,13 +25,15 @@ MIN_NGRAM = 1
 # draft costs 1.14x (int4) and 1.16x (bf16) a one-token pass; where the step would
 # otherwise run compiled (compiled.py) the draft makes it eager: 2.1x (int4), 1.5x
 # (bf16). So a row drafts only while its drafts bring at least the MIN_GAIN extra tokens
-# a pass (a running mean, optimistic at first), and tries again after RETRY_AFTER tokens
-# without a draft: outputs that start repeating themselves (a JSON array's items, a loop)
-# are drafted again. The gate reads no clock, so the passes a run makes are the same every
-# time.
+# a pass (a running mean, optimistic at first), and tries again after some tokens without
+# a draft: outputs that start repeating themselves (a JSON array's items, a loop) are
+# drafted again. The wait doubles with each pass in a row that brought nothing, from
+# RETRY_AFTER tokens up to RETRY_AFTER << MAX_BACKOFF. The gate reads no clock, so the
+# passes a run makes are the same every time.
 EAGER_MIN_GAIN = 0.15
 COMPILED_MIN_GAIN = 1.0
 RETRY_AFTER = 32
+MAX_BACKOFF = 4
 
 
 def lookup(prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
@@ -76,7 +78,12 @@ def worth_drafting(gen: Generation, compiled: bool) -> bool:
     compiled."""
     min_gain = COMPILED_MIN_GAIN if compiled else EAGER_MIN_GAIN
     return (gen.draft_gain >= min_gain
-            or len(gen.output) - gen.drafted_at >= RETRY_AFTER)
+            or len(gen.output) - gen.drafted_at >= retry_wait(gen))
+
+
+def retry_wait(gen: Generation) -> int:
+    """Tokens without a draft before a row whose drafts stopped paying tries again."""
+    return RETRY_AFTER << min(max(gen.draft_misses - 1, 0), MAX_BACKOFF)
 
 
 def propose_drafts(gens: Sequence[Generation | None], k: int,
@@ -122,8 +129,10 @@ def accept_draft(gen: Generation, draft: Sequence[int], picked: int,
     and returns the controller's ms; returns their sum."""
     taken = gen.stats.draft_tokens
     spent = _accept(gen, draft, picked, predicted, take)
-    gen.draft_gain = (gen.draft_gain + gen.stats.draft_tokens - taken) / 2
+    brought = gen.stats.draft_tokens - taken
+    gen.draft_gain = (gen.draft_gain + brought) / 2
     gen.drafted_at = len(gen.output)
+    gen.draft_misses = 0 if brought else gen.draft_misses + 1
     return spent
 
 

@@ -96,9 +96,11 @@ class Generation:
     # made before the next plan (decisions.py), and no more tokens are taken until then.
     fork_wanted: int = 0
     # Prompt-lookup drafts (draft.py): extra tokens the recent draft passes brought (a
-    # running mean, optimistic at first) and the output length at the last one.
+    # running mean, optimistic at first), the output length at the last one, and how many
+    # passes in a row brought none.
     draft_gain: float = 2.0
     drafted_at: int = 0
+    draft_misses: int = 0
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
