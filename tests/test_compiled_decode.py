@@ -82,10 +82,13 @@ def test_compiled_decode_on_cuda_gives_the_eager_tokens_in_fp32(tiny_model_dir: 
 
 def test_buckets_cover_the_span_with_idle_rows() -> None:
     step = CompiledDecode.__new__(CompiledDecode)
+    step.device = torch.device("cuda")  # bucket() only reads the device type
     step.rows = 8
     assert [step.bucket(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     step.rows = 6  # a batch size between buckets: its own last bucket
     assert [step.bucket(n) for n in (3, 5, 6)] == [4, 6, 6]
+    step.device = torch.device("cpu")  # one graph of every row: no bucket to compile
+    assert [step.bucket(n) for n in (1, 3, 6)] == [6, 6, 6]
 
 
 def test_auto_compiles_only_when_enough_work_is_ahead(lm32: LoadedModel,
@@ -135,3 +138,31 @@ def test_a_failed_compile_leaves_the_run_eager_and_unchanged(
     assert engine.runner.model_pass.decode.compiled is None
     assert engine.runner.model_pass.decode.reason == (
         "compiling failed: RuntimeError: C++ compile error: cannot find -lgomp")
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor needs a C++ compiler for CPU kernels")
+def test_one_cpu_graph_serves_every_row_count_and_a_growing_cache(tiny_model_dir: Path) -> None:
+    """On CPU the compiled step is compiled once: rows finishing (a tail of fewer live
+    rows) and the cache capacity doubling (lines longer than the initial capacity) do
+    not recompile it, and the tokens stay the eager ones (fp32)."""
+    from torch._dynamo.utils import counters
+
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32")  # graphs of its own
+    # Line 1 (row 0) outlasts lines 2 and 3 (row 1): its tail runs alone in row 0. 70
+    # tokens and the prompt pass the capacity of 16 twice.
+    lengths = [70, 3, 20]
+
+    def run(mode: str) -> tuple[Any, Engine]:
+        engine = Engine(lm, EngineConfig(batch_size=2, compile=mode, draft_tokens=0,
+                                         initial_capacity=16))
+        results: list[dict[str, Any]] = []
+        engine.run(_jobs(lengths), results.append)
+        return {r["index"]: [e["id"] for e in r["logprobs"]] for r in results}, engine
+
+    eager, _ = run("off")
+    graphs = counters["stats"]["unique_graphs"]
+    fast, engine = run("on")
+    assert fast == eager
+    assert engine.runner.model_pass.cache.capacity >= 64
+    assert counters["stats"]["unique_graphs"] - graphs == 1

@@ -6,11 +6,13 @@ PyTorch it pays a dispatch per op: ~15 ops per layer, 30 layers. Here that step 
 replayed as CUDA graphs; q/k/v and gate/up stacked into one matrix each), called with
 static shapes:
 
-- rows: the cache rows 0..B-1 for the smallest bucket B in `BUCKETS` (or the batch size)
-  that holds the step's span; rows sitting the step out ride along as idle rows;
+- rows: on CUDA the cache rows 0..B-1 for the smallest bucket B in `BUCKETS` (or the batch
+  size) that holds the step's span, on CPU every row of the cache (one graph, compiled
+  once); rows sitting the step out ride along as idle rows;
 - keys: each row attends over the whole cache capacity with a mask by position (slot s
   is visible to a row at position p iff s <= p), so its length does not change a shape.
-  The capacity is a dynamic dimension (it doubles rarely; no recompiles then).
+  The capacity is a dynamic dimension from the first compile on CPU (it doubles as lines
+  grow: no recompile then).
 
 An idle row's query is at position 0 and it writes back the key its slot 0 already holds,
 so it changes nothing; its logits are dropped. Each row writes only its own row, so no
@@ -87,7 +89,12 @@ class CompiledDecode:
         self._marked_capacity = 0
 
     def bucket(self, span_end: int) -> int:
-        """The rows 0..B-1 a step whose span ends at row `span_end` (exclusive) runs on."""
+        """The rows 0..B-1 a step whose span ends at row `span_end` (exclusive) runs on.
+        On CPU always every row: one graph of all layers recompiles in seconds (~10 s
+        warm), so a run's tail of fewer rows rides along in it rather than compiling a
+        bucket of its own; on CUDA the smallest bucket that holds the span."""
+        if self.device.type != "cuda":
+            return self.rows
         return next((b for b in BUCKETS if b >= span_end and b <= self.rows), self.rows)
 
     def run(self, first_row: int, lengths: list[int], tokens: list[int | None]) -> torch.Tensor:

@@ -130,6 +130,11 @@ class LayerGraphs:
             if self._whole is None:
                 self._whole = torch.compile(_own_code(all_layers_step, f"{id(self):x}"),
                                             fullgraph=True, options=_CPU_OPTIONS)
+                # The cache capacity (it doubles as lines grow) is symbolic from the
+                # first compile: a growth replaces the buffers without a recompile.
+                for buf in (*keys, *values):
+                    torch._dynamo.mark_dynamic(buf, 2)
+                torch._dynamo.mark_dynamic(mask, 3)
             return self._whole(self.layers, h, cos, sin, keys, values, pos, valid, mask)
         for layer, group, k_buf, v_buf in zip(self.layers, self.group, keys, values):
             h = self._graph(group)(layer, h, cos, sin, k_buf, v_buf, pos, valid, mask)
