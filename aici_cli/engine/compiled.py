@@ -122,8 +122,8 @@ class CompiledDecode:
         mask = (torch.arange(capacity, device=dev)[None, :] <= pos_t[:, None])[:, None, None]
         if dev.type == "cuda":
             self._static_cache_addresses()
-        h = self.graphs.forward(h, cos, sin, list(self.cache.keys), list(self.cache.values),
-                                pos_t, valid_t, mask)
+        h = self.graphs.forward(h, cos, sin, self.cache.keys, self.cache.values, pos_t,
+                                valid_t, mask)
         span = h[first_row : first_row + b]
         logits = self.model.lm_head(inner.norm(span))
         if started is not None:

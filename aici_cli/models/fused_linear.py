@@ -21,6 +21,7 @@ called one after another (`SideBySide`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -69,13 +70,19 @@ def _in_features(p: torch.nn.Module) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def _out_features(p: torch.nn.Module) -> int:
+    value = p.out_features
+    assert isinstance(value, int)
+    return value
+
+
 def _bias(parts: Sequence[torch.nn.Module], like: torch.Tensor) -> torch.Tensor | None:
     """The parts' biases stacked (zeros for a part without one); None if none has one."""
     biases = [getattr(p, "bias", None) for p in parts]
     if all(b is None for b in biases):
         return None
     return torch.cat([b.detach() if b is not None else
-                      like.new_zeros(int(p.out_features))  # type: ignore[arg-type]
+                      like.new_zeros(_out_features(p))
                       for b, p in zip(biases, parts)])
 
 
@@ -91,51 +98,49 @@ def _stack_dense(parts: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
     return out
 
 
-def _stack_int4(parts: Sequence[Int4Linear]) -> Int4Linear:
-    out = Int4Linear.__new__(Int4Linear)
+def _blank(kind: type[torch.nn.Module], parts: Sequence[torch.nn.Module]) -> Any:
+    """A module of `kind` (Int4Linear or Int8Linear) of the parts' summed width, its
+    buffers still to register (their constructors take codes to pack, not packed ones)."""
+    out: Any = kind.__new__(kind)
     torch.nn.Module.__init__(out)
-    out.in_features = parts[0].in_features
-    out.out_features = sum(p.out_features for p in parts)
+    out.in_features = _in_features(parts[0])
+    out.out_features = sum(_out_features(p) for p in parts)
+    return out
+
+
+def _stack_int4(parts: Sequence[Int4Linear]) -> Int4Linear:
+    out = _blank(Int4Linear, parts)
     if hasattr(parts[0], "inner_k_tiles"):
         out.inner_k_tiles = parts[0].inner_k_tiles
     # packed: [N, ...] rows first in both kernels' layouts; scale_zero: [K/32, N, 2].
     out.register_buffer("packed", torch.cat([p.packed for p in parts]))
     out.register_buffer("scale_zero", torch.cat([p.scale_zero for p in parts], dim=1))
     out.register_buffer("bias", _bias(parts, parts[0].scale_zero[0, 0]))
-    return out
+    return out  # type: ignore[no-any-return]
 
 
 def _stack_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
-    out = Int8Linear.__new__(Int8Linear)
-    torch.nn.Module.__init__(out)
-    out.in_features = parts[0].in_features
-    out.out_features = sum(p.out_features for p in parts)
+    out = _blank(Int8Linear, parts)
     out.register_buffer("codes", torch.cat([p.codes for p in parts]))
     out.register_buffer("scale", torch.cat([p.scale for p in parts]))
     out.register_buffer("bias", _bias(parts, parts[0].scale))
-    return out
+    return out  # type: ignore[no-any-return]
 
 
 def _same_outputs(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -> bool:
     """The stacked layer gives exactly the parts' outputs side by side, at 1, 3 and 16 rows."""
-    ref = next(iter(stacked.buffers()), None)
-    if ref is None:
-        ref = next(stacked.parameters())
-    dtype = getattr(parts[0], "weight", None)
-    act = dtype.dtype if isinstance(dtype, torch.Tensor) else _activation_dtype(parts[0])
+    # The input the layer's kernel takes: the dense weight's dtype, or a quantized
+    # layer's scales' (the int4/int8 kernels require activations of that dtype).
+    p = parts[0]
+    like = p.weight if isinstance(p, torch.nn.Linear) else (
+        p.scale_zero if isinstance(p, Int4Linear) else p.scale)
+    assert isinstance(like, torch.Tensor)
     gen = torch.Generator(device="cpu").manual_seed(0)
     for rows in (1, 3, 16):
-        x = torch.randn(rows, _in_features(parts[0]) or 0, generator=gen).to(ref.device, act)
-        if not torch.equal(stacked(x), torch.cat([p(x) for p in parts], dim=-1)):
+        x = torch.randn(rows, _in_features(p) or 0, generator=gen).to(like.device, like.dtype)
+        if not torch.equal(stacked(x), torch.cat([q(x) for q in parts], dim=-1)):
             return False
     return True
-
-
-def _activation_dtype(p: torch.nn.Module) -> torch.dtype:
-    """The dtype a quantized layer's kernel takes its input in (its scales' dtype)."""
-    scale = p.scale_zero if isinstance(p, Int4Linear) else p.scale
-    assert isinstance(scale, torch.Tensor)
-    return scale.dtype
 
 
 def _share_storage(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -> None:
