@@ -22,8 +22,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 from click.testing import CliRunner, Result
+from reference import greedy_tokens
 from tiny_model import CHAT_TEMPLATE, write_tiny_gguf
 
 from aici_cli.cli import main
@@ -116,10 +116,7 @@ def layout(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_gguf: Path
 
 def greedy(lm: LoadedModel, n: int = 6) -> list[int]:
     ids = lm.tokenizer("Hello world, the quick brown fox", return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        out = lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                pad_token_id=lm.tokenizer.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
+    return greedy_tokens(lm.model, ids, n)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ that needs to know which row a token belongs to, is done here per row group:
   or repeated for grouped-query attention;
 - rows feeding several tokens: one call each, over that row's cache slots only.
 
-The model's attention layers call `rows_attention` through transformers' attention
-registry (`install`). Outside a `packed(plan)` block it falls back to transformers' own
-SDPA attention, so the same model object still runs ordinary forward passes.
+The model's attention layers call `rows_attention`: a `models/llama.py` model's directly,
+a transformers model's through transformers' attention registry (`install`). Outside a
+`packed(plan)` block it falls back to plain causal SDPA attention (transformers' own for
+its models), so the same model object still runs ordinary forward passes.
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from aici_cli.engine.invariant import per_query_attention
+from aici_cli.models.llama import Attention as OwnAttention
+from aici_cli.models.llama import causal_attention
 
 NAME = "aici_rows"
 
@@ -106,6 +106,13 @@ def invariant_pass() -> bool:
 
 def install(model: Any) -> None:
     """Route the model's attention through `rows_attention` (idempotent)."""
+    if hasattr(model, "set_attention"):  # models/llama.py: no registry to go through
+        model.set_attention(rows_attention)
+        return
+    # transformers' masking utilities cost ~1 s to import: only for its models.
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
     AttentionInterface.register(NAME, rows_attention)
     # Outside `packed`, masks are built exactly as for transformers' SDPA attention.
     AttentionMaskInterface.register(NAME, sdpa_mask)
@@ -128,6 +135,11 @@ def rows_attention(
     [rows, kv_heads, capacity, D] (see `RowCache.update`). Returns [1, T, H, D]."""
     plan = current_plan()
     if plan is None:
+        if isinstance(module, OwnAttention):
+            return causal_attention(module, query, key, value, attention_mask,
+                                    scaling=scaling)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)

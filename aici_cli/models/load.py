@@ -7,6 +7,7 @@ files (`files`) to say which one is at fault, since transformers' own errors sel
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from aici_cli.models.chat import MODEL_NAME_ATTR
 from aici_cli.models.conversion_cache import cache_hint
 from aici_cli.models.device import pick_device, pick_dtype
 from aici_cli.models.files import model_files_problem, tokenizer_files_problem
+from aici_cli.models.llama import unsupported
 from aici_cli.models.one_line import one_line
 from aici_cli.models.quantize import resolve_mode
 from aici_cli.models.quiet import quiet_transformers
@@ -43,10 +45,13 @@ class LoadedModel:
 
 
 def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
-               quantize: str = "none") -> LoadedModel:
+               quantize: str = "none", implementation: str = "auto") -> LoadedModel:
     """Resolve `spec`, then load model and tokenizer onto the chosen device and dtype,
     with the linear layers quantised as `quantize` says (`quantize.resolve_mode`: none,
-    int8, int4, or auto).
+    int8, int4, or auto). `implementation`: "auto" builds a Llama-architecture model as
+    `models/llama.py` (transformers' own logits, without importing its model classes),
+    any other through transformers; "transformers" always through transformers (for
+    comparisons with its `generate`).
 
     ~1 s for the cached default model on CPU (plus the one-time conversion on first use).
     Any failure to read the files becomes a one-line ModelError naming the file at fault
@@ -59,8 +64,9 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     path, name = resolve_with_name(spec)
     mode = resolve_mode(quantize, path, torch_dtype)
     with quiet_transformers():
-        model = _load_weights(path, torch_dtype, mode, torch_device)
-        tokenizer = _load_tokenizer(path)
+        own = implementation != "transformers" and _own_llama(path)
+        model = _load_weights(path, torch_dtype, mode, torch_device, own)
+        tokenizer = _load_tokenizer(path, model.config if own else None)
     model.eval()
     try:
         model.to(torch_device)
@@ -87,28 +93,41 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     )
 
 
+def _own_llama(path: Path) -> bool:
+    """Whether the model at `path` is built as `models/llama.py`: one safetensors file and
+    a config.json of that architecture (anything else, unreadable files included, goes
+    through transformers, whose errors `files` rewords)."""
+    if not (path / "model.safetensors").is_file():
+        return False
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and unsupported(raw) is None
+
+
 def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
-                  device: torch.device | None = None) -> Any:
-    """The model at `path` in `dtype`, on the CPU (quantised: on `device`, built there by
-    `quantized_load`); every tensor must come from the files.
+                  device: torch.device | None = None, own: bool = False) -> Any:
+    """The model at `path` in `dtype`, on the CPU (quantised or `own`: on `device`, built
+    there by `mapped_load`); every tensor must come from the files.
 
     transformers fills tensors missing from the checkpoint with random values and only
     warns; a model answering from random weights is worse than no answer, so that is an
     error here.
     """
-    from transformers import AutoModelForCausalLM
-
-    if mode != "none":
-        from aici_cli.models.quantized_load import load_quantized
+    if mode != "none" or own:
+        from aici_cli.models.mapped_load import load_mapped
 
         try:
-            return load_quantized(path, dtype, mode, device or torch.device("cpu"))
+            return load_mapped(path, dtype, mode, device or torch.device("cpu"), own)
         except ModelError:
             raise
         except Exception as exc:  # corrupt files surface as many exception types
             problem = model_files_problem(path) or _load_problem(exc)
             raise ModelError(
                 f"cannot load model from {path}: {problem}{cache_hint(path)}") from exc
+
+    from transformers import AutoModelForCausalLM
 
     try:
         loaded: Any = AutoModelForCausalLM.from_pretrained(
@@ -129,16 +148,43 @@ def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
     return model
 
 
-def _load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
+def _load_tokenizer(path: Path, config: Any = None) -> Any:
+    """The tokenizer at `path`. AutoTokenizer reads config.json through AutoConfig, to
+    pick a tokenizer class where tokenizer_config.json names none: that import costs ~1 s
+    (transformers' config classes bring torch.distributed), and importing AutoTokenizer
+    itself ~0.3 s. Where the file names a class and no remote code, the class comes from
+    the file either way: `TokenizersBackend` (what transformers writes) is loaded
+    directly, another through AutoTokenizer with the model's own `config` (a
+    `models/llama.py` model's) handed over."""
+    named = _named_tokenizer_class(path)
     try:
-        return AutoTokenizer.from_pretrained(path, padding_side="left", local_files_only=True)
+        if named == "TokenizersBackend":
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(path, padding_side="left",
+                                                     local_files_only=True)
+        from transformers import AutoTokenizer
+
+        extra = {"config": config} if config is not None and named else {}
+        return AutoTokenizer.from_pretrained(path, padding_side="left", local_files_only=True,
+                                             **extra)
     except Exception as exc:  # bad JSON, unknown tokenizer class, missing vocabulary...
         problem = tokenizer_files_problem(path) or one_line(exc)
         raise ModelError(
             f"cannot load tokenizer from {path}: {problem}{cache_hint(path)}"
         ) from exc
+
+
+def _named_tokenizer_class(path: Path) -> str | None:
+    """tokenizer_config.json's `tokenizer_class`, where it names one and no remote code."""
+    try:
+        raw = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or "auto_map" in raw:
+        return None
+    named = raw.get("tokenizer_class")
+    return named if isinstance(named, str) else None
 
 
 def _load_problem(exc: BaseException) -> str:

@@ -1,11 +1,14 @@
-"""Building a quantised model without ever holding its dense linear weights.
+"""Building a model from its memory-mapped safetensors file, without transformers'
+loader and, when quantised, without ever holding its dense linear weights.
 
-`from_pretrained` reads every tensor of the bf16 copy (+170 MB RSS for the default
-model, ~3 s) before `quantize_model` could throw the linear ones away. Here the model is
-built on the meta device (no memory), its linear layers are made from the GGUF blocks or
-from the dense file a slice at a time, and every other tensor is mapped from the
-safetensors file without a copy (`mmap`): an embedding lookup pages in the rows it reads
-only. Result for the default model at int4: the weights cost ~85 MB of RSS instead of 270.
+The model is built on the meta device (no memory): a Llama-architecture model as this
+project's own `models/llama.py` (no `transformers.modeling_utils` import: ~1.8 s and
+~130 MB less), any other through transformers' `from_config`. Its tensors are then mapped
+from the file without a copy where the dtype matches (`mmap`: an embedding lookup pages in
+the rows it reads only). Quantised, its linear layers are made from the GGUF blocks or
+from the dense file a slice at a time: `from_pretrained` would read every tensor of the
+bf16 copy (+170 MB RSS for the default model, ~3 s) before the linear ones could be thrown
+away. Result for the default model at int4: the weights cost ~85 MB of RSS instead of 270.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import json
 import mmap
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from aici_cli.models.llama import LlamaShape, RotaryEmbedding, build_on_meta
 from aici_cli.models.quantize import quantize_model
 from aici_cli.vocabulary.errors import ModelError
 
@@ -58,25 +63,25 @@ class MappedSafetensors:
         return flat.view(entry["shape"])
 
 
-def load_quantized(path: Path, dtype: torch.dtype, mode: str, device: torch.device) -> Any:
-    """The model at `path` with its linear layers in `mode` (int8 or int4), the rest in
-    `dtype` on `device`. A tensor the files lack is an error, as in `load._load_weights`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
+def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
+                own: bool) -> Any:
+    """The model at `path` with its linear layers in `mode` (none, int8 or int4), the
+    rest in `dtype` on `device`; `own`: built as `models/llama.py`'s model (the caller has
+    checked `llama.unsupported`). A tensor the files lack is an error, as in
+    `load._load_weights`."""
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise ModelError(f"cannot quantize the model at {path}: it has no single "
                          "model.safetensors file (sharded or .bin weights: use --quantize none)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation="sdpa")
+    model = _build_on_meta(path, dtype, own)
     dense = MappedSafetensors(weights)
 
     def dense_weight(name: str) -> torch.Tensor:
         return _to(dense.tensor(name), dtype, device)
 
     for name, module in model.named_modules():  # the linears need their real shapes only
+        if mode == "none":
+            break  # every tensor in `dtype`, below
         if isinstance(module, torch.nn.Linear) and f"{name}.weight" in dense.entries:
             module.weight = torch.nn.Parameter(dense.tensor(f"{name}.weight"),
                                                requires_grad=False)
@@ -91,9 +96,42 @@ def load_quantized(path: Path, dtype: torch.dtype, mode: str, device: torch.devi
     if still_meta:
         raise ModelError(f"cannot load model from {path}: the weights lack "
                          f"{len(still_meta)} of the model's tensors ({', '.join(still_meta[:3])})")
-    if (path / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    model.generation_config = _generation_config(model, path, own)
     return model
+
+
+def _build_on_meta(path: Path, dtype: torch.dtype, own: bool) -> Any:
+    """The model's modules, every tensor on meta."""
+    if own:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        model: Any = build_on_meta(LlamaShape(raw))
+        model.name_or_path = str(path)
+        return model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def _generation_config(model: Any, path: Path, own: bool) -> Any:
+    """generation_config.json's fields over the special tokens of config.json, as
+    transformers' `GenerationConfig.from_model_config` merges them (transformers' own
+    object for its models)."""
+    file = path / "generation_config.json"
+    if not own:
+        from transformers import GenerationConfig
+
+        return (GenerationConfig.from_pretrained(path, local_files_only=True)
+                if file.is_file() else model.generation_config)
+    fields = {key: getattr(model.config, key) for key in _SPECIAL_IDS
+              if getattr(model.config, key, None) is not None}
+    if file.is_file():
+        fields |= json.loads(file.read_text(encoding="utf-8"))
+    return SimpleNamespace(**fields)
+
+
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _assign_rest(model: Any, dense: MappedSafetensors, dtype: torch.dtype,
@@ -125,7 +163,10 @@ def _rebuild_meta_buffers(model: Any, device: torch.device) -> None:
         if "RotaryEmbedding" not in type(module).__name__:
             continue  # left on meta: reported as missing
         config = getattr(module, "config", None) or model.config.get_text_config()
-        with torch.device(device):
-            fresh = type(module)(config=config)
+        if isinstance(module, RotaryEmbedding):
+            fresh: torch.nn.Module = RotaryEmbedding(config, device)
+        else:
+            with torch.device(device):
+                fresh = type(module)(config=config)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, fresh)

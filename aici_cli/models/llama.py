@@ -1,0 +1,309 @@
+"""Llama-architecture causal LMs in plain PyTorch, without transformers' model classes.
+
+Importing `transformers.modeling_utils` costs ~1.8 s and ~130 MB of RSS on a 2-core CPU
+(torch.distributed.tensor, torch._dynamo, scipy and sympy come with it), more than the
+default model's whole first pass. A run on a model of this architecture builds this one
+instead (`models/direct_load.py`).
+
+It is transformers' `LlamaForCausalLM` op for op: the same module names and tensor
+shapes (a checkpoint loads by name, the quantizer, the fused decode layer and the
+invariant linears find what they look for), the same RMSNorm, RoPE and residual order,
+the same SDPA call, so its logits are transformers' bit for bit
+(`tests/test_llama.py`). It runs what the engine needs: a forward pass over packed
+tokens with the engine's cache and attention function (`set_attention`), or a plain
+causal pass over `input_ids` without a cache. It does not generate(), train or shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCHITECTURE = "LlamaForCausalLM"
+
+# config.json keys every supported model states (the rest have transformers' defaults).
+_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "vocab_size")
+
+
+def unsupported(raw: dict[str, Any]) -> str | None:
+    """Why the model whose config.json is `raw` is not built here (None: it is); such a
+    model loads through transformers instead."""
+    if raw.get("architectures") != [ARCHITECTURE] or raw.get("model_type") != "llama":
+        return f"architecture {raw.get('architectures')!r}"
+    missing = [key for key in _REQUIRED if not isinstance(raw.get(key), int)]
+    if missing:
+        return f"config.json lacks {', '.join(missing)}"
+    if raw.get("hidden_act", "silu") != "silu":
+        return f"activation {raw.get('hidden_act')!r}"
+    for rope in (raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}):
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            return f"RoPE type {kind!r}"
+    if raw.get("pretraining_tp", 1) != 1 or raw.get("quantization_config"):
+        return "pretraining_tp or quantization_config"
+    return None
+
+
+class LlamaShape:
+    """A Llama config.json as attributes: the fields the model reads, with transformers'
+    defaults, and every other key of the file as it is (`getattr(config, key)`)."""
+
+    model_type = "llama"
+    _attn_implementation = "sdpa"
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        self._raw = dict(raw)
+        self.hidden_size = int(raw["hidden_size"])
+        self.intermediate_size = int(raw["intermediate_size"])
+        self.num_hidden_layers = int(raw["num_hidden_layers"])
+        self.num_attention_heads = int(raw["num_attention_heads"])
+        self.num_key_value_heads = int(raw.get("num_key_value_heads")
+                                       or self.num_attention_heads)
+        self.head_dim = int(raw.get("head_dim") or self.hidden_size // self.num_attention_heads)
+        self.vocab_size = int(raw["vocab_size"])
+        self.rms_norm_eps = float(raw.get("rms_norm_eps", 1e-6))
+        rope = raw.get("rope_parameters") or {}
+        self.rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        self.attention_bias = bool(raw.get("attention_bias", False))
+        self.mlp_bias = bool(raw.get("mlp_bias", False))
+        self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
+        self.max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
+
+    def __getattr__(self, name: str) -> Any:  # only for names not set above
+        raw = self.__dict__.get("_raw", {})
+        if name in raw:
+            return raw[name]
+        raise AttributeError(name)
+
+    def get_text_config(self) -> LlamaShape:
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._raw)
+
+
+Device = torch.device | str | None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, device: Device = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, device=device))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE: cos/sin [.., T, head_dim] for position ids [.., T], in x's dtype."""
+
+    def __init__(self, config: LlamaShape, device: Device = None) -> None:
+        super().__init__()
+        dim = config.head_dim
+        if torch.device(device or "cpu").type == "meta":  # arange on meta imports dynamo
+            inv_freq = torch.empty(dim // 2, device=device)
+        else:
+            steps = torch.arange(0, dim, 2, dtype=torch.float, device=device)
+            inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.attention_scaling = 1.0
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device,
+                                                                   dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, unsqueeze_dim: int = 1
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q/k: [B, heads, T, D]; cos/sin: [B, T, D] (unsqueezed to broadcast over heads)."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
+
+
+def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None,
+                     scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Plain causal attention over one unpadded sequence per batch row, as transformers'
+    SDPA attention runs it on CPU with no mask. q: [B, H, T, D]; returns [B, T, H, D]."""
+    if attention_mask is not None:
+        raise ValueError("this model takes no attention mask outside the engine's passes")
+    groups = int(module.num_key_value_groups)  # type: ignore[arg-type]
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1,
+                                         scale=scaling, enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaShape, layer_idx: int, device: Device = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        self.is_causal = True
+        heads, kv_heads, bias = (config.num_attention_heads, config.num_key_value_heads,
+                                 config.attention_bias)
+        hidden, dim = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(hidden, heads * dim, bias=bias, device=device)
+        self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=bias, device=device)
+        self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=bias, device=device)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=bias, device=device)
+        self.attend: AttentionFn = causal_attention
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: Any, cache: Any) -> torch.Tensor:
+        shape = hidden.shape[:-1]
+        split = (*shape, -1, self.head_dim)
+        q = self.q_proj(hidden).view(split).transpose(1, 2)  # [B, heads, T, D]
+        k = self.k_proj(hidden).view(split).transpose(1, 2)
+        v = self.v_proj(hidden).view(split).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        out, _ = self.attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
+        return self.o_proj(out.reshape(*shape, -1).contiguous())
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaShape, device: Device = None) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias, device=device)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias, device=device)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias, device=device)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaShape, layer_idx: int, device: Device = None) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, layer_idx, device)
+        self.mlp = MLP(config, device)
+        self.input_layernorm = RMSNorm(size, eps, device)
+        self.post_attention_layernorm = RMSNorm(size, eps, device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention_mask: Any, cache: Any) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin,
+                                         attention_mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaBody(nn.Module):
+    """transformers' `LlamaModel`: embedding, decoder layers, final norm."""
+
+    def __init__(self, config: LlamaShape, device: Device = None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, device)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.rotary_emb = RotaryEmbedding(config, device)
+
+
+@dataclass
+class CausalOutput:
+    logits: torch.Tensor  # [B, kept positions, vocab]
+
+
+class LlamaCausalLM(nn.Module):
+    """The model: `model` (the body) and `lm_head`, as transformers names them."""
+
+    def __init__(self, config: LlamaShape, device: Device = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaBody(config, device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                 device=device)
+        self.generation_config: Any = None  # the loader sets generation_config.json's fields
+        self.name_or_path = ""
+
+    def set_attention(self, attend: AttentionFn) -> None:
+        """Every layer's attention through `attend(module, q, k, v, mask, scaling=...)`."""
+        for layer in self.model.layers:
+            layer.self_attn.attend = attend  # type: ignore[union-attr]
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: Any = None, cache: Any = None, use_cache: bool = False,
+                logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> CausalOutput:
+        """input_ids: [B, T]; position_ids default 0..T-1. `cache` (the engine's row cache)
+        takes each layer's keys and values; without it attention is causal over the
+        input alone. `logits_to_keep`: the last n positions (0: all), or their indices."""
+        body = self.model
+        hidden = body.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=hidden.device)[None]
+        cos, sin = body.rotary_emb(hidden, position_ids)
+        for layer in body.layers:
+            hidden = layer(hidden, cos, sin, attention_mask, cache)
+        hidden = body.norm(hidden)
+        keep = (slice(-logits_to_keep, None) if isinstance(logits_to_keep, int)
+                else logits_to_keep)
+        return CausalOutput(logits=self.lm_head(hidden[:, keep, :]))
+
+
+def build_on_meta(config: LlamaShape) -> LlamaCausalLM:
+    """The model with every tensor on the meta device, for a loader to assign (the
+    rotary table too, which checkpoints do not hold: `RotaryEmbedding(config, device)`
+    computes it). Tensors are made with `device=` rather than under a `torch.device`
+    mode, whose meta factories run Python reference kernels (importing torch._dynamo)."""
+    with _no_random_init():
+        return LlamaCausalLM(config, "meta")
+
+
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """nn.Linear and nn.Embedding built without their random initialisation: on meta
+    tensors it runs torch's Python reference kernels, whose first use imports
+    torch._dynamo (~0.8 s), and every tensor is assigned from the file anyway."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = _skip  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved  # type: ignore[method-assign]
+
+
+def _skip(self: nn.Module) -> None:
+    return None
