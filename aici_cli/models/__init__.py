@@ -23,7 +23,8 @@ Modules, one concept each; those marked * import torch, the others do not:
     gguf_blocks.py       a GGUF's Q4_0/Q4_1/Q8_0 blocks as codes and scales (numpy)
     gguf_quantized.py    those blocks kept beside a conversion, by parameter name
     quantize.py *        int8/int4 linear layers on PyTorch's kernels (--quantize)
-    quantized_load.py *  building a quantized model without its dense linear weights
+    llama.py *           Llama-architecture models without transformers' model classes
+    mapped_load.py *     a model built on meta, mapped from safetensors (quantised: no dense copy)
     device.py *          the torch device and load dtype for the CLI's specs
     load.py *            LoadedModel: weights and tokenizer on a device
     chat.py              rendering messages with the chat template
