@@ -18,7 +18,7 @@ from aici_cli.vocabulary.errors import UsageError
 
 
 def run_config(input: str | None, output: str, model: str | None, device: str, dtype: str,
-               quantize: str, compile_mode: str, batch_size: int,
+               quantize: str, model_impl: str, compile_mode: str, batch_size: int,
                max_tokens: int, temperature: float, top_p: float, seed: int, top_k: int,
                min_p: float, frequency_penalty: float, presence_penalty: float,
                repetition_penalty: float, min_tokens: int, ignore_eos: bool,
@@ -45,7 +45,7 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
                          "--ray each worker's threads are --cpus-per-worker")
     config = RunConfig(
         input=input, output=output, model=model, device=device, dtype=dtype,
-        quantize=quantize,
+        quantize=quantize, model_impl=model_impl,
         engine=EngineConfig(batch_size=batch_size, compile=compile_mode, fast_forward=not no_ff,
                             draft_tokens=draft_tokens, step_stats=step_stats,
                             prefix_cache=not no_prefix_cache, lookahead=lookahead,

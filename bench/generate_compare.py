@@ -50,12 +50,15 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     for quantize in args.quantize.split(","):
         lm = load_model(args.model or None, args.device, args.dtype, quantize)
+        # generate() is transformers' own: its model class, on the same weights.
+        hf = load_model(args.model or None, args.device, args.dtype, quantize,
+                        implementation="transformers")
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             messages = [[{"role": "user", "content": f"Write a story about {TOPICS[i % 8]}."}]
                         for i in range(bs)]
             # generate(): eos suppressed so every row makes max_tokens.
             started = time.perf_counter()
-            _, counts, _ = generate_batch(lm.model, lm.tokenizer, messages, args.max_tokens,
+            _, counts, _ = generate_batch(hf.model, hf.tokenizer, messages, args.max_tokens,
                                           min_new_tokens=args.max_tokens)
             if lm.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -146,7 +146,7 @@ def worker(args: argparse.Namespace) -> int:
         if module_name != "aici_peer":
             from aici_cli.models.load import load_model
 
-            lm = load_model(None)
+            lm = load_model(None, implementation="transformers")  # peers call generate()
             model, tokenizer = lm.model, lm.tokenizer
             out["dtype"] = str(lm.dtype).removeprefix("torch.")
         try:

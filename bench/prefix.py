@@ -113,7 +113,7 @@ def main() -> int:
 
     lines = [json.loads(x) for x in EVAL.read_text().splitlines() if x.strip()]
     jlines = json_lines(lines)
-    lm = load_model(None)
+    lm = load_model(None, implementation="transformers")  # generate() below is its own
     tok = lm.tokenizer
     tok.padding_side = "left"
     runs: dict[str, list[dict[str, Any]]] = {}

@@ -10,9 +10,12 @@ from typing import Any
 import jsonschema
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from aici_cli.cli import main
-from aici_cli.control.grammar.closing import closing_order, json_state
+from aici_cli.control.grammar.closing import Closer, closing_order, json_state
+from aici_cli.control.grammar.compiler import GrammarCompiler
 from aici_cli.control.grammar.loops import find_loop
 from aici_cli.engine.loop import Engine
 from aici_cli.jobs import load_schema
@@ -140,3 +143,26 @@ def test_closing_is_the_default_and_each_switch_turns_it_off(tiny_model_dir: Pat
     for r in [*default.values(), *no_guard.values()]:
         assert r["valid"] is True
     assert all(r["stats"].get("close_reason") != "loop" for r in no_guard.values())
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(digits=st.integers(1, 12), sep=st.sampled_from(["#", "@", "_", "~"]),
+       tail=st.sampled_from(["[a-z]+", "[A-Za-z0-9]+", "x{2}"]))
+def test_a_pattern_completes_past_a_digit_run(lm: LoadedModel, digits: int, sep: str,
+                                              tail: str) -> None:
+    """A string whose pattern needs a character the closing list lacks after a run it
+    repeats (`^[0-9]+#[a-z]+`): the completion takes the first other token the grammar
+    allows, not the digit forever, and the closed string matches the pattern."""
+    pattern = f"^[0-9]+{sep}{tail}$"
+    schema = {"type": "object", "properties": {"id": {"type": "string", "pattern": pattern}},
+              "required": ["id"]}
+    compiler = GrammarCompiler(lm.tokenizer, lm.vocab_size, sorted(lm.eos_token_ids))
+    matcher = compiler.compile(Constraint("json_schema", schema)).template.deep_copy()
+    text = '{"id": "' + "1" * digits
+    prefix = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert matcher.consume_tokens(prefix)
+    completion = Closer(lm.tokenizer).completion(matcher, text, 24)
+    assert completion is not None
+    whole = lm.tokenizer.decode(prefix + completion)
+    jsonschema.validate(json.loads(whole), schema)

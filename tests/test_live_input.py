@@ -130,7 +130,8 @@ def test_first_sigint_while_waiting_for_input_stops_at_once(tiny_model_dir: Path
 def test_first_sigint_lets_running_lines_finish_while_stdin_stays_open(
     tiny_model_dir: Path
 ) -> None:
-    run = Producer(tiny_model_dir, "--batch-size", "2")
+    # No drafts: one pass a token, so the long line (~2 s) is still running at the signal.
+    run = Producer(tiny_model_dir, "--batch-size", "2", "--draft-tokens", "0")
     run.write("a", 4)
     run.wait_for("a", timeout=120)
     run.write("long", 1500)  # running when the signal comes

@@ -144,27 +144,38 @@ def test_other_models_load_through_transformers(tiny_model_dir: Path, tmp_path: 
     assert not isinstance(loaded.model, LlamaCausalLM)
 
 
-def test_a_run_imports_no_model_code_of_transformers(tiny_model_dir: Path,
-                                                     tmp_path: Path) -> None:
-    """What a run on a Llama model imports: no transformers model classes, masking
-    utilities, torch.distributed or torch._dynamo (each costs a second or so)."""
-    prompts = tmp_path / "in.jsonl"
-    prompts.write_text('{"prompt": "hello"}\n')
+def _cli_run(model_dir: Path, tmp_path: Path, impl: str) -> tuple[list[str], dict[str, Any]]:
+    """A run of one line in a fresh process: the heavy modules it imported, its result."""
+    prompts, out = tmp_path / "in.jsonl", tmp_path / f"out-{impl}.jsonl"
+    prompts.write_text('{"prompt": "hello", "logprobs": true}\n')
     script = (
         "import sys\n"
         "from aici_cli.cli import main\n"
-        f"try: main(['run', {str(prompts)!r}, '--model', {str(tiny_model_dir)!r},"
-        f" '--max-tokens', '3', '-o', {str(tmp_path / 'out.jsonl')!r}, '--quiet'])\n"
+        f"try: main(['run', {str(prompts)!r}, '--model', {str(model_dir)!r},"
+        f" '--max-tokens', '5', '-o', {str(out)!r}, '--quiet', '--model-impl', {impl!r}])\n"
         "except SystemExit as e: assert e.code in (0, None), e.code\n"
         "heavy = ['transformers.modeling_utils', 'transformers.masking_utils',"
         " 'torch._dynamo', 'torch.distributed.tensor', 'scipy', 'sympy']\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[]"
-    assert json.loads((tmp_path / "out.jsonl").read_text())["finish_reason"] == "length"
+    assert ran.returncode == 0, ran.stderr
+    return json.loads(ran.stdout.strip().splitlines()[-1].replace("'", '"')), \
+        json.loads(out.read_text())
+
+
+def test_a_run_imports_no_model_code_of_transformers(tiny_model_dir: Path,
+                                                     tmp_path: Path) -> None:
+    """What a run on a Llama model imports: no transformers model classes, masking
+    utilities, torch.distributed or torch._dynamo (each costs a second or so); with
+    `--model-impl transformers` it runs through them, to the same tokens."""
+    heavy, own = _cli_run(tiny_model_dir, tmp_path, "auto")
+    assert heavy == []
+    heavy, theirs = _cli_run(tiny_model_dir, tmp_path, "transformers")
+    assert "transformers.modeling_utils" in heavy
+    assert own["finish_reason"] == "length"
+    assert (own["text"], own["logprobs"]) == (theirs["text"], theirs["logprobs"])
 
 
 @pytest.mark.real_model

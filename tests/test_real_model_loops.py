@@ -25,13 +25,17 @@ from data_split import half_of  # noqa: E402
 pytestmark = pytest.mark.real_model
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
-# Each loops on the default model: a digit run inside a string with a minimum length, an
-# array item repeated, a key that keeps growing. (Which outputs loop depends on the
-# passes a run makes: bf16 logits differ in the last bits between a one-token pass and a
-# pass with a draft. Github_easy/o9369 looped while every step drafted; since drafts stop
-# where they do not pay (engine/draft.py) it ends on its own.)
+# Outputs the default model loops on (tune half): digit runs inside a string with a
+# minimum length or a pattern, array items repeated, keys that keep growing. Which of them
+# loop depends on the machine: bf16 logits differ in the last bits between CPUs' kernels
+# and between a one-token pass and a pass with a draft, and greedy decoding follows them.
+# So the test takes every candidate that runs to the limit without the guard (at least
+# three must) and checks that the guard closes each of them.
 LOOPING = ["Github_trivial/o89135.json", "Github_easy/o11171.json",
-           "Snowplow/sp_51_Normalized.json"]
+           "Snowplow/sp_51_Normalized.json", "Github_trivial/o10055.json",
+           "Github_trivial/o17125.json", "Github_trivial/o34210.json",
+           "Github_trivial/o14485.json", "Github_trivial/o19070.json",
+           "Github_trivial/o10089.json"]
 
 
 def run(tmp_path: Path, *flags: str) -> dict[str, dict[str, Any]]:
@@ -52,13 +56,14 @@ def test_the_default_model_s_loops_end_closed_and_valid(tmp_path: Path) -> None:
     assert all(half_of(*name.split("/")) == "tune" for name in LOOPING)
     guarded = run(tmp_path)
     unguarded = run(tmp_path, "--no-loop-guard", "--no-close-at-limit")
-    for name in LOOPING:
+    looped = [name for name in LOOPING if unguarded[name]["finish_reason"] == "length"]
+    assert len(looped) >= 3, {n: unguarded[n]["text"][-60:] for n in LOOPING}
+    for name in looped:
         schema = json.loads((DATA / name).read_text())
-        before, after = unguarded[name], guarded[name]
-        assert before["finish_reason"] == "length", before["text"][-80:]
-        assert after["finish_reason"] == "stop", after["text"][-80:]
-        assert after["stats"]["close_reason"] == "loop"
-        assert after["valid"] is True
+        after = guarded[name]
+        assert after["finish_reason"] == "stop", (name, after["text"][-80:])
+        assert after["stats"]["close_reason"] == "loop", name
+        assert after["valid"] is True, name
         jsonschema.validate(json.loads(after["text"]), schema)
         # The guard fires once the loop is one: far before the limit.
-        assert after["stats"]["output_tokens"] < 256 * 3 // 4
+        assert after["stats"]["output_tokens"] < 256 * 3 // 4, name

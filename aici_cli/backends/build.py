@@ -52,7 +52,8 @@ def build_engine(config: RunConfig, wasm: bytes | None = None) -> BuiltEngine:
     needs no copy of the file). Raises `ModelError`/`UsageError` as a run reports them.
     Thread counts are the caller's: a process sets them before torch starts its pool."""
     started = time.perf_counter()
-    lm = load_model(config.model, config.device, config.dtype, load_quantize(config))
+    lm = load_model(config.model, config.device, config.dtype, load_quantize(config),
+                    config.model_impl)
     built = BuiltEngine(Engine(lm, config.engine), started, time.perf_counter())
     if config.controller is not None:
         built.component = load_controller(config, wasm)

@@ -94,8 +94,10 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
                   if t.is_meta]
     if still_meta:
-        raise ModelError(f"cannot load model from {path}: the weights lack "
-                         f"{len(still_meta)} of the model's tensors ({', '.join(still_meta[:3])})")
+        shown = ", ".join(still_meta[:3]) + (", ..." if len(still_meta) > 3 else "")
+        raise ModelError(f"cannot load model from {path}: the weights lack {len(still_meta)} "
+                         f"of the model's tensors ({shown}); the files are incomplete or "
+                         "belong to another model")
     model.generation_config = _generation_config(model, path, own)
     return model
 

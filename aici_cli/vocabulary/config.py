@@ -126,6 +126,9 @@ class RunConfig:
     dtype: str = "auto"
     # Weight-only quantisation (models/quantize.py): auto, none, int8, int4.
     quantize: str = "auto"
+    # Who builds the model (models/load.py): auto (a Llama model: models/llama.py), or
+    # transformers. The logits are the same either way.
+    model_impl: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
     defaults: JobDefaults = field(default_factory=JobDefaults)
     stats_out: str | None = None

@@ -4,10 +4,12 @@ A small model can spend its whole budget inside one value (a string or number it
 forever) and end cut off, with no usable JSON. `Closer` finds a short way to complete the
 value from the matcher's current state: at each step it takes the first token of a fixed
 list that the grammar allows (closing quotes and brackets first, then the shortest
-literals), and whatever the grammar forces (keys of required properties). The grammar
-decides every token, so the completion is valid for the schema; it is not always the
-shortest one, and a grammar that cannot be completed from the list (a `minLength` string,
-a long `pattern`) gets none, and is cut off as before.
+literals), and whatever the grammar forces (keys of required properties); where only a
+text it just took twice fits, the grammar wants what the list lacks (the `#` of
+`[0-9]+#[a-z]+`), and from there it takes the lowest-numbered allowed token it has not
+taken yet. The grammar decides every token, so the completion is valid
+for the schema; it is not always the shortest one, and a grammar that cannot be
+completed this way within the limit gets none, and is cut off as before.
 
 When and from where a completion is used (at the limit, on a loop) is early_close.py's.
 """
@@ -104,6 +106,7 @@ class Closer:
         The matcher is not changed."""
         m = matcher.deep_copy()
         out: list[int] = []
+        avoid: set[int] = set()  # once stuck repeating: the tokens already taken
         while len(out) <= limit:
             if m.is_stopped() or m.is_accepting():
                 return out if len(out) <= limit else None
@@ -121,9 +124,17 @@ class Closer:
             order = closing_order(text)
             if len(out) >= 2 and out[-1] == out[-2]:
                 order = tuple(t for t in order if self.ids.get(t) != out[-1]) + order
-            choice = next((t for t in order
-                           if t in self.ids and m.validate_tokens([self.ids[t]]) == 1), None)
-            token = self.ids[choice] if choice is not None else _first_allowed(m)
+            choice = next((t for t in order if t in self.ids and self.ids[t] not in avoid
+                           and m.validate_tokens([self.ids[t]]) == 1), None)
+            token = self.ids[choice] if choice is not None else _first_allowed(m, avoid)
+            if token is not None and len(out) >= 2 and token == out[-1] == out[-2]:
+                # Only the text just taken twice fits of the list: the grammar wants
+                # something the list lacks (the `#` of `[0-9]+#[a-z]+`). From here on no
+                # token is taken twice while another is allowed.
+                avoid = set(out)
+                token, choice = _first_allowed(m, avoid), None
+            if avoid and token is not None:
+                avoid.add(token)
             if token is None or not m.consume_token(token):
                 return None
             out.append(token)
@@ -131,11 +142,14 @@ class Closer:
         return None
 
 
-def _first_allowed(m: llguidance.LLMatcher) -> int | None:
+def _first_allowed(m: llguidance.LLMatcher, avoid: set[int] | None = None) -> int | None:
     """The lowest-numbered token the grammar allows (BPE numbers short, common tokens
-    first): the way on when no closing text fits, such as the first letters of a key the
-    schema requires."""
+    first), outside `avoid` where any is: the way on when no closing text fits, such as
+    the first letters of a key the schema requires."""
     bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8),
                          bitorder="little")
     allowed = np.flatnonzero(bits)
+    if avoid:
+        fresh = allowed[~np.isin(allowed, list(avoid))]
+        allowed = fresh if fresh.size else allowed
     return int(allowed[0]) if allowed.size else None
