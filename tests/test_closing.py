@@ -166,3 +166,27 @@ def test_a_pattern_completes_past_a_digit_run(lm: LoadedModel, digits: int, sep:
     assert completion is not None
     whole = lm.tokenizer.decode(prefix + completion)
     jsonschema.validate(json.loads(whole), schema)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.text("abcxyz-\\+", max_size=12), count=st.integers(2, 16),
+       kind=st.sampled_from(["digits", "letters", "min_length"]))
+def test_a_string_that_needs_a_run_completes(lm: LoadedModel, junk: str, count: int,
+                                             kind: str) -> None:
+    """A string that cannot close before a run of one kind (`\\d{10,11}` somewhere in it,
+    `[a-z]{n}` at its end, a `minLength`), from whatever it holds so far: the completion
+    writes the run and closes, and the value validates."""
+    rule = {"digits": {"pattern": f"\\d{{{count},{count + 1}}}"},
+            "letters": {"pattern": f"[a-z]{{{count}}}$"},
+            "min_length": {"minLength": len(junk) + count}}[kind]
+    schema = {"type": "object", "properties": {"v": {"type": "string", **rule}},
+              "required": ["v"]}
+    compiler = GrammarCompiler(lm.tokenizer, lm.vocab_size, sorted(lm.eos_token_ids))
+    matcher = compiler.compile(Constraint("json_schema", schema)).template.deep_copy()
+    text = '{"v": "' + junk.replace("\\", "\\\\")
+    prefix = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert matcher.consume_tokens(prefix)
+    completion = Closer(lm.tokenizer).completion(matcher, text, 40)
+    assert completion is not None, (text, schema)
+    jsonschema.validate(json.loads(lm.tokenizer.decode(prefix + completion)), schema)

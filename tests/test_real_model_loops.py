@@ -35,7 +35,7 @@ LOOPING = ["Github_trivial/o89135.json", "Github_easy/o11171.json",
            "Snowplow/sp_51_Normalized.json", "Github_trivial/o10055.json",
            "Github_trivial/o17125.json", "Github_trivial/o34210.json",
            "Github_trivial/o14485.json", "Github_trivial/o19070.json",
-           "Github_trivial/o10089.json"]
+           "Github_trivial/o10089.json", "Github_trivial/o35155.json"]
 
 
 def run(tmp_path: Path, *flags: str) -> dict[str, dict[str, Any]]:

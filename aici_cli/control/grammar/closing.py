@@ -107,6 +107,7 @@ class Closer:
         m = matcher.deep_copy()
         out: list[int] = []
         avoid: set[int] = set()  # once stuck repeating: the tokens already taken
+        run_tried = False  # `_closing_run` tried in the string the text is in
         while len(out) <= limit:
             if m.is_stopped() or m.is_accepting():
                 return out if len(out) <= limit else None
@@ -119,6 +120,19 @@ class Closer:
                 out += forced
                 text += self.tokenizer.decode(forced)
                 continue
+            in_string = json_state(text)[0]
+            if in_string and not run_tried and self._quote_blocked(m):
+                # A string that cannot close yet: it may want a run of one kind (`\d{10}`
+                # somewhere in it, a `minLength`), which no list order makes. Tried once a
+                # string.
+                run_tried = True
+                run = self._closing_run(m, limit - len(out))
+                if run is not None and m.consume_tokens(run):
+                    out += run
+                    text += self.tokenizer.decode(run)
+                    continue
+            elif not in_string:
+                run_tried = False
             # A text chosen twice in a row goes last: a pattern like `[0-9]+-[0-9]+` would
             # otherwise take "0" forever.
             order = closing_order(text)
@@ -140,6 +154,30 @@ class Closer:
             out.append(token)
             text += choice if choice is not None else self.tokenizer.decode([token])
         return None
+
+
+    def _quote_blocked(self, m: llguidance.LLMatcher) -> bool:
+        quote = self.ids.get('"')
+        return quote is not None and m.validate_tokens([quote]) == 0
+
+    def _closing_run(self, m: llguidance.LLMatcher, room: int) -> list[int] | None:
+        """The shortest `filler * k + '"'` (k < `room`, at most `MAX_RUN`) the grammar
+        takes whole from here: a string that closes after a run of digits or letters.
+        Checked with `validate_tokens` (no mask computed): ~2 * MAX_RUN cheap calls."""
+        quote = self.ids.get('"')
+        fillers = [self.ids[t] for t in ("0", "a") if t in self.ids]
+        if quote is None:
+            return None
+        for k in range(1, min(room, MAX_RUN + 1)):
+            for filler in fillers:
+                run = [filler] * k + [quote]
+                if m.validate_tokens(run) == len(run):
+                    return run
+        return None
+
+
+# The longest run `_closing_run` tries (a `\d{16}` card number, a 20-character minimum).
+MAX_RUN = 24
 
 
 def _first_allowed(m: llguidance.LLMatcher, avoid: set[int] | None = None) -> int | None:
