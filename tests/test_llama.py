@@ -33,7 +33,7 @@ def test_tiny_model_loads_as_own_model(lm: LoadedModel, hf_lm: LoadedModel) -> N
     assert type(hf_lm.model).__name__ == "LlamaForCausalLM"
     assert lm.eos_token_ids == hf_lm.eos_token_ids
     assert lm.vocab_size == hf_lm.vocab_size
-    own = {k: v for k, v in lm.model.state_dict().items()}
+    own = lm.model.state_dict()
     theirs = hf_lm.model.state_dict()
     assert own.keys() == theirs.keys()
     assert all(torch.equal(own[k], theirs[k]) for k in own)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from aici_cli.engine.invariant import per_query_attention
 from aici_cli.models.llama import Attention as OwnAttention
-from aici_cli.models.llama import causal_attention
+from aici_cli.models.llama import LlamaCausalLM, causal_attention
 
 NAME = "aici_rows"
 
@@ -106,7 +106,7 @@ def invariant_pass() -> bool:
 
 def install(model: Any) -> None:
     """Route the model's attention through `rows_attention` (idempotent)."""
-    if hasattr(model, "set_attention"):  # models/llama.py: no registry to go through
+    if isinstance(model, LlamaCausalLM):  # no registry to go through
         model.set_attention(rows_attention)
         return
     # transformers' masking utilities cost ~1 s to import: only for its models.

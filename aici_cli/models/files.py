@@ -30,6 +30,13 @@ _TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tok
 _MAX_SAFETENSORS_HEADER = 100_000_000
 
 
+def missing_tensors_problem(names: list[str]) -> str:
+    """What a load says of a checkpoint that lacks the model's tensors `names`."""
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return (f"the weights lack {len(names)} of the model's tensors ({shown}); the files are "
+            "incomplete or belong to another model")
+
+
 def model_files_problem(model_dir: Path) -> str | None:
     """What is wrong with the config or weight files of `model_dir`, or None if they look
     sound (the failure then lies elsewhere). Reads only config.json and weight headers."""

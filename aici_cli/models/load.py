@@ -17,7 +17,11 @@ import torch
 from aici_cli.models.chat import MODEL_NAME_ATTR
 from aici_cli.models.conversion_cache import cache_hint
 from aici_cli.models.device import pick_device, pick_dtype
-from aici_cli.models.files import model_files_problem, tokenizer_files_problem
+from aici_cli.models.files import (
+    missing_tensors_problem,
+    model_files_problem,
+    tokenizer_files_problem,
+)
 from aici_cli.models.llama import unsupported
 from aici_cli.models.one_line import one_line
 from aici_cli.models.quantize import resolve_mode
@@ -140,11 +144,7 @@ def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
         raise ModelError(f"cannot load model from {path}: {problem}{cache_hint(path)}") from exc
     missing = sorted(info.get("missing_keys") or ())
     if missing:
-        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
-        raise ModelError(
-            f"cannot load model from {path}: the weights lack {len(missing)} of the model's "
-            f"tensors ({shown}); the files are incomplete or belong to another model"
-        )
+        raise ModelError(f"cannot load model from {path}: {missing_tensors_problem(missing)}")
     return model
 
 

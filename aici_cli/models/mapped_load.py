@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from aici_cli.models.files import missing_tensors_problem
 from aici_cli.models.llama import LlamaShape, RotaryEmbedding, build_on_meta
 from aici_cli.models.quantize import quantize_model
 from aici_cli.vocabulary.errors import ModelError
@@ -79,25 +80,21 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
     def dense_weight(name: str) -> torch.Tensor:
         return _to(dense.tensor(name), dtype, device)
 
-    for name, module in model.named_modules():  # the linears need their real shapes only
-        if mode == "none":
-            break  # every tensor in `dtype`, below
-        if isinstance(module, torch.nn.Linear) and f"{name}.weight" in dense.entries:
-            module.weight = torch.nn.Parameter(dense.tensor(f"{name}.weight"),
-                                               requires_grad=False)
-            if module.bias is not None:
-                module.bias = torch.nn.Parameter(dense_weight(f"{name}.bias"),
-                                                 requires_grad=False)
+    # Quantised, the linears need their real shapes only: their dense weights stay the map
+    # (the quantizer reads them a slice at a time). Unquantised, every tensor in `dtype`.
+    linears = [(n, m) for n, m in model.named_modules() if mode != "none"
+               and isinstance(m, torch.nn.Linear) and f"{n}.weight" in dense.entries]
+    for name, module in linears:
+        module.weight = torch.nn.Parameter(dense.tensor(f"{name}.weight"), requires_grad=False)
+        if module.bias is not None:
+            module.bias = torch.nn.Parameter(dense_weight(f"{name}.bias"), requires_grad=False)
     _assign_rest(model, dense, dtype, device)
     quantize_model(model, mode, path, dtype, device)
     _rebuild_meta_buffers(model, device)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
                   if t.is_meta]
     if still_meta:
-        shown = ", ".join(still_meta[:3]) + (", ..." if len(still_meta) > 3 else "")
-        raise ModelError(f"cannot load model from {path}: the weights lack {len(still_meta)} "
-                         f"of the model's tensors ({shown}); the files are incomplete or "
-                         "belong to another model")
+        raise ModelError(f"cannot load model from {path}: {missing_tensors_problem(still_meta)}")
     model.generation_config = _generation_config(model, path, own)
     return model
 

@@ -69,7 +69,11 @@ def json_state(text: str) -> tuple[bool, list[str], str]:
 
 def closing_order(text: str) -> tuple[str, ...]:
     """The closing texts to try next after `text`, most useful first."""
-    in_string, stack, last = json_state(text)
+    return _order_for(json_state(text))
+
+
+def _order_for(state: tuple[bool, list[str], str]) -> tuple[str, ...]:
+    in_string, stack, last = state
     if in_string:
         return IN_STRING
     if last == "{":
@@ -120,7 +124,8 @@ class Closer:
                 out += forced
                 text += self.tokenizer.decode(forced)
                 continue
-            in_string = json_state(text)[0]
+            state = json_state(text)  # O(len(text)): once a step
+            in_string = state[0]
             if in_string and not run_tried and self._quote_blocked(m):
                 # A string that cannot close yet: it may want a run of one kind (`\d{10}`
                 # somewhere in it, a `minLength`), which no list order makes. Tried once a
@@ -135,7 +140,7 @@ class Closer:
                 run_tried = False
             # A text chosen twice in a row goes last: a pattern like `[0-9]+-[0-9]+` would
             # otherwise take "0" forever.
-            order = closing_order(text)
+            order = _order_for(state)
             if len(out) >= 2 and out[-1] == out[-2]:
                 order = tuple(t for t in order if self.ids.get(t) != out[-1]) + order
             choice = next((t for t in order if t in self.ids and self.ids[t] not in avoid
