@@ -121,7 +121,8 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
     click.option("--controller-arg", default="",
                  help="Argument passed to the controller for lines without `controller_arg`."),
     click.option("--controller-timeout-ms", type=click.IntRange(1), default=50, show_default=True,
-                 help="Wall-clock deadline of each controller call."),
+                 help="Deadline of each controller call, in the CPU time its guest "
+                      "spends (host functions excluded)."),
     click.option("--max-branches", type=click.IntRange(1, 4096), default=16, show_default=True,
                  help="Sequences a line may run in all when its controller forks (its samples "
                       "and every fork's branches); a fork past it ends the line (bad_action)."),

@@ -11,8 +11,9 @@ class FakeServices:
     """Token i decodes to f"<{i}>", and `tokenize` maps each character to its code % 100;
     token 99 makes `decode` raise (a host service that fails). `tokens_matching` checks
     the pattern's syntax (ValueError, as the real services do), records it and returns
-    handles 1, 2, ...; it first sleeps `matching_delay_s` (a slow vocabulary scan: the
-    guest's deadline runs on the wall clock, so the delay must be real)."""
+    handles 1, 2, ...; it first spins for `matching_delay_s` of this thread's CPU time (a
+    slow vocabulary scan: the guest's deadline counts CPU time, so the delay must be
+    real work, not a sleep)."""
 
     def __init__(self, matching_delay_s: float = 0.0) -> None:
         self.patterns: list[str] = []  # the patterns scanned, in order; handle = index + 1
@@ -40,7 +41,9 @@ class FakeServices:
         return f"<{token}>".encode()
 
     def tokens_matching(self, pattern: str) -> int:
-        time.sleep(self.matching_delay_s)
+        end = time.thread_time() + self.matching_delay_s
+        while time.thread_time() < end:
+            pass
         try:
             re.compile(pattern)
         except re.error as e:

@@ -8,6 +8,7 @@ build), so the whole module runs in a few seconds.
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ from aici_cli.control.wasm import (
     values,
 )
 from aici_cli.control.wasm import component as wasm_component
+from aici_cli.control.wasm.wasm_engine import EpochTicker
 from aici_cli.vocabulary.constraint import Constraint
 from aici_cli.vocabulary.errors import ControllerError
 
@@ -299,12 +301,95 @@ def test_deadline(load: Load) -> None:
     t0 = time.perf_counter()
     with pytest.raises(ControllerError) as info:
         runner.mid_process(STEP)
-    elapsed = time.perf_counter() - t0  # the deadline is wasmtime's, on the wall clock
+    elapsed = time.perf_counter() - t0  # the deadline is wasmtime's, on the thread's CPU clock
     assert (info.value.type, info.value.message) == (
         "controller_timeout",
         "mid-process exceeded its 20 ms deadline",
     )
     assert 0.015 < elapsed < 0.5
+
+
+def test_the_deadline_counts_cpu_time_not_a_wait_for_the_gil(load: Load) -> None:
+    """A guest waits for the GIL at each host call; another thread that holds it for
+    200 ms at a time (a busy pure-Python loop under a long switch interval) must not
+    push a 2 ms guest past a 20 ms deadline, as wall-clock time would."""
+    comp = load(MATCHING, GuestLimits(call_ms=20))
+    runner = start(comp, services=FakeServices())
+    stop = threading.Event()
+    started = threading.Event()
+
+    def hog() -> None:
+        started.set()
+        while not stop.is_set():
+            pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.2)
+    thread = threading.Thread(target=hog, daemon=True)
+    try:
+        thread.start()
+        started.wait()
+        t0 = time.perf_counter()
+        for handle in (1, 2, 3):  # each call scans its pattern again: a new handle
+            assert runner.mid_process(STEP) == Sample(TokenSet("host-set", handle=handle))
+        waited = time.perf_counter() - t0
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        thread.join()
+    assert waited > 0.1  # the guest did wait: on the wall clock it would have timed out
+
+
+def test_a_collection_of_the_host_heap_is_not_charged_to_the_guest(load: Load) -> None:
+    """Python's collector, were it to run while values cross (here: 100 ms of CPU at
+    every collection, one due at every allocation), would take a 20 ms guest's deadline."""
+    runner = start(load(ALLOW_5_7, GuestLimits(call_ms=20)))
+    runner.mid_process(STEP)  # the first call memoizes types: allocations outside any call
+    collections = 0
+
+    def slow(phase: str, info: dict[str, int]) -> None:
+        nonlocal collections
+        if phase == "start":
+            collections += 1
+            end = time.thread_time() + 0.1
+            while time.thread_time() < end:
+                pass
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(slow)
+    gc.set_threshold(1, 1, 1)
+    try:
+        for _ in range(3):
+            assert runner.mid_process(STEP) == Sample(TokenSet("allow", (5, 7)))
+        assert gc.isenabled()  # turned back on after each call
+    finally:
+        gc.callbacks.remove(slow)
+        gc.set_threshold(*thresholds)
+    assert collections > 0  # and it ran, between calls
+
+
+def test_the_epoch_ticker_counts_the_calling_threads_cpu_time() -> None:
+    """A thread inside a call that waits 150 ms gets (almost) no ticks; one that works
+    gets a tick per millisecond of its CPU time."""
+    ticks = 0
+
+    def increment() -> None:
+        nonlocal ticks
+        ticks += 1
+
+    ticker = EpochTicker(increment, name="test-epoch")
+    ticker.enter()
+    time.sleep(0.15)
+    ticker.leave()
+    assert ticks <= 10
+    before, cpu0 = ticks, time.thread_time()
+    ticker.enter()
+    while time.thread_time() - cpu0 < 0.06:
+        pass
+    time.sleep(0.01)  # the ticker's next reading
+    ticker.leave()
+    spent_ms = (time.thread_time() - cpu0) * 1000
+    assert 0.8 * spent_ms - 5 <= ticks - before <= spent_ms + 1
 
 
 def test_fuel(load: Load) -> None:

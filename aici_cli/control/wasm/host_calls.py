@@ -71,8 +71,9 @@ class HostCalls(Protocol):
         """Records why a host function trapped the guest; the call then reports it."""
         ...
 
-    def host_returned(self, host_s: float) -> None:
-        """A host function took `host_s` seconds: not charged to the guest's deadline."""
+    def host_returned(self, host_s: float, host_cpu_s: float) -> None:
+        """A host function took `host_s` seconds, `host_cpu_s` of them this thread's CPU
+        time: not charged to the guest's deadline."""
         ...
 
 

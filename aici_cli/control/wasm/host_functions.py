@@ -89,7 +89,7 @@ def _host_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         guest: HostCalls | None = getattr(current, "guest", None)
         if guest is None:
             raise wasmtime.WasmtimeError(f"host function {name} called outside a runner call")
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             return fn(guest, *args)
         except Fault as e:
@@ -99,7 +99,7 @@ def _host_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                 "host_error", f"host function {name} failed: {type(e).__name__}: {e}"
             )
         finally:
-            guest.host_returned(time.perf_counter() - t0)
+            guest.host_returned(time.perf_counter() - t0, time.thread_time() - cpu0)
         guest.host_failed(error)
         raise wasmtime.WasmtimeError(error.message)
 

@@ -36,6 +36,7 @@ constructor, plus one call per journaled call.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -122,8 +123,9 @@ class GuestInstance:
         self._mid: Any = None
         self._vocab = 0
         self._pending: ControllerError | None = None
-        self._call_start = 0.0
         self._call_host_s = 0.0
+        self._call_cpu_start = 0.0  # this thread's CPU clock at the call's start
+        self._call_host_cpu_s = 0.0
         self._budget_ms = 0
         self._arg = ""
         self._prompt: list[int] = []
@@ -236,23 +238,32 @@ class GuestInstance:
         self._resource = self._call("constructor", self._limits.init_ms, ctor, arg, prompt)
 
     def _call(self, phase: str, budget_ms: int, fn: Any, *args: Any) -> Any:
-        """Enters wasm with fresh fuel and deadline; maps every failure to ControllerError."""
+        """Enters wasm with fresh fuel and deadline; maps every failure to ControllerError.
+
+        The deadline counts this thread's CPU time, host functions excluded (see
+        `EpochTicker`). Python's cyclic collector is held off for the call: a collection
+        of a large host heap (hundreds of ms in a process holding a model) would
+        otherwise run inside the call, at an allocation made while converting values,
+        and be charged to the guest. It runs at the host's next allocation after."""
         store = self._enterable()
         if phase == "mid-process":
             self.calls += 1
         ticker = self._component.ticker
         self._budget_ms = budget_ms
         self._pending = None
-        self._call_host_s = 0.0
+        self._call_host_s = self._call_host_cpu_s = 0.0
         guest: HostCalls = self  # mypy checks here that an instance serves the host calls
         current.guest = guest
+        collecting = gc.isenabled()
+        gc.disable()
         ticker.enter()  # before the deadline is set (see EpochTicker.enter)
-        t0 = self._call_start = time.perf_counter()
+        t0 = time.perf_counter()
+        self._call_cpu_start = time.thread_time()
         try:
             store.set_fuel(self._limits.fuel_per_call)
             store.set_epoch_deadline(max(1, budget_ms))
             result = fn(store, *args)
-            self._check_overrun(phase, budget_ms, t0)
+            self._check_overrun(phase, budget_ms)
             return result
         except Overrun as e:
             self.error = e.error
@@ -270,6 +281,8 @@ class GuestInstance:
             raise self.error from None
         finally:
             ticker.leave()
+            if collecting:
+                gc.enable()
             current.guest = None
             dt = time.perf_counter() - t0
             if phase != "instantiation":
@@ -287,9 +300,9 @@ class GuestInstance:
             raise ControllerError("controller_dead", "the runner is closed")
         return self._store
 
-    def _check_overrun(self, phase: str, budget_ms: int, t0: float) -> None:
+    def _check_overrun(self, phase: str, budget_ms: int) -> None:
         """The epoch stops wasm code only: converting a huge answer runs unchecked."""
-        spent_ms = (time.perf_counter() - t0 - self._call_host_s) * 1000
+        spent_ms = self._guest_cpu_ms()
         if spent_ms > 2 * budget_ms:
             raise Overrun(
                 ControllerError(
@@ -309,14 +322,19 @@ class GuestInstance:
         """The call in progress ends with `error` (reported instead of wasmtime's trap)."""
         self._pending = error
 
-    def host_returned(self, host_s: float) -> None:
+    def host_returned(self, host_s: float, host_cpu_s: float) -> None:
         """Re-arms the deadline so that host time is not charged to the guest."""
         self._call_host_s += host_s
+        self._call_host_cpu_s += host_cpu_s
         store = self._store
         if store is None:
             return
-        guest_ms = (time.perf_counter() - self._call_start - self._call_host_s) * 1000
-        store.set_epoch_deadline(max(1, math.ceil(self._budget_ms - guest_ms)))
+        remaining_ms = self._budget_ms - self._guest_cpu_ms()
+        store.set_epoch_deadline(max(1, math.ceil(remaining_ms)))
+
+    def _guest_cpu_ms(self) -> float:
+        """This thread's CPU time in the call so far, host functions excluded."""
+        return (time.thread_time() - self._call_cpu_start - self._call_host_cpu_s) * 1000
 
     # -- quotas: what a guest may leave in its result line (`quotas.py`) --
 

@@ -1,9 +1,10 @@
 """Per-guest resource limits, and why each one is there.
 
 - Per call: fuel (`fuel_per_call`, a deterministic CPU bound) and an epoch deadline
-  (`call_ms`, wall clock; `init_ms` for instantiation and the constructor). Time spent
-  inside host functions (for example a first `tokens-matching` over a 262k vocabulary)
-  is not charged to the guest's deadline.
+  (`call_ms`; `init_ms` for instantiation and the constructor) in the calling thread's
+  CPU time, so that a loaded machine or a wait for the GIL does not fail a guest. Time
+  spent inside host functions (for example a first `tokens-matching` over a 262k
+  vocabulary) is not charged to the guest's deadline.
 - Per store: a memory cap (`memory_bytes`). wasmtime makes `memory.grow` fail (return
   -1) at the cap rather than trap, and the guest then usually aborts; the host reports
   `controller_memory` when it can tell (an allocator-failure frame such as
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 class GuestLimits:
     """Per-guest resource limits: wasmtime enforces the first five, the host the rest."""
 
-    call_ms: int = 50  # wall-clock deadline per mid-process call (epoch interruption)
+    call_ms: int = 50  # CPU-time deadline per mid-process call (epoch interruption)
     init_ms: int = 2000  # deadline for instantiation and the constructor (Python is slow)
     fuel_per_call: int = 2_000_000_000  # CPU bound per call (Config.consume_fuel)
     memory_bytes: int = 256 << 20  # cap per linear memory (a Python guest needs ~12.3 MiB)
