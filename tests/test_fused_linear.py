@@ -74,7 +74,8 @@ def test_the_default_models_layers_stack_for_the_compiled_step() -> None:
     from aici_cli.models.load import load_model
 
     lm = load_model(None, "cpu", "auto", "int4")
-    x = torch.randn(3, lm.model.config.hidden_size).bfloat16()
+    # auto: bf16 only where the CPU has native bf16, float32 elsewhere
+    x = torch.randn(3, lm.model.config.hidden_size).to(lm.dtype)
     for layer in lm.model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v, up = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), mlp.up_proj(x)

@@ -23,6 +23,7 @@ Modules, one concept each; those marked * import torch, the others do not:
     gguf_blocks.py       a GGUF's Q4_0/Q4_1/Q8_0 blocks as codes and scales (numpy)
     gguf_quantized.py    those blocks kept beside a conversion, by parameter name
     quantize.py *        int8/int4 linear layers on PyTorch's kernels (--quantize)
+    packed_weights.py *  a conversion's quantised layers kept in their kernels' layout
     llama.py *           Llama-architecture models without transformers' model classes
     mapped_load.py *     a model built on meta, mapped from safetensors (quantised: no dense copy)
     device.py *          the torch device and load dtype for the CLI's specs

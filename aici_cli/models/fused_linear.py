@@ -21,7 +21,6 @@ called one after another (`SideBySide`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -98,33 +97,17 @@ def _stack_dense(parts: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
     return out
 
 
-def _blank(kind: type[torch.nn.Module], parts: Sequence[torch.nn.Module]) -> Any:
-    """A module of `kind` (Int4Linear or Int8Linear) of the parts' summed width, its
-    buffers still to register (their constructors take codes to pack, not packed ones)."""
-    out: Any = kind.__new__(kind)
-    torch.nn.Module.__init__(out)
-    out.in_features = _in_features(parts[0])
-    out.out_features = sum(_out_features(p) for p in parts)
-    return out
-
-
 def _stack_int4(parts: Sequence[Int4Linear]) -> Int4Linear:
-    out = _blank(Int4Linear, parts)
-    if hasattr(parts[0], "inner_k_tiles"):
-        out.inner_k_tiles = parts[0].inner_k_tiles
     # packed: [N, ...] rows first in both kernels' layouts; scale_zero: [K/32, N, 2].
-    out.register_buffer("packed", torch.cat([p.packed for p in parts]))
-    out.register_buffer("scale_zero", torch.cat([p.scale_zero for p in parts], dim=1))
-    out.register_buffer("bias", _bias(parts, parts[0].scale_zero[0, 0]))
-    return out  # type: ignore[no-any-return]
+    return Int4Linear.from_buffers(torch.cat([p.packed for p in parts]),
+                                   torch.cat([p.scale_zero for p in parts], dim=1),
+                                   _bias(parts, parts[0].scale_zero[0, 0]))
 
 
 def _stack_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
-    out = _blank(Int8Linear, parts)
-    out.register_buffer("codes", torch.cat([p.codes for p in parts]))
-    out.register_buffer("scale", torch.cat([p.scale for p in parts]))
-    out.register_buffer("bias", _bias(parts, parts[0].scale))
-    return out  # type: ignore[no-any-return]
+    return Int8Linear.from_buffers(torch.cat([p.codes for p in parts]),
+                                   torch.cat([p.scale for p in parts]),
+                                   _bias(parts, parts[0].scale))
 
 
 def _same_outputs(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -> bool:

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from aici_cli.models import gguf_blocks
+from aici_cli.models.packed_weights import BUFFERS, packed_file, read_packed, write_packed
 from aici_cli.vocabulary.errors import ModelError
 
 GROUP = gguf_blocks.BLOCK  # int4 group size: one GGUF block
@@ -70,6 +71,22 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("bias", bias)
 
+    @classmethod
+    def from_buffers(cls, packed: torch.Tensor, scale_zero: torch.Tensor,
+                     bias: torch.Tensor | None) -> Int4Linear:
+        """A layer over buffers already in the kernel's layout (another layer's, stacked
+        or kept: `fused_linear`, `packed_weights`); `scale_zero` [K/32, N, 2]."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        k, n = scale_zero.shape[0] * GROUP, scale_zero.shape[1]
+        layer.in_features, layer.out_features = k, n
+        if packed.device.type == "cuda":
+            layer.inner_k_tiles = _cuda_inner_k_tiles(k)
+        layer.register_buffer("scale_zero", scale_zero)
+        layer.register_buffer("packed", packed)
+        layer.register_buffer("bias", bias)
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
@@ -97,6 +114,13 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("codes", codes.to(torch.int8).contiguous())
         self.register_buffer("scale", scale.to(dtype).contiguous())  # [N]
         self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_buffers(cls, codes: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> Int8Linear:
+        """A layer over its buffers as another layer holds them (`codes` int8 [N, K],
+        `scale` [N] in the activation dtype)."""
+        return cls(codes, scale, bias, scale.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -164,12 +188,18 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
     """Replace the linear layers of `model` in place, onto `device` (default: where each
     one is): the decoder layers' in `mode`, the output projection in int8. Matrices the
     conversion kept as GGUF blocks load from them; the others are quantised from their
-    dense weights. Returns the number of layers replaced."""
+    dense weights. A conversion-cache entry keeps the layers in their kernels' layout
+    (`packed_weights`): a later run reads them instead. Returns the number of layers
+    replaced."""
     if mode == "none":
         return 0
     from aici_cli.models.gguf_quantized import QUANTIZED_FILE
 
     blocks = _BlockFile(path / QUANTIZED_FILE)
+    keep = packed_file(path, mode, dtype, device) if device is not None else None
+    kept = read_packed(keep, device) if keep is not None and device is not None else {}
+    buffers: dict[str, torch.Tensor] = {}
+    computed = 0
     output = model.get_output_embeddings()
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     embed_name = _name_of(model, model.get_input_embeddings())
@@ -185,11 +215,35 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
         at = device if device is not None else module.weight.device
         if bias is not None:
             bias = bias.to(at)
-        new = (_int4(module, blocks, weight_name, bias, dtype, at) if kind == "int4"
-               else _int8(module, blocks, weight_name, bias, dtype, at))
+        new = _from_kept(kept, name, kind, module, bias, dtype)
+        if new is None:
+            computed += 1
+            new = (_int4(module, blocks, weight_name, bias, dtype, at) if kind == "int4"
+                   else _int8(module, blocks, weight_name, bias, dtype, at))
+        buffers |= {f"{name}.{b}": getattr(new, b) for b in BUFFERS[kind]}
         _set_module(model, name, new)
         replaced += 1
+    if keep is not None and computed:
+        write_packed(keep, buffers)
     return replaced
+
+
+def _from_kept(kept: dict[str, torch.Tensor], name: str, kind: str, module: torch.nn.Linear,
+               bias: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Module | None:
+    """The layer `name` from the buffers `packed_weights` kept, or None where they are
+    missing or do not fit its shape and dtype."""
+    n, k = module.out_features, module.in_features
+    if kind == "int4":
+        packed, sz = kept.get(f"{name}.packed"), kept.get(f"{name}.scale_zero")
+        if packed is None or sz is None or sz.shape != (k // GROUP, n, 2) or sz.dtype != dtype \
+                or packed.numel() * packed.element_size() * 2 != n * k:  # 4 bits a weight
+            return None
+        return Int4Linear.from_buffers(packed, sz, bias)
+    codes, scale = kept.get(f"{name}.codes"), kept.get(f"{name}.scale")
+    if codes is None or scale is None or codes.shape != (n, k) or codes.dtype != torch.int8 \
+            or scale.shape != (n,) or scale.dtype != dtype:
+        return None
+    return Int8Linear.from_buffers(codes, scale, bias)
 
 
 def _int4(module: torch.nn.Linear, blocks: _BlockFile, name: str,
