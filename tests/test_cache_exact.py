@@ -8,6 +8,7 @@ compared with a cache-free forward pass over that row's whole token sequence.
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -174,3 +175,26 @@ def test_sliding_window_and_grouped_heads_match_single_runs(windowed: SimpleName
     h.tokens[0] = []
     chunks = [toks(10), toks(1), toks(3)]
     h.check([0, 1, 2], h.forward([0, 1, 2], chunks, fresh=False), chunks)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc")
+def test_cache_pages_become_resident_only_where_written() -> None:
+    """64 rows x 4 layers of 2 x 512 KiB each (256 MiB of keys and values) take memory
+    only for the one row a line writes; unwritten slots read as zeros."""
+    cache = RowCache(num_layers=4, rows=64, capacity=1024)
+    before = _resident_bytes()
+    cache._allocate(torch.empty(1, 2, 1, 64))  # [rows, kv_heads, capacity, head_dim] each
+    assert _resident_bytes() - before < 16 << 20
+    for buf in (*cache.keys, *cache.values):
+        buf[5] = 1.0  # one row: 512 KiB a buffer, 4 MiB in all
+    grown = _resident_bytes() - before
+    assert 4 << 20 <= grown < 24 << 20
+    assert all(float(buf.sum()) == 2 * 1024 * 64 for buf in cache.keys)
+    cache.ensure_capacity(1500)  # doubled; the written row copied, the rest still unmapped
+    assert cache.keys[0].shape == (64, 2, 2048, 64) and float(cache.keys[0][5, :, :1024].min()) == 1
+    assert float(cache.keys[0][:, :, 1024:].abs().sum()) == 0

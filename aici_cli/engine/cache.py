@@ -8,9 +8,17 @@ grows without bound when rows are ragged.
 Buffers are `[rows, kv_heads, capacity, head_dim]` per layer. A pass writes each packed
 token's keys at (its row, its position) and hands the whole buffers to
 `attention.rows_attention`, which reads each row's slots as views.
+
+Memory: on the CPU the buffers are anonymous memory maps, which the OS fills with zeros
+page by page on first write: a row no line uses and the slots past a row's length take
+no memory, where `torch.zeros` would write every byte at once (94 MB and ~0.1 s for the
+default model's 8 rows of 256 slots in float32, all resident in a one-line run).
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 from transformers.cache_utils import Cache
@@ -44,7 +52,8 @@ class RowCache(Cache):
             for i, old in enumerate(bufs):
                 if old.shape[2] >= new_capacity:
                     continue
-                new = old.new_zeros(old.shape[0], old.shape[1], new_capacity, old.shape[3])
+                new = zeros((old.shape[0], old.shape[1], new_capacity, old.shape[3]),
+                            old.dtype, old.device)
                 new[:, :, : old.shape[2]] = old
                 bufs[i] = new
         self.capacity = new_capacity
@@ -61,8 +70,8 @@ class RowCache(Cache):
         # which must hold finite numbers.
         shape = (self.rows, like.shape[1], self.capacity, like.shape[3])
         for _ in range(self.num_layers):
-            self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-            self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+            self.keys.append(zeros(shape, like.dtype, like.device))
+            self.values.append(zeros(shape, like.dtype, like.device))
 
     def update(  # type: ignore[override]
         self,
@@ -95,3 +104,13 @@ class RowCache(Cache):
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
         return False
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of zeros; on the CPU over a private anonymous map, whose pages become
+    resident only when written (see the module docstring). The tensor keeps the map."""
+    size = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or size == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # Windows
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
