@@ -144,38 +144,47 @@ def test_other_models_load_through_transformers(tiny_model_dir: Path, tmp_path: 
     assert not isinstance(loaded.model, LlamaCausalLM)
 
 
-def _cli_run(model_dir: Path, tmp_path: Path, impl: str) -> tuple[list[str], dict[str, Any]]:
-    """A run of one line in a fresh process: the heavy modules it imported, its result."""
+def _cli_run(model_dir: Path, tmp_path: Path,
+             impl: str) -> tuple[list[str], list[dict[str, Any]]]:
+    """A run in a fresh process of a prompt, and of messages under a JSON schema (the chat
+    template and llguidance's token table): the heavy modules it imported, its results."""
     prompts, out = tmp_path / "in.jsonl", tmp_path / f"out-{impl}.jsonl"
-    prompts.write_text('{"prompt": "hello", "logprobs": true}\n')
+    chat = {"messages": [{"role": "user", "content": "A name?"}], "logprobs": True,
+            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}},
+                            "required": ["name"]}}
+    prompts.write_text('{"prompt": "hello", "logprobs": true}\n' + json.dumps(chat) + "\n")
     script = (
         "import sys\n"
         "from aici_cli.cli import main\n"
         f"try: main(['run', {str(prompts)!r}, '--model', {str(model_dir)!r},"
         f" '--max-tokens', '5', '-o', {str(out)!r}, '--quiet', '--model-impl', {impl!r}])\n"
         "except SystemExit as e: assert e.code in (0, None), e.code\n"
-        "heavy = ['transformers.modeling_utils', 'transformers.masking_utils',"
+        "heavy = ['transformers', 'transformers.modeling_utils', 'transformers.masking_utils',"
         " 'torch._dynamo', 'torch.distributed.tensor', 'scipy', 'sympy']\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)
     assert ran.returncode == 0, ran.stderr
-    return json.loads(ran.stdout.strip().splitlines()[-1].replace("'", '"')), \
-        json.loads(out.read_text())
+    results = sorted(map(json.loads, out.read_text().splitlines()), key=lambda r: r["index"])
+    return json.loads(ran.stdout.strip().splitlines()[-1].replace("'", '"')), results
 
 
 def test_a_run_imports_no_model_code_of_transformers(tiny_model_dir: Path,
                                                      tmp_path: Path) -> None:
-    """What a run on a Llama model imports: no transformers model classes, masking
-    utilities, torch.distributed or torch._dynamo (each costs a second or so); with
-    `--model-impl transformers` it runs through them, to the same tokens."""
+    """What a run on a Llama model with a plain fast tokenizer imports: nothing of
+    transformers (its own import is ~0.45 s; its model classes, masking utilities,
+    torch.distributed and torch._dynamo a second or so more); with `--model-impl
+    transformers` it runs through them, to the same tokens."""
     heavy, own = _cli_run(tiny_model_dir, tmp_path, "auto")
     assert heavy == []
     heavy, theirs = _cli_run(tiny_model_dir, tmp_path, "transformers")
     assert "transformers.modeling_utils" in heavy
-    assert own["finish_reason"] == "length"
-    assert (own["text"], own["logprobs"]) == (theirs["text"], theirs["logprobs"])
+    assert own[0]["finish_reason"] == "length"
+    assert "error" not in own[1], own[1]
+    for mine, other in zip(own, theirs, strict=True):
+        assert (mine["text"], mine["logprobs"]) == (other["text"], other["logprobs"])
+        assert mine["stats"]["prompt_tokens"] == other["stats"]["prompt_tokens"]
 
 
 @pytest.mark.real_model

@@ -19,18 +19,43 @@ from __future__ import annotations
 
 import math
 import mmap
+from functools import lru_cache
+from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 
 from aici_cli.engine.attention import PackedPlan
 
 
-class RowCache(Cache):
+def row_cache(model: Any, num_layers: int, rows: int, capacity: int) -> RowCache:
+    """The cache for `model`: a transformers `Cache` too where the model is transformers'
+    (its classes check), a plain `RowCache` for `models/llama.py`'s (importing
+    transformers' cache module would import transformers, ~0.45 s at start-up)."""
+    from aici_cli.models.llama import LlamaCausalLM
+
+    if isinstance(model, LlamaCausalLM):
+        return RowCache(num_layers, rows, capacity)
+    return _transformers_row_cache()(num_layers, rows, capacity)
+
+
+@lru_cache(maxsize=1)
+def _transformers_row_cache() -> type[RowCache]:
+    from transformers.cache_utils import Cache
+
+    class TransformersRowCache(RowCache, Cache):  # type: ignore[misc]
+        """A `RowCache` that transformers' models take as their `Cache`."""
+
+        def __init__(self, num_layers: int, rows: int, capacity: int) -> None:
+            Cache.__init__(self, layers=[])
+            RowCache.__init__(self, num_layers, rows, capacity)
+
+    return TransformersRowCache
+
+
+class RowCache:
     """The cache object handed to the model as `cache=`; see the module docstring."""
 
     def __init__(self, num_layers: int, rows: int, capacity: int) -> None:
-        super().__init__(layers=[])
         self.num_layers = num_layers
         self.rows = rows
         self.capacity = capacity
@@ -73,7 +98,7 @@ class RowCache(Cache):
             self.keys.append(zeros(shape, like.dtype, like.device))
             self.values.append(zeros(shape, like.dtype, like.device))
 
-    def update(  # type: ignore[override]
+    def update(
         self,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
@@ -95,14 +120,14 @@ class RowCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.plan.kv_len if self.plan is not None else 0
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:  # type: ignore[override]
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return (self.plan.kv_len if self.plan is not None else query_length), 0
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.capacity
 
     @property
-    def is_compileable(self) -> bool:  # type: ignore[override]
+    def is_compileable(self) -> bool:
         return False
 
 

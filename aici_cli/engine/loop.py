@@ -20,7 +20,7 @@ import torch
 
 from aici_cli.control.grammar import GrammarCompiler
 from aici_cli.engine.attention import install
-from aici_cli.engine.cache import RowCache
+from aici_cli.engine.cache import row_cache
 from aici_cli.engine.clock import Now, StepClock
 from aici_cli.engine.decisions import Decisions
 from aici_cli.engine.finishing import Finishing
@@ -66,8 +66,9 @@ class Engine:
         self.tracer: EngineTracer = NO_TRACE  # trace hooks (trace_hooks.py): no-ops by default
         self.step_times: list[StepTimes] = []
         self.intake = intake(lm, config, max_positions, controller_factory)
-        cache = RowCache(num_layers=int(model_cfg.num_hidden_layers), rows=config.batch_size,
-                         capacity=min(config.initial_capacity, max_positions))
+        cache = row_cache(lm.model, num_layers=int(model_cfg.num_hidden_layers),
+                          rows=config.batch_size,
+                          capacity=min(config.initial_capacity, max_positions))
         self.masked_logprobs = config.logprobs_mode == "masked"
         table = RowTable(config.batch_size, cache, config.prefix_cache,
                          config.lookahead if config.prefix_cache else 1)

@@ -88,7 +88,10 @@ class AiciBatchLM(TemplateLM):
                              "backend (it takes model, batch_size, dtype, device, "
                              "deterministic, prefix_cache, max_length, max_gen_toks, "
                              "add_bos_token, prefix_token_id)")
-        self.lm = load_model(model or pretrained, device or "auto", dtype)
+        # transformers' tokenizer class: lm-eval calls more of its interface
+        # (continue_final_message, model_max_length) than the tool's own reader serves.
+        self.lm = load_model(model or pretrained, device or "auto", dtype,
+                             tokenizer="transformers")
         self.tokenizer = self.lm.tokenizer
         self.engine = Engine(self.lm, EngineConfig(batch_size=batch_size_arg(batch_size),
                                                    deterministic=bool(deterministic),

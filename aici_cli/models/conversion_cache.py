@@ -72,11 +72,11 @@ def entry_lock(key: str, on_wait: Callable[[], None] | None = None) -> Iterator[
 
 def converter_versions() -> tuple[str, str]:
     """(this converter's version, transformers' version): what an entry's key covers
-    besides the GGUF's content. Importing transformers for its version does not import
-    torch."""
-    import transformers
+    besides the GGUF's content. Read from its installed metadata: importing transformers
+    costs ~0.45 s, which a run that finds its conversion should not pay."""
+    from importlib.metadata import version
 
-    return _CONVERTER_VERSION, transformers.__version__
+    return _CONVERTER_VERSION, version("transformers")
 
 
 def _key(identity: GgufIdentity) -> str:
@@ -141,11 +141,9 @@ def _adopt_path_keyed(gguf: Path, name: str, target: Path) -> Path | None:
     """`target`, renamed from the entry an older aici-batch made for this very file (its
     key was the file's path, size and mtime), or None: upgrading costs no conversion.
     The record is added by the caller."""
-    import transformers
-
     stat = gguf.stat()
     old_key = "\0".join(["1", str(gguf), str(stat.st_size), str(stat.st_mtime_ns),
-                         transformers.__version__])
+                         converter_versions()[1]])
     old = models_dir() / f"{name}-{hashlib.sha256(old_key.encode()).hexdigest()[:12]}"
     if not (old / "config.json").is_file():
         return None

@@ -22,6 +22,7 @@ from aici_cli.models.files import (
     model_files_problem,
     tokenizer_files_problem,
 )
+from aici_cli.models.hub_tokenizer import read_hub_tokenizer
 from aici_cli.models.llama import unsupported
 from aici_cli.models.one_line import one_line
 from aici_cli.models.quantize import resolve_mode
@@ -38,8 +39,8 @@ class LoadedModel:
     `len(tokenizer)`: masks and samplers must be sized by it, not by the tokenizer.
     """
 
-    model: Any  # transformers PreTrainedModel, in eval mode, on `device`, in `dtype`
-    tokenizer: Any  # transformers fast tokenizer; pad_token is always set
+    model: Any  # `llama.LlamaCausalLM` or transformers' model, in eval mode, on `device`
+    tokenizer: Any  # `HubTokenizer` or transformers' fast tokenizer; pad_token always set
     name: str
     device: torch.device
     dtype: torch.dtype
@@ -49,13 +50,17 @@ class LoadedModel:
 
 
 def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
-               quantize: str = "none", implementation: str = "auto") -> LoadedModel:
+               quantize: str = "none", implementation: str = "auto",
+               tokenizer: str = "auto") -> LoadedModel:
     """Resolve `spec`, then load model and tokenizer onto the chosen device and dtype,
     with the linear layers quantised as `quantize` says (`quantize.resolve_mode`: none,
     int8, int4, or auto). `implementation`: "auto" builds a Llama-architecture model as
     `models/llama.py` (transformers' own logits, without importing its model classes),
     any other through transformers; "transformers" always through transformers (for
-    comparisons with its `generate`).
+    comparisons with its `generate`). `tokenizer`: "auto" reads a plain fast tokenizer
+    without transformers (`hub_tokenizer`), "transformers" always loads transformers'
+    class (for callers that use more of its interface, lm-eval). A Llama model with a
+    plain tokenizer loads without importing transformers at all.
 
     ~1 s for the cached default model on CPU (plus the one-time conversion on first use).
     Any failure to read the files becomes a one-line ModelError naming the file at fault
@@ -67,27 +72,27 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     resolve_mode(quantize, Path(), torch.float32)  # refuses an unknown mode before any work
     path, name = resolve_with_name(spec)
     mode = resolve_mode(quantize, path, torch_dtype)
-    with quiet_transformers():
-        own = implementation != "transformers" and _own_llama(path)
-        model = _load_weights(path, torch_dtype, mode, torch_device, own)
-        tokenizer = _load_tokenizer(path, model.config if own else None)
+    own = implementation != "transformers" and _own_llama(path)
+    model = _load_weights(path, torch_dtype, mode, torch_device, own)
+    hub = implementation != "transformers" and tokenizer != "transformers"
+    tok = _load_tokenizer(path, model.config if own else None, hub)
     model.eval()
     try:
         model.to(torch_device)
     except Exception as exc:  # e.g. CUDA out of memory
         raise ModelError(f"cannot move model to {torch_device}: {one_line(exc)}") from exc
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
     # For messages that name the model as the user named it, not by its cache directory.
-    setattr(tokenizer, MODEL_NAME_ATTR, name)
+    setattr(tok, MODEL_NAME_ATTR, name)
 
     eos_ids = _as_id_set(getattr(model.generation_config, "eos_token_id", None))
-    eos_ids |= _as_id_set(tokenizer.eos_token_id)
+    eos_ids |= _as_id_set(tok.eos_token_id)
     if not eos_ids:
         raise ModelError(f"model at {path} defines no end-of-sequence token")
     return LoadedModel(
         model=model,
-        tokenizer=tokenizer,
+        tokenizer=tok,
         name=name,
         device=torch_device,
         dtype=torch_dtype,
@@ -123,7 +128,10 @@ def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
         from aici_cli.models.mapped_load import load_mapped
 
         try:
-            return load_mapped(path, dtype, mode, device or torch.device("cpu"), own)
+            if own:  # transformers is not involved (nor imported)
+                return load_mapped(path, dtype, mode, device or torch.device("cpu"), own)
+            with quiet_transformers():
+                return load_mapped(path, dtype, mode, device or torch.device("cpu"), own)
         except ModelError:
             raise
         except Exception as exc:  # corrupt files surface as many exception types
@@ -134,10 +142,11 @@ def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
     from transformers import AutoModelForCausalLM
 
     try:
-        loaded: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
-            output_loading_info=True,
-        )
+        with quiet_transformers():
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
+                output_loading_info=True,
+            )
         model, info = loaded  # (model, loading info) with output_loading_info
     except Exception as exc:  # corrupt/missing files surface as many exception types
         problem = model_files_problem(path) or _load_problem(exc)
@@ -148,14 +157,27 @@ def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
     return model
 
 
-def _load_tokenizer(path: Path, config: Any = None) -> Any:
-    """The tokenizer at `path`. AutoTokenizer reads config.json through AutoConfig, to
-    pick a tokenizer class where tokenizer_config.json names none: that import costs ~1 s
-    (transformers' config classes bring torch.distributed), and importing AutoTokenizer
-    itself ~0.3 s. Where the file names a class and no remote code, the class comes from
-    the file either way: `TokenizersBackend` (what transformers writes) is loaded
-    directly, another through AutoTokenizer with the model's own `config` (a
-    `models/llama.py` model's) handed over."""
+def _load_tokenizer(path: Path, config: Any = None, hub: bool = True) -> Any:
+    """The tokenizer at `path`: with `hub`, a plain fast tokenizer read without
+    transformers (`hub_tokenizer`). Else AutoTokenizer, which reads config.json through
+    AutoConfig, to pick a tokenizer class where tokenizer_config.json names none: that
+    import costs ~1 s (transformers' config classes bring torch.distributed), and
+    importing AutoTokenizer itself ~0.3 s. Where the file names a class and no remote
+    code, the class comes from the file either way: `TokenizersBackend` (what
+    transformers writes) is loaded directly, another through AutoTokenizer with the
+    model's own `config` (a `models/llama.py` model's) handed over."""
+    if hub:
+        try:
+            found = read_hub_tokenizer(path)
+        except Exception:  # noqa: BLE001 - unreadable files: transformers' path says why
+            found = None
+        if found is not None:
+            return found
+    with quiet_transformers():
+        return _transformers_tokenizer(path, config)
+
+
+def _transformers_tokenizer(path: Path, config: Any) -> Any:
     named = _named_tokenizer_class(path)
     try:
         if named == "TokenizersBackend":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Sequence
@@ -10,7 +11,6 @@ from typing import Any
 
 import jsonschema
 import llguidance
-import llguidance.hf
 import referencing
 
 from aici_cli.control import tool_calls
@@ -48,15 +48,29 @@ class CompiledGrammar:
     relaxed: list[str] = field(default_factory=list)  # what `relax` changed (relax.py)
 
 
+def ll_tokenizer(tokenizer: Any, vocab_size: int,
+                 eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's token table for a fast tokenizer (transformers' or a `HubTokenizer`),
+    built as `llguidance.hf.from_tokenizer` builds it but without its `import
+    transformers` (~0.45 s): the `tokenizers` file, added tokens included, with padding
+    and truncation off."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError("Only fast tokenizers are supported")
+    backend = copy.copy(backend)  # the caller's keeps its padding and truncation
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size,
+                                  eos_token=sorted(eos_token_ids))
+
+
 class GrammarCompiler:
     """Compiles constraints for one model's tokenizer; caches per distinct constraint."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
                  strict_json: bool = True) -> None:
         # Wrapping the tokenizer is the expensive part: once per model.
-        self.tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
-        )
+        self.tokenizer = ll_tokenizer(hf_tokenizer, vocab_size, eos_token_ids)
         self.vocab_size = vocab_size
         self.strict_json = strict_json
         self._cache: dict[str, CompiledGrammar | GrammarError] = {}
