@@ -25,6 +25,8 @@ Modules, one concept each; those marked * import torch, the others do not:
     quantize.py *        int8/int4 linear layers on PyTorch's kernels (--quantize)
     packed_weights.py *  a conversion's quantised layers kept in their kernels' layout
     llama.py *           Llama-architecture models without transformers' model classes
+    hub_tokenizer.py     a plain fast tokenizer read without transformers
+    chat_jinja.py        chat templates rendered as transformers renders them
     mapped_load.py *     a model built on meta, mapped from safetensors (quantised: no dense copy)
     device.py *          the torch device and load dtype for the CLI's specs
     load.py *            LoadedModel: weights and tokenizer on a device
