@@ -178,3 +178,22 @@ def test_run_takes_quantize_and_refuses_it_with_deterministic(tiny_model_dir: Pa
     assert refused.stdout == ""
     assert refused.stderr.strip().splitlines() == [
         "Error: --deterministic runs unquantised weights: drop --quantize int4"]
+
+
+def test_a_float32_quantized_run_looks_up_the_files_narrower_embedding(
+        tiny_model_dir: Path, tmp_path: Path, cache: Path) -> None:
+    """Quantised, the embedding is only looked up: a float32 run keeps the conversion's
+    bf16 table as stored and widens the rows it reads, to the same logits bit for bit as
+    a float32 copy of the table."""
+    from aici_cli.models.mapped_load import WideningEmbedding
+
+    gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "Q4_1")
+    lm = load_model(str(gguf), "cpu", "float32", "int4")
+    embed = lm.model.get_input_embeddings()
+    assert isinstance(embed, WideningEmbedding) and embed.weight.dtype == torch.bfloat16
+    narrow = _logits(lm, PROMPTS)
+    wide = torch.nn.Embedding.from_pretrained(embed.weight.detach().float(), freeze=True)
+    lm.model.model.embed_tokens = wide
+    assert torch.equal(narrow, _logits(lm, PROMPTS))
+    bf16 = load_model(str(gguf), "cpu", "bfloat16", "int4")  # the run's own dtype: as is
+    assert type(bf16.model.get_input_embeddings()) is torch.nn.Embedding

@@ -88,8 +88,11 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
         module.weight = torch.nn.Parameter(dense.tensor(f"{name}.weight"), requires_grad=False)
         if module.bias is not None:
             module.bias = torch.nn.Parameter(dense_weight(f"{name}.bias"), requires_grad=False)
-    _assign_rest(model, dense, dtype, device)
+    narrow = _narrow_embedding(model, dense, dtype, device) if mode != "none" else None
+    _assign_rest(model, dense, dtype, device, keep=narrow)
     quantize_model(model, mode, path, dtype, device)
+    if narrow is not None:
+        _widen_on_lookup(model, narrow, dtype)
     _rebuild_meta_buffers(model, device)
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
                   if t.is_meta]
@@ -134,16 +137,57 @@ _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def _assign_rest(model: Any, dense: MappedSafetensors, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, keep: str | None = None) -> None:
     """Every parameter and persistent buffer still on meta, from the file (tied ones
-    follow their source)."""
+    follow their source); `keep`: a tensor that stays as the file stores it."""
     state = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         if tensor.is_meta and name in dense.entries:
-            state[name] = _to(dense.tensor(name), dtype, device)
+            state[name] = dense.tensor(name) if name == keep else _to(dense.tensor(name),
+                                                                       dtype, device)
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
         model.tie_weights()
+
+
+class WideningEmbedding(torch.nn.Embedding):
+    """An embedding table kept narrower than the run (the file's bf16 in a float32 run),
+    its looked-up rows widened: exactly the wide table's rows, since widening a float is
+    exact."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True,
+                         device="meta" if weight.is_meta else None)
+        self.out_dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids).to(self.out_dtype)
+
+
+def _narrow_embedding(model: Any, dense: MappedSafetensors, dtype: torch.dtype,
+                      device: torch.device) -> str | None:
+    """The input embedding's weight name where it can stay the file's map: quantised, it
+    is only looked up (the output projection is int8 even when tied to it), so on the CPU
+    a table stored narrower than the run is not widened whole (a float32 copy of the
+    default model's holds 113 MB); a lookup pages in the rows it reads."""
+    embed = model.get_input_embeddings()
+    name = next((n for n, m in model.named_modules() if m is embed), None)
+    if device.type != "cpu" or name is None or type(embed) is not torch.nn.Embedding \
+            or embed.padding_idx is not None or embed.max_norm is not None:
+        return None
+    entry = dense.entries.get(f"{name}.weight")
+    stored = _ST_DTYPES.get(entry["dtype"]) if entry else None
+    if stored is None or not stored.is_floating_point or stored.itemsize >= dtype.itemsize:
+        return None
+    return f"{name}.weight"
+
+
+def _widen_on_lookup(model: Any, weight_name: str, dtype: torch.dtype) -> None:
+    name = weight_name.removesuffix(".weight")
+    embed = model.get_submodule(name)
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child,
+            WideningEmbedding(embed.weight.detach(), dtype))
 
 
 def _to(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
