@@ -65,5 +65,8 @@ def test_the_default_model_s_loops_end_closed_and_valid(tmp_path: Path) -> None:
         assert after["stats"]["close_reason"] == "loop", name
         assert after["valid"] is True, name
         jsonschema.validate(json.loads(after["text"]), schema)
-        # The guard fires once the loop is one: far before the limit.
-        assert after["stats"]["output_tokens"] < 256 * 3 // 4, name
+        # Closed on the loop, before the limit. Where in the 256 tokens a loop starts
+        # depends on the machine and the batch (o10089 closed at 121 tokens alone and at
+        # 199 in this batch on an AVX2 CPU): that the detector fires as soon as a tail is
+        # a loop is `test_loop_guard.py`'s property, on generated loops.
+        assert after["stats"]["output_tokens"] < 256, name
