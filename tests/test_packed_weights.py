@@ -130,3 +130,22 @@ def test_the_kept_file_is_named_by_what_its_layout_depends_on(
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     names.add(packed_file(entry, "int4", torch.float32, cpu))
     assert len(names) == 6 and None not in names
+
+
+def test_a_cache_that_cannot_be_written_costs_only_the_packing(
+        tiny_model_dir: Path, tmp_path: Path, cache: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from aici_cli.models import packed_weights
+
+    gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "Q4_1")
+    entry = converted_gguf(gguf, "tiny")
+    want = _logits(load_model(str(gguf), "cpu", "float32", "int4"))
+    for kept in entry.glob("aici-packed-*"):
+        kept.unlink()
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(packed_weights.tempfile, "mkstemp", full)
+    assert torch.equal(want, _logits(load_model(str(gguf), "cpu", "float32", "int4")))
+    assert not list(entry.glob("*aici-packed-*"))

@@ -74,8 +74,8 @@ def write_packed(file: Path, buffers: dict[str, torch.Tensor]) -> None:
         save_file({k: v.contiguous().cpu() for k, v in buffers.items()}, tmp)
         os.replace(tmp, file)
         tmp = None
-    except OSError:
-        pass  # a read-only or full cache: the next run computes the layers again
+    except Exception:  # noqa: BLE001 - a read-only or full cache: computed again next run
+        pass
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
