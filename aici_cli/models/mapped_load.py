@@ -24,7 +24,7 @@ import torch
 
 from aici_cli.models.files import missing_tensors_problem
 from aici_cli.models.llama import LlamaShape, RotaryEmbedding, build_on_meta
-from aici_cli.models.quantize import quantize_model
+from aici_cli.models.quantize import module_name, quantize_model, set_module
 from aici_cli.vocabulary.errors import ModelError
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
@@ -171,7 +171,7 @@ def _narrow_embedding(model: Any, dense: MappedSafetensors, dtype: torch.dtype,
     a table stored narrower than the run is not widened whole (a float32 copy of the
     default model's holds 113 MB); a lookup pages in the rows it reads."""
     embed = model.get_input_embeddings()
-    name = next((n for n, m in model.named_modules() if m is embed), None)
+    name = module_name(model, embed)
     if device.type != "cpu" or name is None or type(embed) is not torch.nn.Embedding \
             or embed.padding_idx is not None or embed.max_norm is not None:
         return None
@@ -184,10 +184,7 @@ def _narrow_embedding(model: Any, dense: MappedSafetensors, dtype: torch.dtype,
 
 def _widen_on_lookup(model: Any, weight_name: str, dtype: torch.dtype) -> None:
     name = weight_name.removesuffix(".weight")
-    embed = model.get_submodule(name)
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child,
-            WideningEmbedding(embed.weight.detach(), dtype))
+    set_module(model, name, WideningEmbedding(model.get_submodule(name).weight.detach(), dtype))
 
 
 def _to(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -202,7 +202,7 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
     computed = 0
     output = model.get_output_embeddings()
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    embed_name = _name_of(model, model.get_input_embeddings())
+    embed_name = module_name(model, model.get_input_embeddings())
     replaced = 0
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
@@ -221,7 +221,7 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
             new = (_int4(module, blocks, weight_name, bias, dtype, at) if kind == "int4"
                    else _int8(module, blocks, weight_name, bias, dtype, at))
         buffers |= {f"{name}.{b}": getattr(new, b) for b in BUFFERS[kind]}
-        _set_module(model, name, new)
+        set_module(model, name, new)
         replaced += 1
     if keep is not None and computed:
         write_packed(keep, buffers)
@@ -354,11 +354,13 @@ def _cuda_inner_k_tiles(k: int) -> int:
     raise ModelError(f"int4 on CUDA needs input sizes that are multiples of 32, not {k}")
 
 
-def _name_of(model: Any, module: Any) -> str | None:
+def module_name(model: Any, module: Any) -> str | None:
+    """`module`'s dotted name in `model`, or None where it is not one of its modules."""
     return next((n for n, m in model.named_modules() if m is module), None)
 
 
-def _set_module(model: Any, name: str, new: torch.nn.Module) -> None:
+def set_module(model: Any, name: str, new: torch.nn.Module) -> None:
+    """Put `new` in `model` under the dotted `name`, in place of what was there."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
