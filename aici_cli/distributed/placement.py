@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,8 @@ import ray
 
 from aici_cli.vocabulary.config import RayOptions, RunConfig
 from aici_cli.vocabulary.errors import ClusterError, ModelError, UsageError
+
+_log = logging.getLogger(__name__)
 
 # Restarts Ray grants one worker. A line that kills its worker costs at most
 # driver.LINE_LOSSES of them before it ends as `worker_lost`; the rest cover crashes of
@@ -60,8 +63,7 @@ def connect(options: RayOptions, quiet: bool) -> bool:
     # finish the lines in flight, then exit 143) must stay.
     handlers = _signal_handlers()
     try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=not quiet,
-                 logging_level=logging.WARNING if quiet else logging.INFO)
+        _init(address, quiet, attempts=CLIENT_INIT_ATTEMPTS if client else 1)
     except (ConnectionError, ValueError, RuntimeError) as e:
         hint = ""
         if client and os.environ.get(AUTH_MODE) != "token":
@@ -76,6 +78,33 @@ def connect(options: RayOptions, quiet: bool) -> bool:
 
 
 AUTH_MODE = "RAY_AUTH_MODE"
+
+# Attempts at a Ray Client connection whose server failed to set its session up. The
+# client server starts a process per client; on a loaded head that start can fail once
+# and succeed on the next connection (Ray reports it as `Initialization failure from
+# server`, at times with no detail). Any other error is the user's to see at once.
+CLIENT_INIT_ATTEMPTS = 3
+CLIENT_INIT_BACKOFF_S = 2.0
+
+
+def _init(address: str | None, quiet: bool, attempts: int) -> None:
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=not quiet,
+                     logging_level=logging.WARNING if quiet else logging.INFO)
+            return
+        except ConnectionAbortedError as e:  # the server's session set-up, not the address
+            if attempt == attempts:
+                raise
+            wait = CLIENT_INIT_BACKOFF_S * 2 ** (attempt - 1)
+            if not quiet:
+                _log.warning("--ray %s: the server could not start a session (%s); "
+                             "connecting again in %.0f s", address, _first_line(e), wait)
+            # Ray's client disconnects itself on a failed set-up; make sure of it, or the
+            # next `ray.init` would find a half-open client.
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            time.sleep(wait)
 
 
 def _client_token_auth() -> None:
