@@ -27,6 +27,7 @@ def main() -> int:
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantize", default="none,int4")
     ap.add_argument("--compile", default="off,on")
     ap.add_argument("--batch-sizes", default="1,8")
@@ -40,7 +41,7 @@ def main() -> int:
     from aici_cli.vocabulary.config import EngineConfig
     from aici_cli.vocabulary.job import Job
 
-    models = {q: load_model(args.model, args.device, "auto", q)
+    models = {q: load_model(args.model, args.device, args.dtype, q)
               for q in args.quantize.split(",")}
 
     def jobs(bs: int, n: int) -> list[Job]:

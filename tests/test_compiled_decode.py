@@ -88,7 +88,12 @@ def test_buckets_cover_the_span_with_idle_rows() -> None:
     step.rows = 6  # a batch size between buckets: its own last bucket
     assert [step.bucket(n) for n in (3, 5, 6)] == [4, 6, 6]
     step.device = torch.device("cpu")  # one graph of every row: no bucket to compile
+    step._cpu_rows = None
     assert [step.bucket(n) for n in (1, 3, 6)] == [6, 6, 6]
+    # Where no line can come, the graph holds the busy rows only...
+    assert [step.bucket(1, 1), step.bucket(1, 3), step.bucket(2, 5)] == [1, 4, 6]
+    step._cpu_rows = 2  # ...and a run keeps its first graph while the span fits in it
+    assert [step.bucket(1, 6), step.bucket(2), step.bucket(3, 3)] == [2, 2, 6]
 
 
 def test_auto_compiles_only_when_enough_work_is_ahead(lm32: LoadedModel,
@@ -166,3 +171,25 @@ def test_one_cpu_graph_serves_every_row_count_and_a_growing_cache(tiny_model_dir
     assert fast == eager
     assert engine.runner.model_pass.cache.capacity >= 64
     assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor needs a C++ compiler for CPU kernels")
+def test_a_one_line_run_compiles_one_row_not_the_batch(tiny_model_dir: Path) -> None:
+    """A single stream at the default batch size: once the input is read to its end the
+    CPU graph is of the rows still busy (one), not of every row (idle rows cost a
+    batch's matmuls each step); its tokens are the eager ones (fp32)."""
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32")  # graphs of its own
+
+    def run(mode: str) -> tuple[Any, Engine]:
+        engine = Engine(lm, EngineConfig(batch_size=4, compile=mode, draft_tokens=0))
+        results: list[dict[str, Any]] = []
+        engine.run(_jobs([24]), results.append)
+        return [e["id"] for e in results[0]["logprobs"]], engine
+
+    eager, _ = run("off")
+    fast, engine = run("on")
+    step = engine.runner.model_pass.decode.compiled
+    assert step is not None and step.steps >= 20
+    assert set(step.compile_s) == {1}
+    assert fast == eager

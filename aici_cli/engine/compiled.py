@@ -7,8 +7,12 @@ replayed as CUDA graphs; q/k/v and gate/up stacked into one matrix each), called
 static shapes:
 
 - rows: on CUDA the cache rows 0..B-1 for the smallest bucket B in `BUCKETS` (or the batch
-  size) that holds the step's span, on CPU every row of the cache (one graph, compiled
-  once); rows sitting the step out ride along as idle rows;
+  size) that holds the step's span; on CPU one graph for the run, of every row of the
+  cache, or, where the run's first compiled step knows no line can come any more (a
+  one-line input, the last lines of a small file), of the smallest bucket that holds the
+  rows still busy: a single stream computes one row, not the batch size's (at batch size
+  8, 78 against 29 ms a step, int4, 2 AVX2 cores). Rows sitting the step out ride along
+  as idle rows;
 - keys: each row attends over the whole cache capacity with a mask by position (slot s
   is visible to a row at position p iff s <= p), so its length does not change a shape.
   The capacity is a dynamic dimension from the first compile on CPU (it doubles as lines
@@ -87,6 +91,7 @@ class CompiledDecode:
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
         self.steps = 0
         self._marked_capacity = 0
+        self._cpu_rows: int | None = None  # the CPU graph's rows, fixed at its first call
 
     @property
     def graphs(self) -> LayerGraphs:
@@ -96,21 +101,33 @@ class CompiledDecode:
             self._graphs = layer_graphs(self.model, self.device)
         return self._graphs
 
-    def bucket(self, span_end: int) -> int:
-        """The rows 0..B-1 a step whose span ends at row `span_end` (exclusive) runs on.
-        On CPU always every row: one graph of all layers recompiles in seconds (~10 s
-        warm), so a run's tail of fewer rows rides along in it rather than compiling a
-        bucket of its own; on CUDA the smallest bucket that holds the span."""
-        if self.device.type != "cuda":
-            return self.rows
-        return next((b for b in BUCKETS if b >= span_end and b <= self.rows), self.rows)
+    def bucket(self, span_end: int, rows_bound: int = 0) -> int:
+        """The rows 0..B-1 a step whose span ends at row `span_end` (exclusive) runs on;
+        `rows_bound`: the rows the run can still occupy (0: unknown).
 
-    def run(self, first_row: int, lengths: list[int], tokens: list[int | None]) -> torch.Tensor:
+        On CUDA the smallest bucket that holds the span. On CPU one graph of all layers
+        recompiles in seconds (~10 s warm on a Xeon, ~25 s on an AVX2 EPYC), so a run
+        keeps the graph of its first compiled step: of every row, or of the smallest
+        bucket that holds `rows_bound` where that is known. A run's tail of fewer rows
+        rides along in it; a span past it (a fork's branch) takes the graph of every row
+        from then on."""
+        if self.device.type == "cuda":
+            return _smallest_bucket(span_end, self.rows)
+        rows = self._cpu_rows
+        if rows is None:
+            rows = _smallest_bucket(max(span_end, rows_bound), self.rows) if rows_bound \
+                else self.rows
+        return rows if span_end <= rows else self.rows
+
+    def run(self, first_row: int, lengths: list[int], tokens: list[int | None],
+            rows_bound: int = 0) -> torch.Tensor:
         """Rows `first_row + i` feed `tokens[i]` (None: sits out) at position `lengths[i]`.
         The cache must already hold a capacity past every fed position. Returns the
         next-token logits [len(tokens), V] (a sitting-out row's are to be ignored)."""
         b = len(tokens)
-        rows = self.bucket(first_row + b)
+        rows = self.bucket(first_row + b, rows_bound)
+        if self.device.type != "cuda":
+            self._cpu_rows = rows
         ids = [0] * rows
         pos = [0] * rows
         valid = [False] * rows
@@ -147,6 +164,10 @@ class CompiledDecode:
         for buf in (*self.cache.keys, *self.cache.values):
             torch._dynamo.mark_static_address(buf)
         self._marked_capacity = self.cache.capacity
+
+def _smallest_bucket(rows: int, cap: int) -> int:
+    return next((b for b in BUCKETS if rows <= b <= cap), cap)
+
 
 # `--compile auto` compiles once the work still ahead is at least this many one-token
 # steps (an upper bound: lines may end before max_tokens). Compiling costs ~5.5 s with a

@@ -149,6 +149,7 @@ class Engine:
                             not admitting or (source is None and not table.ahead)):
                         return
                     continue
+                scheduler.input_closed = source is None or not admitting
                 self._step()
         finally:
             self.runner.close()

@@ -53,7 +53,7 @@ class ModelRunner:
         masks = self.pool.submit(self.masks.fill, plan.span, gens)  # overlaps the pass
         clock.mark("forward")
         passed = self.model_pass.run(plan.first_row, gens, drafts, list(plan.offsets),
-                                     plan.steps_ahead)
+                                     plan.steps_ahead, plan.rows_bound)
         clock.mark("forwarded")
         verdict = _verdict(masks.result(), passed.out_of_memory)
         clock.mark("masks_ready")

@@ -78,18 +78,19 @@ class ModelPass:
 
     def run(self, first_row: int, gens: Sequence[Generation | None],
             drafts: list[list[int]], scored: list[list[int]] | None = None,
-            steps_ahead: int = 0) -> PassOutput:
+            steps_ahead: int = 0, rows_bound: int = 0) -> PassOutput:
         """Each row feeds its pending tokens and its draft but its last token (a draft d
         is checked against the logits after d[0..-2]: its last token needs no pass of
         its own). `scored[i]`: offsets in row i's pending tokens (before the last) whose
         logits it needs too. Out of memory, `drafts` is cleared and the pass retried
         without. `steps_ahead`: a bound of the one-token steps still to come (whether
-        compiling the decode step pays, compiled.py)."""
+        compiling the decode step pays, compiled.py); `rows_bound`: of the rows the run
+        can still occupy (0: unknown, every row)."""
         lengths = [g.length if g is not None else 0 for g in gens]
         chunks = [g.pending if g is not None else [] for g in gens]
         scored = scored if scored is not None else [[] for _ in gens]
         if not any(drafts) and not any(scored) and all(len(c) <= 1 for c in chunks):
-            one = self._one_token(first_row, lengths, chunks, steps_ahead)
+            one = self._one_token(first_row, lengths, chunks, steps_ahead, rows_bound)
             if one is not None:
                 return PassOutput(self._vocab(one), [len(gens)] * len(gens), scored, [])
         if any(drafts):
@@ -110,16 +111,17 @@ class ModelPass:
         return PassOutput(self._vocab(logits), extra_at, scored, out_of_memory)
 
     def _one_token(self, first_row: int, lengths: list[int], chunks: list[list[int]],
-                   steps_ahead: int) -> torch.Tensor | None:
+                   steps_ahead: int, rows_bound: int = 0) -> torch.Tensor | None:
         """The compiled step's logits [b, V] for a pass where every row feeds at most one
         token, or None to run it eagerly (not compiled, or out of memory)."""
         step = self.decode.pick(steps_ahead if self.decode.compiled else 0)
         if step is None or not self.cache.keys:  # buffers exist after the first eager pass
             return None
-        compiling = step.bucket(first_row + len(chunks)) not in step.compile_s
+        compiling = step.bucket(first_row + len(chunks), rows_bound) not in step.compile_s
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
-            return step.run(first_row, lengths, [c[0] if c else None for c in chunks])
+            return step.run(first_row, lengths, [c[0] if c else None for c in chunks],
+                            rows_bound)
         except Exception as e:
             if is_out_of_memory(e):
                 return None

@@ -26,7 +26,7 @@ class StepPlan:
     (a scored choice's, or fast-forwarded tokens' for raw logprobs). `scoring` rows are
     read, not sampled; `closing` rows finished and take one more pass for the logprobs of
     their last fast-forwarded tokens. `steps_ahead` bounds the one-token steps still to
-    come (whether compiling the decode step pays)."""
+    come (whether compiling the decode step pays); `rows_bound` the rows (below)."""
 
     span: tuple[int, ...]  # the cache rows of the pass, consecutive
     gens: tuple[Generation | None, ...]
@@ -37,6 +37,10 @@ class StepPlan:
     kind: str  # "prefill" (a row feeds its prompt) | "decode"
     fed: int  # positions fed to the model
     steps_ahead: int
+    # The rows the run can still occupy: the highest busy row + 1 once no line can come
+    # (the input is read to its end and nothing waits), else every row. The compiled
+    # step's graph on CPU is sized by it (compiled.py): a one-line run computes one row.
+    rows_bound: int = 0
 
     @property
     def first_row(self) -> int:

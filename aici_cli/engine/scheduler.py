@@ -47,6 +47,9 @@ class Scheduler:
         self.count_steps_ahead = count_steps_ahead
         # Whether one-token steps run compiled now: a draft then costs an eager pass.
         self.decode_compiled = decode_compiled
+        # Set by the run before each step: no line can come any more (the source is read
+        # to its end, or admission stopped).
+        self.input_closed = False
 
     # ----------------------------------------------------------------------- admission
 
@@ -129,7 +132,8 @@ class Scheduler:
                             if g is not None and g.finish is not None)
         return StepPlan(tuple(span), tuple(gens), tuple(drafts),
                         tuple(self._offsets(gens, scoring)), scoring, closing, kind, fed,
-                        self._steps_ahead(gens) if self.count_steps_ahead else 0)
+                        self._steps_ahead(gens) if self.count_steps_ahead else 0,
+                        self._rows_bound())
 
     def _drafts(self, gens: list[Generation | None]) -> list[list[int]]:
         # Without drafts, would this be a one-token step run compiled?
@@ -153,6 +157,15 @@ class Scheduler:
             elif gen.logprobs is not None and not self.masked_logprobs:
                 offsets[k] = fed_offsets(gen)
         return offsets
+
+    def _rows_bound(self) -> int:
+        """The rows the run can still occupy: past the highest busy row only once no
+        line can come and none waits for a row (a fork's branch may still; the compiled
+        step then takes its full-size graph)."""
+        rows = self.table.gens
+        if not self.input_closed or self.table.ahead or self.pending():
+            return len(rows)
+        return 1 + max((k for k, g in enumerate(rows) if g is not None), default=0)
 
     def _steps_ahead(self, gens: list[Generation | None]) -> int:
         """An upper bound of the one-token steps still to come: the tokens the running,
