@@ -48,11 +48,11 @@ class Probe:
         original = engine.runner.model_pass.run
 
         def run(first_row: int, gens: Any, drafts: Any, scored: Any = None,
-                steps_ahead: int = 0) -> Any:
+                steps_ahead: int = 0, rows_bound: int = 0) -> Any:
             seqs = [None if g is None or not g.pending
                     else (g.prompt + g.output)[: g.length + len(g.pending)] for g in gens]
             self.fed_tokens += sum(len(g.pending) for g in gens if g is not None)
-            out = original(first_row, gens, drafts, scored, steps_ahead)
+            out = original(first_row, gens, drafts, scored, steps_ahead, rows_bound)
             for k, seq in enumerate(seqs):
                 if seq is not None:
                     self.passes.append((seq, out.every[k].float().clone()))
