@@ -165,6 +165,7 @@ class CompiledDecode:
             torch._dynamo.mark_static_address(buf)
         self._marked_capacity = self.cache.capacity
 
+
 def _smallest_bucket(rows: int, cap: int) -> int:
     return next((b for b in BUCKETS if rows <= b <= cap), cap)
 

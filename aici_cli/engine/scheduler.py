@@ -43,7 +43,8 @@ class Scheduler:
         self.eos = eos
         self.masked_logprobs = masked_logprobs
         # Only a compiled decode step reads `StepPlan.steps_ahead` (whether compiling
-        # pays): without one, the plan skips the walk over the queues.
+        # pays) and `rows_bound`: without one, the plan skips the walks over the queues
+        # and rows.
         self.count_steps_ahead = count_steps_ahead
         # Whether one-token steps run compiled now: a draft then costs an eager pass.
         self.decode_compiled = decode_compiled
@@ -133,7 +134,7 @@ class Scheduler:
         return StepPlan(tuple(span), tuple(gens), tuple(drafts),
                         tuple(self._offsets(gens, scoring)), scoring, closing, kind, fed,
                         self._steps_ahead(gens) if self.count_steps_ahead else 0,
-                        self._rows_bound())
+                        self._rows_bound() if self.count_steps_ahead else 0)
 
     def _drafts(self, gens: list[Generation | None]) -> list[list[int]]:
         # Without drafts, would this be a one-token step run compiled?
