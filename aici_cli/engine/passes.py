@@ -111,7 +111,7 @@ class ModelPass:
         return PassOutput(self._vocab(logits), extra_at, scored, out_of_memory)
 
     def _one_token(self, first_row: int, lengths: list[int], chunks: list[list[int]],
-                   steps_ahead: int, rows_bound: int = 0) -> torch.Tensor | None:
+                   steps_ahead: int, rows_bound: int) -> torch.Tensor | None:
         """The compiled step's logits [b, V] for a pass where every row feeds at most one
         token, or None to run it eagerly (not compiled, or out of memory)."""
         step = self.decode.pick(steps_ahead if self.decode.compiled else 0)

@@ -134,7 +134,7 @@ class Scheduler:
         return StepPlan(tuple(span), tuple(gens), tuple(drafts),
                         tuple(self._offsets(gens, scoring)), scoring, closing, kind, fed,
                         self._steps_ahead(gens) if self.count_steps_ahead else 0,
-                        self._rows_bound() if self.count_steps_ahead else 0)
+                        self._rows_bound(span) if self.count_steps_ahead else 0)
 
     def _drafts(self, gens: list[Generation | None]) -> list[list[int]]:
         # Without drafts, would this be a one-token step run compiled?
@@ -159,14 +159,14 @@ class Scheduler:
                 offsets[k] = fed_offsets(gen)
         return offsets
 
-    def _rows_bound(self) -> int:
-        """The rows the run can still occupy: past the highest busy row only once no
-        line can come and none waits for a row (a fork's branch may still; the compiled
-        step then takes its full-size graph)."""
-        rows = self.table.gens
+    def _rows_bound(self, span: list[int]) -> int:
+        """The rows the run can still occupy: the pass's span (it ends at the highest
+        busy row) once no line can come and none waits for a row, else every row. A
+        fork's branch may still go past it; the compiled step then takes its full-size
+        graph."""
         if not self.input_closed or self.table.ahead or self.pending():
-            return len(rows)
-        return 1 + max((k for k, g in enumerate(rows) if g is not None), default=0)
+            return len(self.table.gens)
+        return span[-1] + 1
 
     def _steps_ahead(self, gens: list[Generation | None]) -> int:
         """An upper bound of the one-token steps still to come: the tokens the running,
