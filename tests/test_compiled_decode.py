@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aici_cli.engine import compiled
 from aici_cli.engine.compiled import CompiledDecode, DecodeSteps, unsupported
@@ -193,3 +195,23 @@ def test_a_one_line_run_compiles_one_row_not_the_batch(tiny_model_dir: Path) -> 
     assert step is not None and step.steps >= 20
     assert set(step.compile_s) == {1}
     assert fast == eager
+
+
+@given(rows=st.integers(1, 1024), span_end=st.integers(1, 1024),
+       bound=st.integers(0, 1024), kept=st.none() | st.sampled_from(compiled.BUCKETS))
+def test_a_cpu_graph_always_holds_the_span_and_never_exceeds_the_cache(
+        rows: int, span_end: int, bound: int, kept: int | None) -> None:
+    """Whatever the bound and the graph a run kept (a bucket, or every row): the graph's
+    rows hold the step's span, fit the cache, and are a bucket or the cache's rows;
+    without a bound it is every row, and a kept graph that holds the span stays."""
+    span_end, bound = min(span_end, rows), min(bound, rows)
+    step = CompiledDecode.__new__(CompiledDecode)
+    step.device, step.rows = torch.device("cpu"), rows
+    step._cpu_rows = min(kept, rows) if kept is not None else None
+    got = step.bucket(span_end, bound)
+    assert span_end <= got <= rows
+    assert got in compiled.BUCKETS or got == rows
+    if step._cpu_rows is None and bound == 0:
+        assert got == rows
+    if step._cpu_rows is not None and span_end <= step._cpu_rows:
+        assert got == step._cpu_rows
