@@ -88,8 +88,12 @@ def _draw_distribution(ax: Any, values: list[float], totals_source: str | None,
         ax.text(0.5, 0.5, "no per-step data", ha="center", va="center")
         ax.set_axis_off()
         return
+    from matplotlib.ticker import MaxNLocator  # matplotlib is there: `ax` is its Axes
+
     bins = max(10, min(60, int(math.sqrt(len(values)) * 2)))
     ax.hist(values, bins=bins, color="#4c72b0", alpha=0.85)
+    # Counts are whole: with few values matplotlib's default ticks fall at 0.25, 1.75 ...
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for q, style in ((50, "--"), (99, ":")):
         v = percentile(values, q)
         ax.axvline(v, color="black", linestyle=style, linewidth=1, label=f"p{q} {v:.2f} ms")

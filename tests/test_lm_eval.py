@@ -151,7 +151,16 @@ def test_model_args_win_over_lm_evals_own_defaults(tiny_model_dir: Path) -> None
 
 @pytest.mark.parametrize(("args", "argv"), [
     (["--tasks", "x"], ["run", "--model", "aici-batch", "--device", "auto",
-                        "--model_args", "batch_size=8", "--tasks", "x"]),
+                        "--batch_size", "8", "--tasks", "x"]),
+    # lm-eval prints its own --batch_size: it is given the size the engine runs at.
+    (["--model_args", "model=m", "batch_size=4", "--tasks", "x"],
+     ["run", "--model", "aici-batch", "--device", "auto", "--batch_size", "4",
+      "--model_args", "model=m", "batch_size=4", "--tasks", "x"]),
+    (["--model_args=batch_size=2,dtype=float32", "-a", '{"batch_size": 3}'],
+     ["run", "--model", "aici-batch", "--device", "auto", "--batch_size", "3",
+      "--model_args=batch_size=2,dtype=float32", "-a", '{"batch_size": 3}']),
+    (["--model_args", "batch_size=auto"], ["run", "--model", "aici-batch", "--device", "auto",
+                                           "--batch_size", "8", "--model_args", "batch_size=auto"]),
     (["run", "--tasks", "x", "-b", "4", "--device=cpu"],
      ["run", "--model", "aici-batch", "--tasks", "x", "-b", "4", "--device=cpu"]),
     (["--model", "hf", "--tasks", "x"], ["run", "--model", "hf", "--tasks", "x"]),
@@ -178,6 +187,9 @@ def test_the_lm_eval_command_end_to_end(tiny_model_dir: Path, tmp_path: Path) ->
     assert set(results["results"]) == {"aici_capitals", "aici_yes_no_regex"}
     assert "acc,none" in results["results"]["aici_capitals"]
     assert "|aici_capitals" in done.stdout  # lm-eval's own table
+    # The table's header names the batch size the engine ran at (lm-eval's default is 1).
+    assert re.search(r"num_fewshot: \w+, batch_size: 4\b", done.stdout), done.stdout[-2000:]
+    assert results["config"]["batch_size"] == "4"
 
 
 def test_the_lm_eval_command_without_lm_eval_installed() -> None:

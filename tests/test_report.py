@@ -287,6 +287,22 @@ def test_plot_writes_png(tmp_path: Path) -> None:
     assert empty.read_bytes().startswith(b"\x89PNG")
 
 
+def test_plot_counts_are_whole_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The histogram's count axis has whole ticks, even for a few values (where matplotlib
+    would put ticks at 0.25, 1.75 ...)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    drawn: list[Any] = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig),
+                                                                 save(fig, *a, **k)))
+    plot(summarize_results([]), tmp_path / "few.png", step_totals=[1.0, 1.5, 2.0, 2.2, 3.0])
+    [figure] = drawn
+    ticks = figure.axes[1].get_yticks()
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+
+
 def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now fails
     results = write(tmp_path, "out.jsonl", "".join(jsonl(batch())))
