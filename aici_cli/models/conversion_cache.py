@@ -41,7 +41,8 @@ from aici_cli.models.quiet import quiet_transformers
 from aici_cli.vocabulary.errors import ModelError
 
 # Bump when the conversion's output changes, so existing cache entries are not reused.
-_CONVERTER_VERSION = "2"  # 2: bfloat16, and the GGUF's own quantised blocks
+_CONVERTER_VERSION = "3"  # 2: bfloat16, and the GGUF's own quantised blocks; 3: tensors
+# at 64-byte boundaries of their files (`aligned`)
 
 # Each entry's record of the GGUF content it holds and the files it was converted from.
 SOURCE_FILE = "aici-batch-source.json"

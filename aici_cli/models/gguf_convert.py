@@ -6,6 +6,7 @@ Imports torch; `conversion_cache` imports this module only when a conversion is 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     if missing:
         raise ModelError(f"cannot convert {gguf}: GGUF lacks tensors {missing[:3]}")
     model.save_pretrained(out_dir)
+    _realign(out_dir / "model.safetensors")
     write_blocks(gguf, model, parsed["tensors"], out_dir)
     del parsed
 
@@ -95,6 +97,23 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         if template:
             tokenizer.chat_template = template
     tokenizer.save_pretrained(out_dir)
+
+
+def _realign(file: Path) -> None:
+    """Rewrite transformers' safetensors file with every tensor at a 64-byte boundary
+    (`aligned`), so that a run maps its weights with no copy; ~0.3 s once per conversion."""
+    from safetensors import safe_open
+
+    from aici_cli.models.aligned import save_aligned
+
+    # The tensors read are views of the file's map: written beside it, then renamed over.
+    aligned_file = file.with_name(f".{file.name}.aligned")
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        save_aligned(tensors, aligned_file, metadata)
+    del tensors
+    os.replace(aligned_file, file)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from aici_cli.models import gguf_blocks
+from aici_cli.models.aligned import save_aligned
 from aici_cli.models.gguf_blocks import Int4Blocks, Int8Blocks
 
 QUANTIZED_FILE = "aici-quantized.safetensors"
@@ -32,7 +33,6 @@ def write_blocks(gguf: Path, model: Any, dense: dict[str, Any], out_dir: Path) -
     `dense` holds transformers' dequantised tensors by parameter name (as loaded into
     `model`). Returns the number of matrices kept (none: no file)."""
     from gguf import GGUFReader
-    from safetensors.numpy import save_file
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -63,7 +63,7 @@ def write_blocks(gguf: Path, model: Any, dense: dict[str, Any], out_dir: Path) -
         else:
             entries |= {f"{hf_name}:q8": blocks.codes, f"{hf_name}:q8_d": blocks.d}
     if entries:
-        save_file(entries, str(out_dir / QUANTIZED_FILE))
+        save_aligned(entries, out_dir / QUANTIZED_FILE)
     return sum(1 for k in entries if k.endswith((":q4", ":q8")))
 
 

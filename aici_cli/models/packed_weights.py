@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
+from aici_cli.models.aligned import save_aligned, without_padding
 from aici_cli.models.conversion_cache import models_dir
 
 # Bump when what a layer keeps, or how it is computed, changes.
-_LAYOUT_VERSION = "1"
+_LAYOUT_VERSION = "2"  # 2: tensors at 64-byte boundaries of the file (`aligned`)
 
 BUFFERS = {"int4": ("packed", "scale_zero"), "int8": ("codes", "scale")}
 
@@ -57,7 +58,7 @@ def read_packed(file: Path, device: torch.device) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(file), device=str(device))
+        return without_padding(load_file(str(file), device=str(device)))
     except Exception:  # noqa: BLE001 - truncated or corrupt: computed and written again
         return {}
 
@@ -65,13 +66,11 @@ def read_packed(file: Path, device: torch.device) -> dict[str, torch.Tensor]:
 def write_packed(file: Path, buffers: dict[str, torch.Tensor]) -> None:
     """Keeps `buffers` in `file`, atomically; a cache that cannot be written is skipped
     (the run goes on with the layers it computed)."""
-    from safetensors.torch import save_file
-
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)
         os.close(fd)
-        save_file({k: v.contiguous().cpu() for k, v in buffers.items()}, tmp)
+        save_aligned({k: v.contiguous().cpu() for k, v in buffers.items()}, tmp)
         os.replace(tmp, file)
         tmp = None
     except Exception:  # noqa: BLE001 - a read-only or full cache: computed again next run

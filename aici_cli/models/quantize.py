@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from aici_cli.models import gguf_blocks
+from aici_cli.models.aligned import aligned
 from aici_cli.models.packed_weights import BUFFERS, packed_file, read_packed, write_packed
 from aici_cli.vocabulary.errors import ModelError
 
@@ -82,8 +83,10 @@ class Int4Linear(torch.nn.Module):
         layer.in_features, layer.out_features = k, n
         if packed.device.type == "cuda":
             layer.inner_k_tiles = _cuda_inner_k_tiles(k)
-        layer.register_buffer("scale_zero", scale_zero)
-        layer.register_buffer("packed", packed)
+        # Kept or stacked buffers may start anywhere (a mapped file's offset, a slice):
+        # the kernels read them with aligned vector loads (`aligned`).
+        layer.register_buffer("scale_zero", aligned(scale_zero))
+        layer.register_buffer("packed", aligned(packed))
         layer.register_buffer("bias", bias)
         return layer
 
@@ -111,8 +114,10 @@ class Int8Linear(torch.nn.Module):
                  dtype: torch.dtype) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("codes", codes.to(torch.int8).contiguous())
-        self.register_buffer("scale", scale.to(dtype).contiguous())  # [N]
+        # Aligned: the AVX-512 kernel reads `codes` with aligned loads, and a kept layer's
+        # codes are a view of a mapped file (`aligned`).
+        self.register_buffer("codes", aligned(codes.to(torch.int8).contiguous()))
+        self.register_buffer("scale", aligned(scale.to(dtype).contiguous()))  # [N]
         self.register_buffer("bias", bias)
 
     @classmethod
