@@ -28,7 +28,8 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
                json_permissive: bool, controller: str | None, plain_http: bool,
                controller_arg: str, controller_timeout_ms: int, max_branches: int,
                no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
-               lookahead: int, ordered: bool, threads: int | None, logprobs: int | None,
+               lookahead: int, ordered: bool, threads: int | None, engine_process: str,
+               logprobs: int | None,
                logprobs_mode: str, close_at_limit: bool,
                loop_guard: bool, deterministic: bool, step_stats: bool,
                stats_out: str | None, trace: str | None,
@@ -66,6 +67,7 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,
         resume=resume, resume_mixed=resume_mixed,
         exit_zero_on_line_errors=exit_zero_on_line_errors, ray=ray, threads=threads,
+        engine_process=engine_process,
         ordered=ordered, progress_interval_s=progress_interval,
         plain_http=plain_http, trace=trace,
     )

@@ -147,6 +147,13 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
                  help="CPU threads for the model's work. Default: the CPUs this process may "
                       "use (affinity and cgroup quota), or OMP_NUM_THREADS. Lower it when "
                       "other jobs share the CPU."),
+    click.option("--engine-process", type=click.Choice(["child", "inline"]), default="child",
+                 show_default=True,
+                 help="Where a local run's engine runs. child: a process of its own, so that a "
+                      "native crash or the OOM killer costs only the lines in flight, which "
+                      "run again in a new one (docs/reliability.md); inline: this process "
+                      "(no start-up of a second interpreter; a crash ends the run). A traced "
+                      "run (--trace) runs inline."),
     click.option("--logprobs", "logprobs", type=click.IntRange(0, 20), default=None,
                  help="Give every generated token its log-probability and its K most likely "
                       "alternatives (lines may set `logprobs`/`top_logprobs` themselves)."),

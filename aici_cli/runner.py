@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any, BinaryIO
 
-from aici_cli.backends.local import LocalEngine
 from aici_cli.backends.protocol import Backend
 from aici_cli.input_format import detect_format
 from aici_cli.interrupts import Interrupts, signal_name
@@ -51,16 +50,20 @@ class RunOutcome:
     skipped: int = 0  # lines a resumed run found done
     line_errors_ok: bool = False  # --exit-zero-on-line-errors
     summary_error: str | None = None  # why the --stats-out file could not be written
+    engine_deaths: int = 0  # engine processes that died (their lines ran again)
 
     @property
     def exit_code(self) -> int:
         """128 + signal when interrupted; 3 when the lines ran but the summary file could
-        not be written; otherwise 1 when any result in the output (a resumed run's earlier
-        ones too) is an error, unless `line_errors_ok`, else 0."""
+        not be written; otherwise 1 when an engine process died (even if every line got
+        its result: a crash is worth a look) or any result in the output (a resumed run's
+        earlier ones too) is an error, unless `line_errors_ok`, else 0."""
         if self.interrupted is not None:
             return 128 + self.interrupted
         if self.summary_error is not None:
             return 3
+        if self.engine_deaths:
+            return 1
         failed = self.summary["errors"] or self.earlier_errors
         return 1 if failed and not self.line_errors_ok else 0
 
@@ -168,9 +171,19 @@ def _run(config: RunConfig, stderr: IO[str],
 
 
 def _start_backend(config: RunConfig) -> Backend:
+    """Ray workers with `--ray`; else the engine in a child process (`--engine-process
+    child`, the default), or in this one (`inline`, and for a traced run: the tracer
+    attaches to the engine and writes its spans from this process)."""
+    from aici_cli.tracing import open_tracing, tracing_requested
+
     if config.ray is None:
-        return LocalEngine(config)
-    from aici_cli.tracing import open_tracing
+        if config.engine_process == "inline" or tracing_requested(config):
+            from aici_cli.backends.local import LocalEngine  # imports torch
+
+            return LocalEngine(config)
+        from aici_cli.backends.supervised import SupervisedEngine
+
+        return SupervisedEngine(config)
 
     open_tracing(config)  # refuses --trace with --ray
     from aici_cli.distributed import start_ray_backend  # checks that Ray is installed
@@ -265,17 +278,21 @@ def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
     signum = interrupts.signum if interrupts is not None and not lines.all_written else None
     summary = run_facts(backend.summary(config, sink.tally, wall), config, started,
                         signum is not None)
-    return _outcome(config, summary, signum, plan, display)
+    # Only a supervised engine (backends/supervised.py) has processes that die.
+    deaths: int = getattr(backend, "deaths", 0)
+    return _outcome(config, summary, signum, plan, display, deaths)
 
 
 def _outcome(config: RunConfig, summary: dict[str, Any], signum: int | None,
-             plan: ResumePlan | None, display: RunDisplay) -> RunOutcome:
+             plan: ResumePlan | None, display: RunDisplay,
+             engine_deaths: int = 0) -> RunOutcome:
     """The run's outcome, once its summary is written (`--stats-out`) and shown."""
     outcome = RunOutcome(summary, interrupted=signum,
                          earlier_errors=plan.scan.errors if plan is not None else 0,
                          skipped=len(plan.done) if plan is not None else 0,
                          line_errors_ok=config.exit_zero_on_line_errors,
-                         summary_error=write_summary(config.stats_out, summary))
+                         summary_error=write_summary(config.stats_out, summary),
+                         engine_deaths=engine_deaths)
     if summary["lines"] == 0 and not outcome.skipped and signum is None:
         display.note(f"aici-batch: warning: {_input_name(config)} has no lines to run "
                      "(it is empty or blank)")
@@ -284,6 +301,10 @@ def _outcome(config: RunConfig, summary: dict[str, Any], signum: int | None,
     failed = failure_line(summary)
     if failed is not None:
         display.note(failed, even_quiet=True)
+    if engine_deaths and config.quiet:  # else each death had its warning
+        display.note(f"aici-batch: the engine process died {engine_deaths} "
+                     f"{'time' if engine_deaths == 1 else 'times'}; the lines it held ran "
+                     "again", even_quiet=True)
     if signum is not None and not config.quiet:
         _note(display, _interrupted_note(config, outcome, plan))
     return outcome

@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from aici_cli.models import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
+# `aici-batch run` in the tests (CliRunner in this process, and the runs they start as
+# processes, which inherit it) runs its engine inline, in the run's own process: fast, and
+# monkeypatches reach it. tests/test_engine_process.py runs the engine process itself.
+os.environ.setdefault("AICI_BATCH_ENGINE_PROCESS", "inline")
+# Loads in the tests skip the kernel probe (a child process per mode and cache folder,
+# and many tests use a cache folder of their own); tests/test_kernel_probe.py and the
+# kernel-path matrix (tests/test_kernel_matrix.py) run it.
+os.environ.setdefault("AICI_BATCH_KERNEL_PROBE", "off")
 # Set by .ci/run (after `make setup` installed the JavaScript toolchain): there the
 # JavaScript tests fail instead of skipping when node or componentize-js is missing.
 REQUIRE_JS = "AICI_REQUIRE_JS"

@@ -145,6 +145,10 @@ class RunConfig:
     plain_http: bool = False  # an oci:// controller's registry speaks HTTP, not HTTPS
     trace: str | None = None  # OTLP JSON spans of the run go here (aici_cli/tracing.py)
     threads: int | None = None  # torch's CPU threads; None: the CPUs this process may use
+    # Where a local run's engine runs: "child", a process of its own that the run restarts
+    # when it dies (backends/supervised.py), or "inline", this process (a traced run
+    # always: its tracer attaches to the engine). Ray runs ignore it.
+    engine_process: str = "child"
     ordered: bool = False  # results in input order (aici_cli/ordered.py)
     progress_interval_s: float = 10.0  # off a terminal: a progress line this often; 0: none
 
