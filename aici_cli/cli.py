@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from aici_cli import __version__
+from aici_cli.cli_doctor import doctor_command
 from aici_cli.cli_errors import FatalError
 from aici_cli.cli_models import models_command
 from aici_cli.cli_registry import publish, pull
@@ -221,5 +222,6 @@ def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
 options_from_environment(run)
 main.add_command(report)
 main.add_command(models_command)
+main.add_command(doctor_command)
 main.add_command(publish)
 main.add_command(pull)

@@ -21,7 +21,7 @@ from aici_cli.vocabulary.line_stats import StepTimes
 
 
 def summarize(config: RunConfig, tally: RunTally, steps: list[StepTimes], wall: float,
-              model: dict[str, str], compiled: list[float],
+              model: dict[str, Any], compiled: list[float],
               call_times: list[float]) -> dict[str, Any]:
     """The run summary from the results' tally and the engines' step times, grammar
     compile times and guest call times."""

@@ -107,8 +107,13 @@ def wasm_factory(config: RunConfig, engine: Engine, call_times: list[float],
     return factory
 
 
-def model_meta(lm: Any) -> dict[str, str]:
-    """What the summary says of the model a run used."""
-    return {"model": lm.name, "device": str(lm.device),
-            "dtype": str(lm.dtype).removeprefix("torch."),
-            "quantize": getattr(lm, "quantize", "none")}
+def model_meta(lm: Any) -> dict[str, Any]:
+    """What the summary says of the model a run used (with the modes the kernel probe
+    turned down for it, where it did)."""
+    meta: dict[str, Any] = {"model": lm.name, "device": str(lm.device),
+                            "dtype": str(lm.dtype).removeprefix("torch."),
+                            "quantize": getattr(lm, "quantize", "none")}
+    kernels = getattr(lm, "kernels", None)
+    if kernels is not None and kernels.rejected:
+        meta["kernel_probe"] = {"rejected": [list(r) for r in kernels.rejected]}
+    return meta

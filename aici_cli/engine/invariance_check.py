@@ -29,15 +29,14 @@ import dataclasses
 import hashlib
 import json
 import os
-import platform
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from aici_cli.cache_paths import cache_dir
 from aici_cli.engine.invariant import TILE_ROWS, invariant_linear
+from aici_cli.models.kernel_probe import cpu_model
 from aici_cli.models.load import LoadedModel
 from aici_cli.vocabulary.errors import ModelError
 
@@ -172,7 +171,7 @@ def _key(lm: LoadedModel) -> str:
         idx = lm.device.index or 0
         device = f"cuda:{torch.cuda.get_device_name(idx)}:{torch.cuda.get_device_capability(idx)}"
     else:
-        device = f"cpu:{_cpu_model()}"
+        device = f"cpu:{cpu_model()}"
     return json.dumps({
         "check": CHECK_VERSION, "torch": torch.__version__, "device": device,
         "dtype": str(lm.dtype), "threads": torch.get_num_threads(),
@@ -181,18 +180,6 @@ def _key(lm: LoadedModel) -> str:
                   getattr(cfg, "num_attention_heads", None),
                   getattr(cfg, "num_key_value_heads", None), shapes],
     }, default=str)
-
-
-def _cpu_model() -> str:
-    """The CPU's model name and instruction-set flags (kernels are chosen by them)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    fields = {k.strip(): v.strip() for k, v in
-              (line.split(":", 1) for line in text.splitlines()[:40] if ":" in line)}
-    name, flags = fields.get("model name", ""), fields.get("flags", "").split()
-    return f"{name} {hashlib.sha256(' '.join(sorted(flags)).encode()).hexdigest()[:12]}"
 
 
 def check_run(make_engine: Callable[[Any], Any], config: Any, **changes: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import torch
 
 from aici_cli.vocabulary.errors import ModelError
 
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -44,8 +44,8 @@ def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
     when the CPU has native bf16 instructions (without them bf16 matmuls are emulated and
     slower than float32), else float32. Explicit choices are honoured on any device.
     """
-    if spec in _DTYPES:
-        return _DTYPES[spec]
+    if spec in DTYPES:
+        return DTYPES[spec]
     if spec != "auto":
         raise ModelError(
             f"unknown dtype {spec!r}: expected 'auto', 'float32', 'bfloat16' or 'float16'"

@@ -14,17 +14,20 @@ from typing import Any
 
 import torch
 
+from aici_cli.models.aligned import align_model
 from aici_cli.models.chat import MODEL_NAME_ATTR
 from aici_cli.models.conversion_cache import cache_hint
-from aici_cli.models.device import pick_device, pick_dtype
+from aici_cli.models.device import DTYPES, pick_device, pick_dtype
 from aici_cli.models.files import (
     missing_tensors_problem,
     model_files_problem,
     tokenizer_files_problem,
 )
 from aici_cli.models.hub_tokenizer import read_hub_tokenizer
+from aici_cli.models.kernel_probe import KernelChoice, choose_kernels
 from aici_cli.models.llama import unsupported
 from aici_cli.models.one_line import one_line
+from aici_cli.models.progress import current_progress
 from aici_cli.models.quantize import resolve_mode
 from aici_cli.models.quiet import quiet_transformers
 from aici_cli.models.resolve import resolve_with_name
@@ -47,6 +50,7 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: frozenset[int]
     quantize: str = "none"  # the weights' form: none, int8 or int4 (models/quantize.py)
+    kernels: KernelChoice | None = None  # the mode the kernel probe passed, and why
 
 
 def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
@@ -72,6 +76,8 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     resolve_mode(quantize, Path(), torch.float32)  # refuses an unknown mode before any work
     path, name = resolve_with_name(spec)
     mode = resolve_mode(quantize, path, torch_dtype)
+    kernels = _probed(path, torch_device, dtype, quantize, torch_dtype, mode)
+    torch_dtype, mode = DTYPES[kernels.dtype], kernels.quantize
     own = implementation != "transformers" and _own_llama(path)
     model = _load_weights(path, torch_dtype, mode, torch_device, own)
     hub = implementation != "transformers" and tokenizer != "transformers"
@@ -81,6 +87,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
         model.to(torch_device)
     except Exception as exc:  # e.g. CUDA out of memory
         raise ModelError(f"cannot move model to {torch_device}: {one_line(exc)}") from exc
+    align_model(model)  # a kernel's aligned load of a mapped weight must not fault
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token
     # For messages that name the model as the user named it, not by its cache directory.
@@ -99,7 +106,22 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
         vocab_size=int(model.config.get_text_config().vocab_size),
         eos_token_ids=frozenset(eos_ids),
         quantize=mode,
+        kernels=kernels,
     )
+
+
+def _probed(path: Path, device: torch.device, dtype_spec: str, quantize_spec: str,
+            dtype: torch.dtype, mode: str) -> KernelChoice:
+    """The mode the kernel probe passes (`kernel_probe`): the chosen one, else the next
+    where a choice was `auto` (said in one line), else a ModelError."""
+    def auto_quantize(dt: str) -> str:
+        return resolve_mode(quantize_spec, path, DTYPES[dt])
+
+    choice = choose_kernels(path, device.type, dtype_spec, quantize_spec,
+                            str(dtype).removeprefix("torch."), mode, auto_quantize)
+    if choice.note is not None:
+        current_progress().note(choice.note)
+    return choice
 
 
 def _own_llama(path: Path) -> bool:
