@@ -177,6 +177,9 @@ def _start_backend(config: RunConfig) -> Backend:
     from aici_cli.tracing import open_tracing, tracing_requested
 
     if config.ray is None:
+        if config.engine_process not in ("child", "inline"):
+            raise UsageError(f"engine_process must be 'child' or 'inline', not "
+                             f"{config.engine_process!r}")
         if config.engine_process == "inline" or tracing_requested(config):
             from aici_cli.backends.local import LocalEngine  # imports torch
 

@@ -228,7 +228,7 @@ class Recorded(LoadProgress):
 def test_load_progress_is_replayed_as_it_was_reported() -> None:
     shown = Recorded()
     replay = ProgressReplay(shown)
-    relay = RelayProgress(lambda message: replay.show(message))
+    relay = RelayProgress(replay.show)
 
     relay.note("converting model.gguf (once)")
     assert list(relay.steps(["a", "b", "c"], 3, "tensors")) == ["a", "b", "c"]

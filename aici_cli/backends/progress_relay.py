@@ -26,7 +26,7 @@ T = TypeVar("T")
 class RelayProgress(LoadProgress):
     """The engine process's `LoadProgress`: every event goes to `send`."""
 
-    def __init__(self, send: Callable[[Any], None]) -> None:
+    def __init__(self, send: Callable[[Any], object]) -> None:
         self.send = send
 
     def note(self, message: str) -> None:

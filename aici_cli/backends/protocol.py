@@ -1,6 +1,7 @@
 """`Backend`: what a run asks of wherever its lines decode.
 
-Two implement it: this process's engine (`aici_cli.backends.local.LocalEngine`) and Ray
+Three implement it: an engine in a child process (`aici_cli.backends.supervised.
+SupervisedEngine`), one in this process (`aici_cli.backends.local.LocalEngine`) and Ray
 workers (`aici_cli.distributed.driver.RayBackend`). The run (`runner.run_batch`) reads the
 input, writes each result and makes the summary; a backend only turns items into emitted
 results and says what its engines measured. Torch-free.
