@@ -75,6 +75,8 @@ class SupervisedEngine:
         self.running_alone = False
         self.emit: Emit = lambda result: None
         self.note: Callable[[str], None] = lambda message: None
+        # Where loads report, restarts' too (they happen outside the run's `reporting_to`).
+        self.progress = current_progress()
         process = self._new_life()
         assert process is not None  # nothing stops the first load but an exception
         self.process: EngineProcess = process
@@ -87,7 +89,7 @@ class SupervisedEngine:
         self.lives += 1
         process = EngineProcess(self.config, self.lives)
         try:
-            ready = process.wait_ready(ProgressReplay(current_progress()), go_on)
+            ready = process.wait_ready(ProgressReplay(self.progress), go_on)
         except BaseException:
             process.stop()
             raise
