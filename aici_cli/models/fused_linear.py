@@ -15,7 +15,10 @@ Every kernel here computes each output column from its own weight row, so the st
 output is bit for bit the parts' outputs side by side. `stack_linears` checks that on a
 probe input before it keeps a stacked layer (a kernel layout that blocks rows across a
 part's edge would fail it); where it fails, or a part is of another kind, the parts are
-called one after another (`SideBySide`).
+called one after another (`SideBySide`). A 16-bit dense layer with a bias is never stacked:
+its bias is added inside the GEMM (addmm), and on a CPU with native bf16 that epilogue
+rounds by the output width (a 96-wide stack of three 32-wide parts differs in the last
+bit for some inputs, which a probe input need not show).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def stack_linears(parts: Sequence[torch.nn.Module]) -> torch.nn.Module:
     if len(kinds) != 1 or len(widths) != 1 or None in widths:
         return SideBySide(parts)
     kind = kinds.pop()
+    if kind is torch.nn.Linear and any(getattr(p, "bias", None) is not None for p in parts) \
+            and any(p.weight.dtype != torch.float32 for p in parts):  # see the docstring
+        return SideBySide(parts)
     stacked: torch.nn.Module
     with torch.no_grad():
         if kind is torch.nn.Linear:

@@ -6,7 +6,7 @@ and, on the CPU, the ATen capability its kernels were built for (`ATEN_CPU_CAPAB
 Alignment was one cause of a dead kernel (`aligned`); the next torch, a GPU or a user's
 model may bring another, and a native crash cannot be caught in-process. So the first time
 a machine loads a model in a mode, a child process (`python -m
-aici_cli.models.kernel_probe`) builds that mode's layers with the model's real shapes
+aici_cli.models.kernel_run`) builds that mode's layers with the model's real shapes
 through the project's own constructors (their buffers first placed off a 64-byte boundary,
 as a mapped file would hold them), and runs a prefill, one-token steps at 1, 3 and 8 rows
 and the output projection, plus attention. A death by a signal, no answer within
@@ -39,7 +39,7 @@ from pathlib import Path
 
 from aici_cli.cache_paths import cache_dir
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: step times on one thread
 TIMEOUT_S = 120.0  # a probe child that takes longer hangs (the default model's: ~3 s)
 ENV = "AICI_BATCH_KERNEL_PROBE"  # "off": no probe (the test suite's in-process runs)
 # Largest |y - reference| / max|reference| over a layer's outputs, by activation dtype,
@@ -223,7 +223,7 @@ def run_probe(mode: KernelMode, shapes: Shapes, timeout_s: float = TIMEOUT_S) ->
     spec = json.dumps({"mode": asdict(mode), "shapes": asdict(shapes)})
     started = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "aici_cli.models.kernel_probe", spec],
+        done = subprocess.run([sys.executable, "-m", "aici_cli.models.kernel_run", spec],
                               capture_output=True, text=True, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return Verdict(False, f"its kernels did not finish within {timeout_s:.0f} s (a hang)",
@@ -269,9 +269,3 @@ def _torch_version() -> str:
     from importlib.metadata import version
 
     return version("torch")
-
-
-if __name__ == "__main__":  # the probe child: one mode's kernels, a JSON verdict on stdout
-    from aici_cli.models.kernel_run import probe_main
-
-    probe_main(sys.argv[1])

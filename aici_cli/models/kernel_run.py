@@ -1,7 +1,7 @@
 """The kernel probe's child (`kernel_probe`): one mode's layers, built as a run builds
 them, computed at a run's row counts and judged against float32 over the same weights.
 
-Run as `python -m aici_cli.models.kernel_probe SPEC`; prints one JSON line, {"ok",
+Run as `python -m aici_cli.models.kernel_run SPEC`; prints one JSON line, {"ok",
 "reason", "step_ms", "max_error"}. A native fault kills this process, which is the point:
 the parent reads the signal.
 """
@@ -185,3 +185,9 @@ def _inject_fault(quantize: str) -> None:
 
 def _scaled(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return lambda self, x: forward(self, x) * 1.5
+
+
+if __name__ == "__main__":
+    import sys
+
+    probe_main(sys.argv[1])
