@@ -208,7 +208,7 @@ def test_a_death_while_the_model_loads_is_one_clear_line(tiny_model_dir: Path,
     (line,) = res.stderr.splitlines()
     assert line.startswith("Error: the engine process died while loading the model "
                            "(SIGKILL): ")
-    assert "--dtype float32" in line and "ATEN_CPU_CAPABILITY=avx2" in line
+    assert "--dtype float32" in line and "aici-batch doctor" in line
 
 
 class Recorded(LoadProgress):

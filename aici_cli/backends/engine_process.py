@@ -35,8 +35,9 @@ CHILD_MODULE = "aici_cli.backends.engine_child"
 # runs this very code (a checkout, an editable install) whatever its working directory.
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 EXIT_GRACE_S = 5.0  # for the process to exit after its socket closes, before SIGKILL
-LOAD_HINT = ("a native crash (torch's kernels, a driver, the OOM killer); try --dtype float32, "
-             "--quantize none, --device cpu, or ATEN_CPU_CAPABILITY=avx2 in the environment")
+LOAD_HINT = ("a native crash (torch's kernels, a driver, the OOM killer); `aici-batch doctor` "
+             "shows which modes run here; try --dtype float32, --quantize none or --device "
+             "cpu")
 
 
 class EngineProcess:
