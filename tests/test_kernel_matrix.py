@@ -2,7 +2,7 @@
 supports x dtype (float32, bfloat16) x quantize (none, int8, int4), at batch 1 and 8, each
 capability in a process of its own (`kernel_matrix_run.py`). Bounded to keep CI short:
 float32 with int8/int4 (explicit modes only, ~150 ms a step) and the compiled step in the
-default mode (a cold compile costs about a minute on 2 cores) run at the host's own
+mode `auto` picks (a cold compile costs about a minute on 2 cores) run at the host's own
 capability only. The kernels run with the probe off. Asserted: no process
 dies by a signal; every cell gives one result per line; a mode whose lines end in an
 error is one the kernel probe rejects on this machine (so neither `auto` nor an explicit
@@ -53,9 +53,6 @@ MODES = [{"dtype": "float32", "quantize": "none", "compile": "off"}] + [
 # float32 activations through the int8/int4 kernels (explicit modes only: `auto` runs
 # float32 unquantised) take ~150 ms a step: at the host's capability only.
 HOST_ONLY = [{"dtype": "float32", "quantize": q, "compile": "off"} for q in ("int8", "int4")]
-# The compiled step in the default mode; its float32 tokens are checked against eager on
-# the tiny model (test_compiled_decode.py).
-COMPILED = [{"dtype": "bfloat16", "quantize": "int4", "compile": "on"}]
 
 
 def _run(capability: str, modes: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -75,17 +72,23 @@ def _run(capability: str, modes: list[dict[str, str]]) -> list[dict[str, Any]]:
     return [r for r in records if "results" in r]
 
 
-def _auto_mode() -> tuple[str, str]:
-    """What `--dtype auto --quantize auto` picks first for the default model here."""
+def _auto_mode(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """What `--dtype auto --quantize auto` runs for the default model here: the first mode
+    the kernel probe passes."""
     import torch
 
-    from aici_cli.models.device import pick_dtype
+    from aici_cli.models.device import DTYPES, pick_dtype
+    from aici_cli.models.kernel_probe import ENV, choose_kernels
     from aici_cli.models.quantize import resolve_mode
     from aici_cli.models.resolve import resolve_with_name
 
+    monkeypatch.setenv(ENV, "on")
+    path = resolve_with_name(None)[0]
     dtype = pick_dtype("auto", torch.device("cpu"))
-    return str(dtype).removeprefix("torch."), resolve_mode("auto", resolve_with_name(None)[0],
-                                                          dtype)
+    choice = choose_kernels(path, "cpu", "auto", "auto", str(dtype).removeprefix("torch."),
+                            resolve_mode("auto", path, dtype),
+                            lambda dt: resolve_mode("auto", path, DTYPES[dt]))
+    return choice.dtype, choice.quantize
 
 
 def _ids(result: dict[str, Any]) -> list[int]:
@@ -93,18 +96,23 @@ def _ids(result: dict[str, Any]) -> list[int]:
 
 
 @pytest.mark.real_model
-def test_every_kernel_path_of_this_host_runs_and_agrees() -> None:
+def test_every_kernel_path_of_this_host_runs_and_agrees(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     caps = capabilities(every=True)
     host = caps[-1]
+    auto = _auto_mode(monkeypatch)
+    # The compiled step in the mode `auto` runs here (bfloat16+int4 with native bf16,
+    # float32 without, or where the probe turns bfloat16 down); its float32 tokens are
+    # also checked against eager on the tiny model (test_compiled_decode.py).
+    compiled = [{"dtype": auto[0], "quantize": auto[1], "compile": "on"}]
     cells: list[dict[str, Any]] = []
     for capability in caps:
-        cells += _run(capability, MODES + (HOST_ONLY + COMPILED if capability == host else []))
-    assert len(cells) == 2 * (len(caps) * len(MODES) + len(HOST_ONLY) + len(COMPILED))
+        cells += _run(capability, MODES + (HOST_ONLY + compiled if capability == host else []))
+    assert len(cells) == 2 * (len(caps) * len(MODES) + len(HOST_ONLY) + len(compiled))
     for cell in cells:  # one result per line, errors too, unless the engine raised
         indexes = sorted(r["index"] for r in cell["results"])
         assert cell["raised"] or indexes == list(range(1, len(LINES) + 1)), \
             (cell["capability"], cell["mode"])
-    auto = _auto_mode()
     for cell in [c for c in cells if "probe" in c]:
         mode, verdict = cell["mode"], cell["probe"]
         where = f"{cell['capability']} {mode} batch {cell['batch']}"
