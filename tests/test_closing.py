@@ -190,3 +190,32 @@ def test_a_string_that_needs_a_run_completes(lm: LoadedModel, junk: str, count: 
     completion = Closer(lm.tokenizer).completion(matcher, text, 40)
     assert completion is not None, (text, schema)
     jsonschema.validate(json.loads(lm.tokenizer.decode(prefix + completion)), schema)
+
+
+def test_a_loop_no_completion_closes_ends_cut_at_the_loop(lm: LoadedModel,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Where the closer finds no completion from anywhere (no plan either), a looping
+    line still ends at the loop, not at max_tokens: its output cut where the loop's text
+    begins, `finish_reason: "length"`, `close_reason: "loop_unclosable"`, not valid."""
+    lines = [dataclasses.replace(j, logprobs=0) for j in jobs(120)]
+    plain = run(lm, lines, close_at_limit=False, loop_guard=False)
+    monkeypatch.setattr(Closer, "completion", lambda self, m, text, limit: None)
+    cut = run(lm, lines)
+    assert any(r["stats"].get("close_reason") == "loop_unclosable" for r in cut.values())
+    for j in lines:
+        before, after = plain[j.index], cut[j.index]
+        ids = [e["id"] for e in after["logprobs"]]
+        assert ids == [e["id"] for e in before["logprobs"]][: len(ids)]  # a prefix of it
+        if after["stats"].get("close_reason") != "loop_unclosable":
+            assert after["text"] == before["text"]
+            continue
+        assert after["stats"]["closed_early"] is True
+        assert after["finish_reason"] == "length" and after["valid"] is False
+        assert after["stats"]["output_tokens"] == len(ids) < j.max_tokens
+        assert find_loop(after["text"]) is None
+        # The guard fired at the first token where the text loops; the cut is before it.
+        fired = next(n for n in range(1, len(before["logprobs"]) + 1)
+                     if find_loop(lm.tokenizer.decode([e["id"] for e in
+                                                       before["logprobs"][:n]])))
+        assert len(ids) < fired

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aici_cli.control.base import Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.early_close import Closing
@@ -96,10 +97,12 @@ def compiler(lm: LoadedModel) -> GrammarCompiler:
 
 
 def feed(lm: LoadedModel, compiler: GrammarCompiler, text: str,
-         max_tokens: int = 10_000) -> tuple[GrammarController, list[int]]:
+         max_tokens: int = 10_000, closer: Closer | None = None,
+         seen: list[Directive] | None = None) -> tuple[GrammarController, list[int]]:
     """A JSON-schema controller with closing on, fed `text`'s tokens one at a time as a
-    model would sample them (until it stops); returns it and the output."""
-    closer = Closer(lm.tokenizer, compiler.tokenizer.decode_bytes)
+    model would sample them (until it stops); returns it and the output. `closer`: in
+    place of the run's; `seen` collects every directive the controller answered."""
+    closer = closer or Closer(lm.tokenizer, compiler.tokenizer.decode_bytes)
     grammar = compiler.compile(Constraint("json_schema", SCHEMA))
     controller = GrammarController(grammar, closing=Closing(closer, max_tokens))
     # The text's own tokens, by the byte offset each starts at: the model writes the next
@@ -113,6 +116,8 @@ def feed(lm: LoadedModel, compiler: GrammarCompiler, text: str,
     output: list[int] = []
     directive = controller.start([])
     output += directive.ff_tokens
+    seen = seen if seen is not None else []
+    seen.append(directive)
     while not directive.stop:
         written = compiler.tokenizer.decode_bytes(output)
         token = starts.get(len(written))
@@ -122,6 +127,7 @@ def feed(lm: LoadedModel, compiler: GrammarCompiler, text: str,
             break  # the grammar would not let the model write this token
         output.append(token)
         directive = controller.advance([token])
+        seen.append(directive)
         if directive.backtrack:
             del output[len(output) - directive.backtrack :]
         output += directive.ff_tokens
@@ -170,3 +176,104 @@ def test_a_value_that_does_not_loop_is_never_closed(lm: LoadedModel,
     controller, output = feed(lm, compiler, text)
     assert controller.stats() == {}
     assert json.loads(lm.tokenizer.decode(output)) == value
+
+
+# ------------------------------------------------------------------ loops nothing closes
+
+
+class NoCompletion(Closer):
+    """A closer that finds no completion from anywhere (as on some real schemas)."""
+
+    def completion(self, matcher: Any, text: str, limit: int) -> list[int] | None:
+        return None
+
+
+class NoCompletionInALoop(Closer):
+    """A closer that finds completions until the output loops, and none after."""
+
+    def completion(self, matcher: Any, text: str, limit: int) -> list[int] | None:
+        return None if find_loop(text) else super().completion(matcher, text, limit)
+
+
+# Text before a loop, the loop's unit, and how often it is written.
+CUTS = [
+    ('{"name": "a", "code": "', "1234567890", 12),
+    ('{"name": "white', ", dark", 20),
+    ('{"name": "x", "tags": ["light"', ', "dark"', 30),
+    ('{"name": "', "\u205f", 60),
+    ('{"name": "x", "scores": [', "1, ", 40),
+    ('{"name": "v', ", 1.0.0.0.0.12345678.0.0", 8),
+]
+
+
+def ended_at_the_loop(lm: LoadedModel, compiler: GrammarCompiler, before: str, looping: str,
+                      max_tokens: int = 10_000) -> str:
+    """Feed `before + looping` with a closer that never completes: the line must end as
+    cut at the loop's start (a "length" stop, close_reason loop_unclosable). Returns the
+    output's text."""
+    seen: list[Directive] = []
+    controller, output = feed(lm, compiler, before + looping, max_tokens,
+                              NoCompletion(lm.tokenizer, compiler.tokenizer.decode_bytes),
+                              seen)
+    assert controller.stats() == {"closed_early": True, "close_reason": "loop_unclosable"}
+    last = seen[-1]
+    assert last.stop and last.finish == "length" and not last.ff_tokens
+    assert all(d.finish == "stop" for d in seen[:-1])
+    assert len(output) < max_tokens
+    return str(lm.tokenizer.decode(output))
+
+
+@pytest.mark.parametrize(("before", "unit", "times"), CUTS)
+def test_a_loop_nothing_closes_is_cut_where_it_begins(lm: LoadedModel,
+                                                      compiler: GrammarCompiler,
+                                                      before: str, unit: str,
+                                                      times: int) -> None:
+    written = ended_at_the_loop(lm, compiler, before, unit * times)
+    assert before.startswith(written)  # the text before the loop, unchanged
+    assert find_loop(written) is None  # and the loop gone
+    # Cut at the token where the loop begins: at most that token's start is lost.
+    assert len(written) >= len(before) - 8, (written, before)
+
+
+@pytest.mark.parametrize(("before", "unit", "times"), CUTS)
+def test_a_loop_is_closed_from_the_plan_when_not_from_where_it_is(
+        lm: LoadedModel, compiler: GrammarCompiler, before: str, unit: str,
+        times: int) -> None:
+    text = before + unit * times
+    closer = NoCompletionInALoop(lm.tokenizer, compiler.tokenizer.decode_bytes)
+    seen: list[Directive] = []
+    controller, output = feed(lm, compiler, text, closer=closer, seen=seen)
+    assert controller.stats() == {"closed_early": True, "close_reason": "loop"}
+    assert seen[-1].stop and seen[-1].finish == "stop"
+    written = lm.tokenizer.decode(output)
+    jsonschema.validate(json.loads(written), SCHEMA)
+    assert find_loop(written) is None
+    assert len(written) < len(text)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet="abcdefgh XYZ.-", max_size=30), UNITS.filter(lambda u: "\"" not in
+                                                                    u and "\\" not in u),
+       st.booleans())
+def test_with_no_completion_loops_end_early_and_the_rest_run_unchanged(
+        lm: LoadedModel, compiler: GrammarCompiler, name: str, unit: str,
+        loops: bool) -> None:
+    """Whatever a string holds before it loops, a closer that never completes still
+    ends a loop before the limit, the text before it unchanged; a value that does not
+    loop runs as written (nothing to close it with)."""
+    before = '{"name": "' + name
+    if not loops:
+        if loops_by_definition(before):
+            return
+        controller, output = feed(lm, compiler, before, closer=NoCompletion(
+            lm.tokenizer, compiler.tokenizer.decode_bytes))
+        assert controller.stats() == {}
+        assert lm.tokenizer.decode(output) == before
+        return
+    if loops_by_definition(before):
+        return  # hypothesis wrote a loop already in the name
+    times = -(-min_span(len(unit)) // len(unit)) + 2
+    written = ended_at_the_loop(lm, compiler, before, unit * times, max_tokens=4_000)
+    assert (before + unit * times).startswith(written)
+    assert find_loop(written) is None

@@ -31,6 +31,9 @@ class Directive:
     ff_tokens: tuple[int, ...] = ()  # fast-forward: append these next, without sampling
     backtrack: int = 0  # first remove this many output tokens
     stop: bool = False  # the sequence is complete
+    # The finish_reason of that stop: "stop", or "length" (the controller ended the
+    # sequence without finishing its value, as `max_tokens` would: a loop it cut).
+    finish: str = "stop"
     # Split the sequence into this many branches after the tokens above (0: no fork). The
     # engine then asks `fork` for the other branches' controllers and `enter_branch`
     # of each, this one included (it continues as branch 0).

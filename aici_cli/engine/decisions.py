@@ -45,7 +45,7 @@ class Decisions:
             if directive is None:
                 gen.finish = Finish("stop")
             else:
-                changed = gen.apply(directive)
+                changed = _apply(gen, directive)
                 if directive.fork and gen.finish is None:
                     gen.fork_wanted, changed = directive.fork, True
         except Exception as e:
@@ -58,7 +58,7 @@ class Decisions:
         """A directive the controller answered in place of a mask (decided, and timed, in
         the mask worker): applied as `consult` would."""
         try:
-            gen.apply(directive)
+            _apply(gen, directive)
             if directive.fork and gen.finish is None:
                 gen.fork_wanted = directive.fork
         except Exception as e:
@@ -139,3 +139,13 @@ class Decisions:
                     assert left.controller is not None
                     left.controller.close()
                 return
+
+
+def _apply(gen: Generation, directive: Directive) -> bool:
+    """`gen.apply(directive)`; a stop the controller ends as "length" (a loop it cut, not
+    a finished value) finishes with that reason. Returns whether the output changed."""
+    changed = gen.apply(directive)
+    if directive.stop and directive.finish != "stop" and gen.finish is not None \
+            and gen.finish.reason == "stop":
+        gen.finish = Finish(directive.finish)
+    return changed

@@ -12,7 +12,7 @@ import torch
 from aici_cli.control import tool_calls
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.grammar.compiler import CompiledGrammar
-from aici_cli.control.grammar.early_close import Closing, EarlyClose
+from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose
 from aici_cli.control.grammar.limits import is_limit_error, tidy_error
 from aici_cli.vocabulary.errors import ControllerError
 
@@ -51,11 +51,12 @@ class GrammarController(ControllerBase):
         close = early.decide(m)
         if close is None:
             return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
+        finish = "length" if close.reason == UNCLOSABLE else "stop"  # a cut, not a close
         if close.backtrack > len(ff_tokens):  # back into what the engine already holds
             return Directive(backtrack=close.backtrack - len(ff_tokens),
-                             ff_tokens=tuple(close.tokens), stop=True)
+                             ff_tokens=tuple(close.tokens), stop=True, finish=finish)
         kept = ff_tokens[: len(ff_tokens) - close.backtrack]
-        return Directive(ff_tokens=tuple(kept + close.tokens), stop=True)
+        return Directive(ff_tokens=tuple(kept + close.tokens), stop=True, finish=finish)
 
     def matcher_fault(self) -> ControllerError:
         """The error of a matcher in its error state, typed by cause.
@@ -85,7 +86,8 @@ class GrammarController(ControllerBase):
         return self._next()
 
     def stats(self) -> dict[str, float | bool | str]:
-        """`closed_early` and `close_reason` ("limit" or "loop") when it was."""
+        """`closed_early` and `close_reason` ("limit", "loop", or "loop_unclosable": a
+        loop the guard cut, its output not a whole value) when it was."""
         if self._early is None or self._early.reason is None:
             return {}
         return {"closed_early": True, "close_reason": self._early.reason}

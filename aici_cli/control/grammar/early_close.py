@@ -13,20 +13,27 @@ Two promises, for every JSON-schema, grammar and tool-call line (on by default):
   of the tokens since, never a cut-off output. Only a value whose very first completion
   does not fit `max_tokens` can still end cut off.
 - **Loops end** (`loops.find_loop` on the output's text): the value is closed at once.
+  When no completion from the current position is found, the sequence goes back to its
+  plan, if it holds one, and takes the plan's completion (reason "loop"); with no plan
+  either, the output is cut where the loop's text begins and the sequence stops
+  (reason "loop_unclosable", finish_reason "length": not a valid value, but no run on
+  to `max_tokens`).
 
 Cost: a completion walk (a matcher copy and a few token checks per completion token) every
-`REPLAN_EVERY` tokens, and at each token near the limit; the loop check is microseconds.
+`REPLAN_EVERY` tokens, and at each token near the limit; the loop check is microseconds
+(a loop ends the sequence, so it costs one walk, once).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
 
 from aici_cli.control.grammar.closing import Closer
-from aici_cli.control.grammar.loops import WINDOW, find_loop
+from aici_cli.control.grammar.loops import WINDOW, Loop, find_loop
 
 # A fresh plan is made at least this often (tokens), so a backtrack to it loses little.
 REPLAN_EVERY = 8
@@ -38,6 +45,9 @@ MARGIN = 4
 # The longest completion looked for (tokens): bounds a walk's cost where the closer finds
 # no way to the end (it then tries every token up to here).
 WALK_LIMIT = 256
+# The close reason of a loop neither the current position nor a plan could close: the
+# output is cut where the loop begins, and the sequence ends as at the limit ("length").
+UNCLOSABLE = "loop_unclosable"
 
 
 @dataclass(frozen=True)
@@ -54,7 +64,8 @@ class Closing:
 @dataclass(frozen=True)
 class Close:
     """A decision to finish now: drop the last `backtrack` tokens, then append `tokens`
-    (already consumed by the matcher) and stop. `reason`: "limit" or "loop"."""
+    (already consumed by the matcher) and stop. `reason`: "limit", "loop" or
+    `UNCLOSABLE` (then `tokens` is empty: the output is cut, not closed)."""
 
     backtrack: int
     tokens: list[int]
@@ -94,10 +105,10 @@ class EarlyClose:
             return None
         pos = len(self.tokens)
         left = c.max_tokens - pos
-        if c.loop_guard and find_loop(self.text(tail=4 * WINDOW)) is not None:
-            done = self._complete(m, left)
-            if done is not None:
-                return self._close(m, 0, done, "loop")
+        tail = self.text(tail=4 * WINDOW) if c.loop_guard else ""
+        loop = find_loop(tail) if c.loop_guard else None
+        if loop is not None:
+            return self._end_loop(m, left, tail, loop)
         if not c.at_limit:
             return None
         plan = self._plan
@@ -116,6 +127,33 @@ class EarlyClose:
         if plan is not None and near:  # no way on from here fits: back to the plan
             return self._close(m, pos - plan[0], plan[1], "limit")
         return None
+
+    def _end_loop(self, m: llguidance.LLMatcher, left: int, tail: str,
+                  loop: Loop) -> Close | None:
+        """`tail` (the output's last bytes, decoded) ends in `loop`: close the value from
+        here, or from the plan (a backtrack), or else cut the output where the loop
+        begins."""
+        done = self._complete(m, left)
+        if done is not None:
+            return self._close(m, 0, done, "loop")
+        plan = self._plan
+        if plan is not None:  # a valid value is better than a cut one
+            return self._close(m, len(self.tokens) - plan[0], plan[1], "loop")
+        keep = bisect_right(self._ends, self._loop_start(tail, loop))
+        return self._close(m, len(self.tokens) - keep, [], UNCLOSABLE)
+
+    def _loop_start(self, tail: str, loop: Loop) -> int:
+        """The byte offset in the output where `loop`'s text begins (`tail` being the
+        last `4 * WINDOW` bytes decoded with errors="replace"): found by encoding the
+        looping suffix, checked against the bytes where a replaced byte may differ."""
+        suffix = tail[len(tail) - loop.span :]
+        raw = bytes(self._text[-4 * WINDOW :])
+        guess = len(raw) - len(suffix.encode("utf-8"))
+        for at in sorted(range(guess - 3, guess + 4), key=lambda b: abs(b - guess)):
+            if 0 <= at <= len(raw) and raw[at:].decode("utf-8", "replace") == suffix:
+                guess = at
+                break
+        return len(self._text) - len(raw) + max(0, min(guess, len(raw)))
 
     def _complete(self, m: llguidance.LLMatcher, left: int) -> list[int] | None:
         done = self.closing.closer.completion(m, self.text(), min(left, WALK_LIMIT))
