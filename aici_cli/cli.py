@@ -60,8 +60,9 @@ def run(**options: Any) -> None:
 
     Exit status: 0 when every line succeeded, 1 when some lines ended in an error (all
     results are still written; 0 with --exit-zero-on-line-errors) or the engine process
-    died and its lines ran again, 2 when the run could not start, 3 when every line ran but the --stats-out summary could not be written,
-    130 (Ctrl-C) or 143 (SIGTERM) when interrupted before every line ran.
+    died and its lines ran again, 2 when the run could not start, 3 when every line ran
+    but the --stats-out summary could not be written, 130 (Ctrl-C) or 143 (SIGTERM) when
+    interrupted before every line ran.
     """
     t0 = time.perf_counter()  # start-up in the summary counts the imports below
     _start_and_run(run_config(**options), options["json_schema"], t0)

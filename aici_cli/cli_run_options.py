@@ -169,7 +169,8 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
                       "`close_reason: limit`)."),
     click.option("--loop-guard/--no-loop-guard", default=True, show_default=True,
                  help="Finish such a line's value at once when its text loops (a unit of any "
-                      "length repeated; `close_reason: loop`)."),
+                      "length repeated; `close_reason: loop`; where nothing can close it, the "
+                      "output is cut where the loop began: `loop_unclosable`)."),
     click.option("--deterministic", is_flag=True,
                  help="Batch-invariant passes: a line's tokens are the same whatever its batch "
                       "size, neighbours, row, drafts, prefix-cache hits or --resume (costs "

@@ -122,8 +122,7 @@ class RunTally:
             "valid": self.valid,
             "schema_errors": self.schema_errors,
             **compliance(self.valid, self.schema_lines, self.schema_errors),
-            "closed_early": {"limit": self.closed.get("limit", 0),
-                             "loop": self.closed.get("loop", 0)},
+            "closed_early": self._closed_early(),
             "valid_unclosed": self.valid_unclosed,
             # Compliance counting only outputs the model finished itself (not closed early).
             "compliance_unclosed": compliance(self.valid_unclosed, self.schema_lines,
@@ -131,6 +130,14 @@ class RunTally:
             "answered": self.answered,
             "accuracy": round(self.correct / self.answered, 4) if self.answered else None,
         }
+
+    def _closed_early(self) -> dict[str, int]:
+        """Outputs finished early by close_reason; `loop_unclosable` (cut where a loop
+        began, nothing could close it) only where there was one."""
+        closed = {"limit": self.closed.get("limit", 0), "loop": self.closed.get("loop", 0)}
+        if self.closed.get("loop_unclosable"):
+            closed["loop_unclosable"] = self.closed["loop_unclosable"]
+        return closed
 
     def run_summary(self, steps: Sequence[StepTimes], wall_s: float,
                 meta: dict[str, Any]) -> dict[str, Any]:
@@ -174,6 +181,7 @@ def compliance_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
     closed = summary.get("closed_early") or {}
     unclosed = summary.get("valid_unclosed", valid)
+    cut = closed.get("loop_unclosable", 0)
     rows = [("schema outputs valid, of all schema lines", share(every)),
             ("schema outputs valid, of those that ran", share(ran))]
     if closed.get("limit") or closed.get("loop"):
@@ -181,6 +189,8 @@ def compliance_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                      f"{closed.get('limit', 0)} / {closed.get('loop', 0)}"))
         rows.append(("valid without closing, of all schema lines",
                      f"{unclosed}/{every} ({unclosed / every:.1%})"))
+    if cut:
+        rows.append(("cut where an unclosable loop began", str(cut)))
     return rows
 
 
