@@ -77,17 +77,12 @@ def _auto_mode(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
     the kernel probe passes."""
     import torch
 
-    from aici_cli.models.device import DTYPES, pick_dtype
-    from aici_cli.models.kernel_probe import ENV, choose_kernels
-    from aici_cli.models.quantize import resolve_mode
+    from aici_cli.models.doctor import auto_kernels
+    from aici_cli.models.kernel_probe import ENV
     from aici_cli.models.resolve import resolve_with_name
 
     monkeypatch.setenv(ENV, "on")
-    path = resolve_with_name(None)[0]
-    dtype = pick_dtype("auto", torch.device("cpu"))
-    choice = choose_kernels(path, "cpu", "auto", "auto", str(dtype).removeprefix("torch."),
-                            resolve_mode("auto", path, dtype),
-                            lambda dt: resolve_mode("auto", path, DTYPES[dt]))
+    choice = auto_kernels(resolve_with_name(None)[0], torch.device("cpu"))
     return choice.dtype, choice.quantize
 
 

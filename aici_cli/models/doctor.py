@@ -16,6 +16,7 @@ import torch
 
 from aici_cli.models.device import DTYPES, pick_device, pick_dtype
 from aici_cli.models.kernel_probe import (
+    KernelChoice,
     KernelMode,
     Shapes,
     choose_kernels,
@@ -40,6 +41,15 @@ def capabilities(every: bool) -> list[str]:
     return list(X86_CAPABILITIES[:X86_CAPABILITIES.index(chosen) + 1])
 
 
+def auto_kernels(path: Path, device: torch.device) -> KernelChoice:
+    """The mode `--dtype auto --quantize auto` runs the model at `path` in on `device`:
+    the first the kernel probe passes (the probe runs where no verdict is cached)."""
+    dtype = pick_dtype("auto", device)
+    return choose_kernels(path, device.type, "auto", "auto",
+                          str(dtype).removeprefix("torch."), resolve_mode("auto", path, dtype),
+                          lambda dt: resolve_mode("auto", path, DTYPES[dt]))
+
+
 def doctor_report(model: str | None, device: str = "auto",
                   every_capability: bool = False) -> dict[str, Any]:
     """The report as data: the machine, the model's shapes, each mode's verdict (in the
@@ -60,10 +70,7 @@ def doctor_report(model: str | None, device: str = "auto",
                 found = verdict(mode, shapes)
                 modes.append({**asdict(mode), "label": mode.label, **asdict(found)})
     auto_dtype = pick_dtype("auto", torch_device)
-    auto_mode = resolve_mode("auto", path, auto_dtype)
-    choice = choose_kernels(
-        path, torch_device.type, "auto", "auto", str(auto_dtype).removeprefix("torch."),
-        auto_mode, lambda dt: resolve_mode("auto", path, DTYPES[dt]))
+    choice = auto_kernels(path, torch_device)
     return {
         "machine": fingerprint(torch_device.type),
         "torch": torch.__version__,
