@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from factories import job_factory
 
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.engine.clock import StepClock
@@ -18,14 +19,7 @@ from aici_cli.vocabulary.constraint import Constraint
 from aici_cli.vocabulary.errors import ControllerError
 from aici_cli.vocabulary.job import Job, LineError
 
-
-def job(index: int, prompt: str = "Hello there", **kw: Any) -> Job:
-    fields: dict[str, Any] = dict(
-        index=index, id=f"j{index}", prompt=prompt, messages=None, max_tokens=12,
-        temperature=0.0, top_p=1.0, seed=index,
-    )
-    fields.update(kw)
-    return Job(**fields)
+job = job_factory(prompt="Hello there", max_tokens=12)
 
 
 def run(lm: LoadedModel, jobs: Sequence[Job | LineError], **config: Any) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from factories import job_factory
 from wat import Guest, component, save, u32s
 
 from aici_cli.backends.build import wasm_factory
@@ -161,14 +162,10 @@ def guests(tmp_path_factory: pytest.TempPathFactory) -> ControllerComponent:
     return ControllerComponent.load(path, GuestLimits(storage_bytes=100), cache_dir=folder)
 
 
-def job(index: int, arg: str, **kw: Any) -> Job:
-    fields: dict[str, Any] = dict(
-        index=index, id=f"{arg}{index}", prompt=f"Line {index} says hello, and then {arg}",
-        messages=None, max_tokens=16, temperature=0.0, top_p=1.0, seed=index,
-        extra={"controller_arg": arg},
-    )
-    fields.update(kw)
-    return Job(**fields)
+# job(index, arg): a line whose controller argument (one behaviour of GUESTS) is `arg`.
+job = job_factory(lambda index, arg: dict(
+    id=f"{arg}{index}", prompt=f"Line {index} says hello, and then {arg}",
+    extra={"controller_arg": arg}))
 
 
 def run(lm: LoadedModel, comp: ControllerComponent, jobs: list[Job],

@@ -4,25 +4,19 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 from engine_runs import output_ids, run
+from factories import job_factory
 
 from aici_cli.models import LoadedModel
 from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.job import Job
 
 TOL = 1e-4
 
 
-def job(index: int, prompt: str, **kw: Any) -> Job:
-    fields: dict[str, Any] = dict(
-        index=index, id=f"j{index}", prompt=prompt, messages=None, max_tokens=24,
-        temperature=0.0, top_p=1.0, seed=index, logprobs=3)
-    fields.update(kw)
-    return Job(**fields)
+job = job_factory(max_tokens=24, logprobs=3)
 
 
 def reference(lm: LoadedModel, prompt: str, output: list[int]) -> torch.Tensor:

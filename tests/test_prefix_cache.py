@@ -14,6 +14,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
+from factories import job_factory
 
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.engine.cache import RowCache
@@ -30,13 +31,7 @@ PREFIX = ("Answer each question with one word.\n"
           "Q: What colour is snow? A: white\n")
 
 
-def job(index: int, prompt: str | None = None, **kw: Any) -> Job:
-    fields: dict[str, Any] = dict(
-        index=index, id=f"j{index}", prompt=prompt, messages=None, max_tokens=6,
-        temperature=0.0, top_p=1.0, seed=index,
-    )
-    fields.update(kw)
-    return Job(**fields)
+job = job_factory(max_tokens=6)
 
 
 class Probe:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from engine_runs import output_ids, run
+from factories import job_factory
 
 from aici_cli.cli import main
 from aici_cli.engine import model_runner
@@ -29,13 +30,8 @@ from aici_cli.vocabulary.job import Job
 NEG_INF = float("-inf")
 
 
-def job(index: int, prompt: str = "the quick brown fox the quick brown fox the quick",
-        **kw: Any) -> Job:
-    fields: dict[str, Any] = dict(index=index, id=f"j{index}", prompt=prompt, messages=None,
-                                  max_tokens=24, temperature=0.0, top_p=1.0, seed=index,
-                                  logprobs=0)
-    fields.update(kw)
-    return Job(**fields)
+job = job_factory(prompt="the quick brown fox the quick brown fox the quick",
+                  max_tokens=24, logprobs=0)
 
 
 def single_token(lm: LoadedModel, text: str) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import jsonschema
 import pytest
 from click.testing import CliRunner
+from factories import job_factory
 
 from aici_cli.cli import main
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
@@ -176,13 +177,10 @@ def test_valid_is_against_the_original_schema(compiler: GrammarCompiler) -> None
 # ----------------------------------------------------------------------- retries
 
 
-def job(index: int, schema: Any, **kw: Any) -> Job:
-    fields: dict[str, Any] = dict(
-        index=index, id=f"j{index}", prompt=f"Answer number {index}:", messages=None,
-        max_tokens=16, temperature=0.0, top_p=1.0, seed=index,
-        constraint=Constraint("json_schema", schema), schema_fallback="relax")
-    fields.update(kw)
-    return Job(**fields)
+# job(index, schema): a line constrained by `schema`, relaxed where llguidance refuses it.
+job = job_factory(lambda index, schema: dict(
+    prompt=f"Answer number {index}:", constraint=Constraint("json_schema", schema)),
+    schema_fallback="relax")
 
 
 def test_next_attempt_samples_with_the_next_seed() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from factories import job_factory
 
 from aici_cli.cli import main
 from aici_cli.engine.loop import Engine
@@ -26,13 +27,9 @@ PREFIX = ("Answer each question with one word.\n"
 COLOURS = [" black", " white", " red", " green"]
 
 
-def job(index: int, prompt: str, options: list[str], **kw: Any) -> Job:
-    fields: dict[str, Any] = dict(
-        index=index, id=f"j{index}", prompt=prompt, messages=None, max_tokens=4,
-        temperature=0.0, top_p=1.0, seed=0, constraint=Constraint("choice", options),
-        score=True)
-    fields.update(kw)
-    return Job(**fields)
+# job(index, prompt, options): a line that scores `options`.
+job = job_factory(lambda index, prompt, options: dict(
+    prompt=prompt, constraint=Constraint("choice", options)), max_tokens=4, seed=0, score=True)
 
 
 def direct_logprob(lm: LoadedModel, prompt: str, option: str) -> tuple[float, int]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from factories import job_factory
 
 from aici_cli.engine.clock import StepClock
 from aici_cli.engine.loop import Engine
@@ -16,15 +17,9 @@ from aici_cli.engine.plan import StepPlan
 from aici_cli.models.load import LoadedModel
 from aici_cli.vocabulary.config import EngineConfig
 from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.job import Job
 
-
-def job(index: int, **kw: Any) -> Job:
-    fields: dict[str, Any] = dict(index=index, id=str(index), prompt=f"Line {index} says",
-                                  messages=None, max_tokens=6, temperature=0.0, top_p=1.0,
-                                  seed=index)
-    fields.update(kw)
-    return Job(**fields)
+job = job_factory(lambda index: dict(id=str(index), prompt=f"Line {index} says"),
+                  max_tokens=6)
 
 
 def scheduling_state(engine: Engine) -> tuple[Any, ...]:
