@@ -31,6 +31,7 @@ from aici_cli.models.progress import current_progress
 from aici_cli.models.quantize import resolve_mode
 from aici_cli.models.quiet import quiet_transformers
 from aici_cli.models.resolve import resolve_with_name
+from aici_cli.models.transformers_build import attention_implementation, fill_buffers
 from aici_cli.vocabulary.errors import ModelError
 
 
@@ -161,21 +162,28 @@ def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
             raise ModelError(
                 f"cannot load model from {path}: {problem}{cache_hint(path)}") from exc
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         with quiet_transformers():
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
             loaded: Any = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation="sdpa", local_files_only=True,
+                path, config=config, dtype=dtype, local_files_only=True,
+                attn_implementation=attention_implementation(config),
                 output_loading_info=True,
             )
         model, info = loaded  # (model, loading info) with output_loading_info
     except Exception as exc:  # corrupt/missing files surface as many exception types
         problem = model_files_problem(path) or _load_problem(exc)
         raise ModelError(f"cannot load model from {path}: {problem}{cache_hint(path)}") from exc
-    missing = sorted(info.get("missing_keys") or ())
+    missing = set(info.get("missing_keys") or ())
+    # A buffer the files lack holds a value computed from the config (transformers
+    # computes it too): not missing where the model's init fills it.
+    buffers = sorted(missing & {name for name, _ in model.named_buffers()})
+    missing = (missing - set(buffers)) | set(fill_buffers(model, buffers, torch.device("cpu")))
     if missing:
-        raise ModelError(f"cannot load model from {path}: {missing_tensors_problem(missing)}")
+        problem = missing_tensors_problem(sorted(missing))
+        raise ModelError(f"cannot load model from {path}: {problem}")
     return model
 
 

@@ -25,6 +25,7 @@ import torch
 from aici_cli.models.files import missing_tensors_problem
 from aici_cli.models.llama import LlamaShape, RotaryEmbedding, build_on_meta
 from aici_cli.models.quantize import module_name, quantize_model, set_module
+from aici_cli.models.transformers_build import attention_implementation, fill_buffers, meta_buffers
 from aici_cli.vocabulary.errors import ModelError
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
@@ -90,16 +91,25 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
             module.bias = torch.nn.Parameter(dense_weight(f"{name}.bias"), requires_grad=False)
     narrow = _narrow_embedding(model, dense, dtype, device) if mode != "none" else None
     _assign_rest(model, dense, dtype, device, keep=narrow)
+    # Buffers the file lacks are computed as transformers computes them (before the
+    # linears are quantised: its init must see the modules it knows).
+    unfilled = [] if own else fill_buffers(model, meta_buffers(model), device)
+    # Before quantising: a weight the file lacks would fail there with torch's words.
+    _refuse_missing(path, [n for n, t in model.named_parameters() if t.is_meta] + unfilled)
     quantize_model(model, mode, path, dtype, device)
     if narrow is not None:
         _widen_on_lookup(model, narrow, dtype)
-    _rebuild_meta_buffers(model, device)
-    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
-                  if t.is_meta]
-    if still_meta:
-        raise ModelError(f"cannot load model from {path}: {missing_tensors_problem(still_meta)}")
+    if own:
+        _rebuild_rotary(model, device)
+    _refuse_missing(path, [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                           if t.is_meta])
     model.generation_config = _generation_config(model, path, own)
     return model
+
+
+def _refuse_missing(path: Path, names: list[str]) -> None:
+    if names:
+        raise ModelError(f"cannot load model from {path}: {missing_tensors_problem(names)}")
 
 
 def _build_on_meta(path: Path, dtype: torch.dtype, own: bool) -> Any:
@@ -113,7 +123,8 @@ def _build_on_meta(path: Path, dtype: torch.dtype, own: bool) -> Any:
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attention_implementation(config))
 
 
 def _generation_config(model: Any, path: Path, own: bool) -> Any:
@@ -194,19 +205,11 @@ def _to(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch
     return tensor.to(device)
 
 
-def _rebuild_meta_buffers(model: Any, device: torch.device) -> None:
-    """Non-persistent buffers (rotary inverse frequencies) are computed at construction,
-    not stored: construct those modules again, for real."""
+def _rebuild_rotary(model: Any, device: torch.device) -> None:
+    """A `models/llama.py` model's rotary inverse frequencies are computed at construction,
+    not stored: construct that module again, for real."""
     for name, module in list(model.named_modules()):
-        if not any(b.is_meta for b in module.buffers(recurse=False)):
-            continue
-        if "RotaryEmbedding" not in type(module).__name__:
-            continue  # left on meta: reported as missing
-        config = getattr(module, "config", None) or model.config.get_text_config()
-        if isinstance(module, RotaryEmbedding):
-            fresh: torch.nn.Module = RotaryEmbedding(config, device)
-        else:
-            with torch.device(device):
-                fresh = type(module)(config=config)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, fresh)
+        if isinstance(module, RotaryEmbedding) and any(b.is_meta for b in module.buffers()):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child,
+                    RotaryEmbedding(model.config, device))
