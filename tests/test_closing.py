@@ -200,7 +200,7 @@ def test_a_loop_no_completion_closes_ends_cut_at_the_loop(lm: LoadedModel,
     begins, `finish_reason: "length"`, `close_reason: "loop_unclosable"`, not valid."""
     lines = [dataclasses.replace(j, logprobs=0) for j in jobs(120)]
     plain = run(lm, lines, close_at_limit=False, loop_guard=False)
-    monkeypatch.setattr(Closer, "completion", lambda self, m, text, limit: None)
+    monkeypatch.setattr(Closer, "completion", lambda self, m, text, limit, hints=None: None)
     cut = run(lm, lines)
     assert any(r["stats"].get("close_reason") == "loop_unclosable" for r in cut.values())
     for j in lines:

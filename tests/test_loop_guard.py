@@ -24,6 +24,7 @@ from aici_cli.control.base import Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.early_close import Closing
+from aici_cli.control.grammar.hints import NO_HINTS, Hints
 from aici_cli.control.grammar.loops import MAX_PERIOD, find_loop, min_span
 from aici_cli.models import LoadedModel
 from aici_cli.vocabulary.constraint import Constraint
@@ -184,15 +185,17 @@ def test_a_value_that_does_not_loop_is_never_closed(lm: LoadedModel,
 class NoCompletion(Closer):
     """A closer that finds no completion from anywhere (as on some real schemas)."""
 
-    def completion(self, matcher: Any, text: str, limit: int) -> list[int] | None:
+    def completion(self, matcher: Any, text: str, limit: int,
+                   hints: Hints = NO_HINTS) -> list[int] | None:
         return None
 
 
 class NoCompletionInALoop(Closer):
     """A closer that finds completions until the output loops, and none after."""
 
-    def completion(self, matcher: Any, text: str, limit: int) -> list[int] | None:
-        return None if find_loop(text) else super().completion(matcher, text, limit)
+    def completion(self, matcher: Any, text: str, limit: int,
+                   hints: Hints = NO_HINTS) -> list[int] | None:
+        return None if find_loop(text) else super().completion(matcher, text, limit, hints)
 
 
 # Text before a loop, the loop's unit, and how often it is written.

@@ -14,6 +14,7 @@ import llguidance
 import referencing
 
 from aici_cli.control import tool_calls
+from aici_cli.control.grammar.hints import NO_HINTS, Hints, hints_for
 from aici_cli.control.grammar.limits import (
     GRAMMAR_LIMITS,
     RELAX_SECONDS,
@@ -46,6 +47,7 @@ class CompiledGrammar:
     # With tool calls: the validator of each tool's `parameters`, by tool name.
     tools: dict[str, Any] = field(default_factory=dict)
     relaxed: list[str] = field(default_factory=list)  # what `relax` changed (relax.py)
+    hints: Hints = NO_HINTS  # what the closer tries where its tokens cannot close (hints.py)
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int,
@@ -137,7 +139,8 @@ class GrammarCompiler:
         prepared = self._prepare_json(constraint.value, constraint.whitespace,
                                       constraint.permissive, relax=relax)
         return CompiledGrammar(constraint, prepared.matcher, prepared.warnings,
-                               prepared.validator, relaxed=prepared.relaxed)
+                               prepared.validator, relaxed=prepared.relaxed,
+                               hints=hints_for(prepared.schema))
 
     def _prepare_json(self, original: Any, whitespace: str | None, permissive: bool | None,
                       where: str = "", relax: bool = False) -> _PreparedJson:
@@ -275,6 +278,7 @@ class GrammarCompiler:
                                          "tool call grammar", "unsupported_schema")
         compiled.warnings = warnings
         compiled.tools = validators
+        compiled.hints = hints_for({"anyOf": [schema for _, schema in arguments]})
         return compiled
 
 

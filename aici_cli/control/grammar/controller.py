@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -27,7 +27,10 @@ class GrammarController(ControllerBase):
         self.fast_forward = fast_forward
         # Every token the matcher consumed and the closing plan (early_close.py): kept only
         # when the line may be closed early, not on every constrained row's step.
-        self._early = EarlyClose(closing) if closing is not None else None
+        accepts = _accepts(grammar.validator) if (
+            grammar.constraint.kind == "json_schema" and grammar.validator is not None) else None
+        self._early = (EarlyClose(closing, grammar.hints, accepts) if closing is not None
+                       else None)
 
     @property
     def closed_early(self) -> bool:
@@ -161,6 +164,19 @@ class GrammarController(ControllerBase):
             warnings.append(f"a tool call cut off at max_tokens was dropped; the "
                             f"{len(calls)} whole call(s) before it are kept")
         return fields
+
+
+def _accepts(validator: Any) -> Callable[[str], bool]:
+    """Whether an output text is a value `validator` accepts: what a close checks its
+    completion with (early_close.py)."""
+
+    def accepts(text: str) -> bool:
+        try:
+            return bool(validator.is_valid(json.loads(text)))
+        except Exception:  # noqa: BLE001 - not JSON, or not checkable: not known valid
+            return False
+
+    return accepts
 
 
 def _is_valid(validator: Any, value: Any, warnings: list[str]) -> bool:

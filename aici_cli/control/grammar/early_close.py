@@ -27,12 +27,13 @@ Cost: a completion walk (a matcher copy and a few token checks per completion to
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import llguidance
 
 from aici_cli.control.grammar.closing import Closer
+from aici_cli.control.grammar.hints import NO_HINTS, Hints
 from aici_cli.control.grammar.loops import WINDOW, Loop, find_loop
 
 # A fresh plan is made at least this often (tokens), so a backtrack to it loses little.
@@ -45,6 +46,9 @@ MARGIN = 4
 # The longest completion looked for (tokens): bounds a walk's cost where the closer finds
 # no way to the end (it then tries every token up to here).
 WALK_LIMIT = 256
+# Other completions tried where the schema rejects the first (a walk and a validation
+# each, once a line).
+VARIANTS = 8
 # The close reason of a loop neither the current position nor a plan could close: the
 # output is cut where the loop begins, and the sequence ends as at the limit ("length").
 UNCLOSABLE = "loop_unclosable"
@@ -77,8 +81,14 @@ class EarlyClose:
     matcher consumes (`consumed`), in order, and decides after each batch of them
     (`decide`)."""
 
-    def __init__(self, closing: Closing) -> None:
+    def __init__(self, closing: Closing, hints: Hints = NO_HINTS,
+                 accepts: Callable[[str], bool] | None = None) -> None:
+        """`hints`: the schema's, for the completion walk (hints.py). `accepts`: whether a
+        whole output is a valid value (the schema's validator), where the grammar does not
+        say it all: a close takes the first completion it accepts, if any does."""
         self.closing = closing
+        self.hints = hints
+        self.accepts = accepts
         self.token_bytes = closing.closer.decode_bytes
         self.tokens: list[int] = []
         self._text = bytearray()  # the output's bytes
@@ -156,8 +166,24 @@ class EarlyClose:
         return len(self._text) - len(raw) + max(0, min(guess, len(raw)))
 
     def _complete(self, m: llguidance.LLMatcher, left: int) -> list[int] | None:
-        done = self.closing.closer.completion(m, self.text(), min(left, WALK_LIMIT))
+        done = self.closing.closer.completion(m, self.text(), min(left, WALK_LIMIT),
+                                              self.hints)
         return done if done else None
+
+    def _accepted(self, m: llguidance.LLMatcher, tokens: list[int]) -> list[int]:
+        """`tokens`, or where the schema rejects the value they close, the first other
+        completion from here (`Closer.variants`, within the budget) that it accepts; the
+        schema's own verdict stays on the line (`valid`) where none does. Costs a
+        validation per completion tried, once a line."""
+        text = self.text()
+        decode = self.token_bytes
+        if self.accepts is None or self.accepts(text + decode(tokens).decode("utf-8", "replace")):
+            return tokens
+        left = min(self.closing.max_tokens - len(self.tokens), WALK_LIMIT)
+        for other in self.closing.closer.variants(m, text, left, self.hints, VARIANTS):
+            if self.accepts(text + decode(other).decode("utf-8", "replace")):
+                return other
+        return tokens
 
     def _close(self, m: llguidance.LLMatcher, backtrack: int, tokens: list[int],
                reason: str) -> Close | None:
@@ -166,6 +192,8 @@ class EarlyClose:
             del self.tokens[len(self.tokens) - backtrack :]
             del self._ends[len(self._ends) - backtrack :]
             del self._text[self._ends[-1] if self._ends else 0 :]
+        if tokens and self.accepts is not None:
+            tokens = self._accepted(m, tokens)
         if not m.consume_tokens(tokens):
             return None
         self.consumed(tokens)
