@@ -55,9 +55,9 @@ def _qwen2(ids: dict[str, int]) -> Any:
 def _qwen3(ids: dict[str, int]) -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    # QK-norm, and a head_dim other than hidden / heads.
-    return Qwen3ForCausalLM(Qwen3Config(**_COMMON, **ids, head_dim=32,
-                                        tie_word_embeddings=True))
+    # QK-norm, and its config's head_dim (128, as every Qwen 3 has: transformers' GGUF
+    # reader assumes it), other than hidden / heads.
+    return Qwen3ForCausalLM(Qwen3Config(**_COMMON, **ids, tie_word_embeddings=True))
 
 
 def _gemma2(ids: dict[str, int]) -> Any:
@@ -103,7 +103,11 @@ def build_arch_model(arch: str, tokenizer_dir: Path, directory: Path) -> Path:
     """`arch`'s tiny model with the tokenizer of `tokenizer_dir`, saved to `directory`.
     The global torch RNG is left untouched."""
     tok = json.loads((tokenizer_dir / "config.json").read_text())
-    ids = {"vocab_size": tok["vocab_size"], "bos_token_id": tok["bos_token_id"],
+    # The embedding padded past the tokenizer (as most models pad theirs, to a multiple of
+    # 64): a GGUF's tokenizer rebuilt by transformers may add a token of its class's own
+    # (Qwen 2's <|endoftext|>), which must still fall inside the model's vocabulary.
+    vocab = -(-(tok["vocab_size"] + 1) // 64) * 64
+    ids = {"vocab_size": vocab, "bos_token_id": tok["bos_token_id"],
            "eos_token_id": tok["eos_token_id"], "pad_token_id": tok["eos_token_id"]}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

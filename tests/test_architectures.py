@@ -6,8 +6,12 @@ directory loaded by transformers with eager attention (its reference implementat
 - next-token logits of the engine's packed passes (prompts, then ragged chunks past the
   sliding window) within `LOGITS_TOL`;
 - `aici-batch run`: greedy text for 32 tokens equal to transformers' greedy decoding
-  (one whole forward per token), `score` log-likelihoods within `SCORE_TOL` of a direct
-  computation, and a JSON-schema line whose output validates.
+  (one whole forward per token), each token's log-probability and the `score`
+  log-likelihoods within `SCORE_TOL` of a direct computation, and a JSON-schema line
+  whose output validates;
+- the same run on the model written as a GGUF (tests/arch_gguf.py: F16 and Q8_0, every
+  architecture transformers reads from a GGUF, so not OLMo 2) and converted as any GGUF
+  is, against transformers on what the conversion must hold.
 
 And the loader's part: what transformers computes instead of reading (buffers, tied
 weights) is not a missing tensor on either load path, a truly missing weight is.
@@ -23,9 +27,9 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+from arch_gguf import GGUF_ARCH, QUANTS, stored_weights, write_arch_gguf
 from arch_models import BUILDERS, build_arch_model
 from click.testing import CliRunner
-from reference import greedy_tokens
 from tokenizers import Tokenizer
 
 from aici_cli.cli import main
@@ -142,35 +146,92 @@ def direct_logprob(model: Any, prompt: list[int], whole: list[int]) -> float:
     return sum(float(logprobs[i - 1, whole[i]]) for i in range(len(prompt), len(whole)))
 
 
-@pytest.mark.parametrize("arch", _archs())
-def test_a_run_matches_transformers(arch: str, arch_dirs: dict[str, Path],
-                                    tmp_path: Path) -> None:
-    """Greedy text, scores and a JSON-schema line, from one `aici-batch run`."""
-    model_dir = arch_dirs[arch]
-    plain, scored, constrained = run_lines(model_dir, [
+def greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of `prompt` (one whole forward per token, no
+    cache), and each picked token's log-probability."""
+    seq, picks, logprobs = list(prompt), [], []
+    with torch.inference_mode():
+        for _ in range(n):
+            row = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, -1].float(),
+                                    dim=-1)
+            token = int(row.argmax())
+            picks.append(token)
+            logprobs.append(float(row[token]))
+            seq.append(token)
+    return picks, logprobs
+
+
+def check_run(model: Path, ref: Any, tokenizer_file: Path, tmp_path: Path) -> None:
+    """One `aici-batch run --model MODEL` of a greedy line, a scored line and a JSON-schema
+    line, against transformers' model `ref`: the same 32 tokens, each with its
+    log-probability (the run's logits, through the engine) and each choice's score
+    within `SCORE_TOL`; the schema line's output validates."""
+    plain, scored, constrained = run_lines(model, [
         {"prompt": PROMPT, "max_tokens": GREEDY_TOKENS, "temperature": 0,
          "ignore_eos": True, "logprobs": True},
         {"prompt": SCORE_PROMPT, "choices": SCORE_CHOICES, "score": True},
         {"prompt": "A JSON object:", "json_schema": SCHEMA, "max_tokens": 48,
          "temperature": 0},
     ], tmp_path)
-    ref = reference(model_dir)
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-
-    prompt = encode(model_dir, PROMPT)
-    want = greedy_tokens(ref, torch.tensor([prompt]), GREEDY_TOKENS)
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    prompt = tokenizer.encode(PROMPT).ids
+    assert plain["stats"]["prompt_tokens"] == len(prompt)
+    want, logprobs = greedy(ref, prompt, GREEDY_TOKENS)
     assert [e["id"] for e in plain["logprobs"]] == want
+    assert [e["logprob"] for e in plain["logprobs"]] == pytest.approx(logprobs, abs=SCORE_TOL)
     assert plain["text"] == tokenizer.decode(want, skip_special_tokens=False)
 
-    context = encode(model_dir, SCORE_PROMPT)
+    context = tokenizer.encode(SCORE_PROMPT).ids
     assert len(scored["scores"]) == len(SCORE_CHOICES)
     for s in scored["scores"]:
-        whole = encode(model_dir, SCORE_PROMPT + s["choice"])
+        whole = tokenizer.encode(SCORE_PROMPT + s["choice"]).ids
         assert whole[: len(context)] == context  # no merge across the boundary
         assert s["logprob"] == pytest.approx(direct_logprob(ref, context, whole), abs=SCORE_TOL)
 
     assert constrained["valid"] is True
     jsonschema.validate(json.loads(constrained["text"]), SCHEMA)
+
+
+@pytest.mark.parametrize("arch", _archs())
+def test_a_run_matches_transformers(arch: str, arch_dirs: dict[str, Path],
+                                    tmp_path: Path) -> None:
+    model_dir = arch_dirs[arch]
+    check_run(model_dir, reference(model_dir), model_dir / "tokenizer.json", tmp_path)
+
+
+def gguf_reference(gguf: Path, model_dir: Path, quant: str) -> Any:
+    """transformers' model of what a conversion of `gguf` must hold: the config
+    transformers reads from the file, the directory's weights through the file's type and
+    the conversion's bfloat16 (`arch_gguf.stored_weights`), in float32, eager."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation="eager")
+    model.load_state_dict(stored_weights(reference(model_dir), quant))
+    return model.eval()
+
+
+def _gguf_archs() -> list[Any]:
+    return [pytest.param(a, marks=PENDING_ENGINE.get(a, ())) for a in GGUF_ARCH]
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("arch", _gguf_archs())
+def test_a_gguf_run_matches_transformers(arch: str, quant: str, arch_dirs: dict[str, Path],
+                                         tmp_path_factory: pytest.TempPathFactory,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         tmp_path: Path) -> None:
+    """The same model as a GGUF (matrices in F16 or Q8_0), converted as any GGUF is: the
+    run's tokens, log-probabilities and scores are transformers' on the converted
+    weights."""
+    from aici_cli.models import resolve_model
+
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    gguf = write_arch_gguf(arch_dirs[arch], tmp_path / f"{arch}-{quant}.gguf", quant)
+    converted = resolve_model(str(gguf))
+    check_run(gguf, gguf_reference(gguf, arch_dirs[arch], quant),
+              converted / "tokenizer.json", tmp_path)
 
 
 def _mistral_with_a_window() -> Any:
@@ -193,8 +254,7 @@ def test_a_window_without_layer_types_masks_every_layer(arch: str,
     (result,) = run_lines(model_dir, [{"prompt": PROMPT, "max_tokens": GREEDY_TOKENS,
                                         "temperature": 0, "ignore_eos": True,
                                         "logprobs": True}], tmp_path)
-    want = greedy_tokens(reference(model_dir), torch.tensor([encode(model_dir, PROMPT)]),
-                         GREEDY_TOKENS)
+    want, _ = greedy(reference(model_dir), encode(model_dir, PROMPT), GREEDY_TOKENS)
     assert [e["id"] for e in result["logprobs"]] == want
 
 
