@@ -194,6 +194,8 @@ class ResumePlan:
 
     scan: OutputScan = field(default_factory=OutputScan)
     total: int = 0  # non-blank input lines
+    # With --resume-mixed: how earlier results were made otherwise (for the run's notes).
+    mixed: list[str] = field(default_factory=list)
 
     @property
     def done(self) -> dict[int, Done]:

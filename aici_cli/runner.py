@@ -16,12 +16,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any, BinaryIO
+from typing import IO, Any
 
 from aici_cli.backends.protocol import Backend
 from aici_cli.input_format import detect_format
 from aici_cli.interrupts import Interrupts, signal_name
-from aici_cli.jobs import Translate, open_input, read_jobs
+from aici_cli.jobs import open_input, read_jobs
 from aici_cli.live_input import LiveInput, may_block
 from aici_cli.made_with import MODEL_KEYS, OPTION_KEYS, run_record
 from aici_cli.models.progress import reporting_to
@@ -68,20 +68,6 @@ class RunOutcome:
         return 1 if failed and not self.line_errors_ok else 0
 
 
-def _count_lines(path: str) -> int | None:
-    if path == "-":
-        return None
-    with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
-
-
-def _check_resume(config: RunConfig) -> None:
-    if config.resume and config.output == "-":
-        raise UsageError("--resume needs -o FILE: results on stdout cannot be read back")
-    if config.resume and config.input == "-":
-        raise UsageError("--resume needs INPUT to be a file, to check it against the results")
-
-
 def run_batch(config: RunConfig, stderr: IO[str] | None = None,
               on_result: Callable[[dict[str, Any]], None] | None = None,
               handle_signals: bool = False, t0: float | None = None,
@@ -94,80 +80,109 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     run early but cleanly (see `Interrupts`); the outcome says so. `t0` (a
     `time.perf_counter()`) is when the caller started, for the summary's start-up time
     (the CLI's, so that its imports count); `loading` the start-up note it started, which
-    ends once the model is ready."""
+    ends once the model is ready.
+
+    The set-up runs in order, each step once, and nothing is written to the output
+    before the last check has passed: check the paths, open the files, plan the resume,
+    pin the controller, build the backend, drive.
+    """
     stderr = stderr or sys.stderr
     started = RunStart.since(t0)
-    _check_resume(config)
-    check_writable(run_outputs(config))  # before an hour's work, not after it
-    if config.ordered:  # the earliest unfinished line always holds a row (ordered.py)
-        config = dataclasses.replace(config, engine=dataclasses.replace(config.engine,
-                                                                         lookahead=1))
-    source = open_input(config.input)
-    # An input that may wait on its producer gets a reader thread, so that running lines
-    # keep decoding meanwhile; the backend decides whether it reads through it
-    # (`Backend.run`). Unstarted, it costs nothing.
-    live: LiveInput[Job | LineError] | None = (
-        LiveInput(config.engine.lookahead) if may_block(source) else None)
-    output: OutputFile | None = None
-    try:
-        # Opened (and locked) early, so that a second run on the same file is refused before
-        # it loads a model; nothing in it changes until the run is sure to go ahead.
-        output = OutputFile(config.output) if config.output != "-" else None
-        if output is not None and output.same_file_as(source):
-            raise UsageError(f"the output {config.output} is the input file")
-        interrupts = Interrupts() if handle_signals else None
-        with interrupts or contextlib.nullcontext():
-            return _run(config, stderr, on_result, source, output, interrupts, live, started,
-                        loading)
-    finally:
-        if output is not None:
-            output.close()
-        if live is not None:
-            live.close()
-        # A reader still blocked in a read of it (after an interrupt) keeps it open: closing
-        # would wait for that read. The process's exit closes it.
-        if source is not sys.stdin.buffer and (live is None or not live.reading):
-            source.close()
+    config = _checked(config)
+    interrupts = Interrupts() if handle_signals else None
+    with _RunFiles(config) as files, interrupts or contextlib.nullcontext():
+        plan = _resume_plan(config, files)
+        config, controller = _pinned(config, plan)
+        loading = loading or ModelLoading(stderr, config.quiet, loading_what(config.model))
+        with reporting_to(load_progress(stderr, config.quiet)), loading:
+            backend = _start_backend(config)
+        started.load_s = time.perf_counter() - started.t0  # imports, model, controller
+        try:
+            record = _model_record(config, plan, backend, controller)
+            return _drive(config, backend, files, plan, record, stderr, interrupts,
+                          on_result, started)
+        finally:
+            backend.close()
 
 
-def _run(config: RunConfig, stderr: IO[str],
-         on_result: Callable[[dict[str, Any]], None] | None, source: BinaryIO,
-         output: OutputFile | None, interrupts: Interrupts | None,
-         live: LiveInput[Job | LineError] | None = None,
-         started: RunStart | None = None, loading: ModelLoading | None = None) -> RunOutcome:
-    started = started or RunStart.since()
-    plan = output.plan(config.input) if output is not None and config.resume else None
-    total = plan.remaining if plan is not None else _count_lines(config.input)
+def _checked(config: RunConfig) -> RunConfig:
+    """Step 1, the paths: `--resume` with files it can read back, outputs writable before
+    an hour's work rather than after it. With `--ordered`, the earliest unfinished line
+    always holds a row (ordered.py): one line read ahead."""
+    if config.resume and config.output == "-":
+        raise UsageError("--resume needs -o FILE: results on stdout cannot be read back")
+    if config.resume and config.input == "-":
+        raise UsageError("--resume needs INPUT to be a file, to check it against the results")
+    check_writable(run_outputs(config))
+    if config.ordered:
+        config = dataclasses.replace(
+            config, engine=dataclasses.replace(config.engine, lookahead=1))
+    return config
+
+
+class _RunFiles:
+    """Step 2, the files: the input (with a reader thread where it may wait on its
+    producer, so that running lines keep decoding meanwhile; unstarted, it costs nothing)
+    and the output, opened and locked at once, so that a second run on the same file is
+    refused before it loads a model. Nothing in the output changes until `prepare`."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.source = open_input(config.input)
+        self.live: LiveInput[Job | LineError] | None = (
+            LiveInput(config.engine.lookahead) if may_block(self.source) else None)
+        self.output: OutputFile | None = None
+        try:
+            self.output = OutputFile(config.output) if config.output != "-" else None
+            if self.output is not None and self.output.same_file_as(self.source):
+                raise UsageError(f"the output {config.output} is the input file")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> _RunFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.output is not None:
+            self.output.close()
+        if self.live is not None:
+            self.live.close()
+        # A reader still blocked in a read of it (after an interrupt) keeps it open:
+        # closing would wait for that read. The process's exit closes it.
+        if self.source is not sys.stdin.buffer and (self.live is None
+                                                    or not self.live.reading):
+            self.source.close()
+
+
+def _resume_plan(config: RunConfig, files: _RunFiles) -> ResumePlan | None:
+    """Step 3, with `--resume`: the results already in the output, checked against the
+    input."""
+    if files.output is None or not config.resume:
+        return None
+    return files.output.plan(config.input)
+
+
+def _pinned(config: RunConfig, plan: ResumePlan | None) -> tuple[RunConfig, str | None]:
+    """Step 4: the controller pinned to its digest (`registry.run_controller`), and a
+    resumed run's options checked against its earlier results' before the model loads."""
     config = run_controller.pin(config)
     controller = run_controller.controller_digest(config)
-    mixed: list[str] = []  # with --resume-mixed: how earlier results were made otherwise
-    if plan is not None:  # the options before the model loads, the model once it has
-        _check_made_with(config, plan, run_record(config, "", controller), OPTION_KEYS, mixed)
-    loading = loading or ModelLoading(stderr, config.quiet, loading_what(config.model))
-    with reporting_to(load_progress(stderr, config.quiet)), loading:
-        backend = _start_backend(config)
-    started.load_s = time.perf_counter() - started.t0  # imports, model, controller
-    try:
-        record = run_record(config, backend.model_name, controller, backend.quantize)
-        if plan is not None:
-            _check_made_with(config, plan, record, MODEL_KEYS, mixed)
-        if output is not None:
-            output.prepare(plan)
-        out = output.stream() if output is not None else sys.stdout
-        peeked, input_format, why = detect_format(source, config.input_format)
-        batch_format = BatchFormat(backend.model_name, why) if input_format == "openai" else None
-        lines = InputLines(itertools.chain(peeked, source),
-                           skip=plan.done if plan is not None else None)
-        display = RunDisplay(stderr, total=total, quiet=config.quiet,
-                             interval_s=config.progress_interval_s)
-        if plan is not None:
-            _announce_resume(display, config, plan, mixed)
-        translate = (batch_format.translate if batch_format is not None
-                     else refuse_requests(why))
-        return _drive(config, backend, out, lines, display, interrupts, on_result, plan,
-                      batch_format, translate, live, record, started)
-    finally:
-        backend.close()
+    if plan is not None:
+        _check_made_with(config, plan, run_record(config, "", controller), OPTION_KEYS)
+    return config, controller
+
+
+def _model_record(config: RunConfig, plan: ResumePlan | None, backend: Backend,
+                  controller: str | None) -> dict[str, Any]:
+    """What made this run's results (`made_with`), once the backend says which model; a
+    resumed run's earlier results are checked against the model too."""
+    record = run_record(config, backend.model_name, controller, backend.quantize)
+    if plan is not None:
+        _check_made_with(config, plan, record, MODEL_KEYS)
+    return record
 
 
 def _start_backend(config: RunConfig) -> Backend:
@@ -195,9 +210,9 @@ def _start_backend(config: RunConfig) -> Backend:
 
 
 def _check_made_with(config: RunConfig, plan: ResumePlan, record: dict[str, Any],
-                     keys: set[str], mixed: list[str]) -> None:
+                     keys: set[str]) -> None:
     """Refuse to resume onto results made with other options (only `keys` of `record`),
-    unless `--resume-mixed`, which notes them in `mixed` instead."""
+    unless `--resume-mixed`, which notes them in `plan.mixed` instead."""
     diff = plan.made_otherwise(record, keys)
     if diff is None:
         return
@@ -205,11 +220,10 @@ def _check_made_with(config: RunConfig, plan: ResumePlan, record: dict[str, Any]
         raise ResumeError(f"--resume: {config.output} holds results made with {diff}; run "
                           "with the same options, or add --resume-mixed to mix them in one "
                           "file")
-    mixed.append(diff)
+    plan.mixed.append(diff)
 
 
-def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan,
-                     mixed: list[str]) -> None:
+def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan) -> None:
     if config.quiet:
         return
     scan = plan.scan
@@ -217,7 +231,7 @@ def _announce_resume(display: RunDisplay, config: RunConfig, plan: ResumePlan,
         _note(display, f"{config.output}: cut off its incomplete last line (line "
                        f"{scan.torn_line}, {scan.torn_bytes} bytes) left by an interrupted "
                        "run; that input line runs again")
-    for diff in mixed:
+    for diff in plan.mixed:
         _note(display, f"--resume-mixed: {config.output} holds results made with {diff}; "
                        "the new results are added beside them")
     if plan.unrecorded:
@@ -234,16 +248,28 @@ def _note(display: RunDisplay, message: str) -> None:
     display.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
-def _drive(config: RunConfig, backend: Backend, out: IO[str], lines: InputLines,
-           display: RunDisplay, interrupts: Interrupts | None,
+def _drive(config: RunConfig, backend: Backend, files: _RunFiles, plan: ResumePlan | None,
+           made_with: dict[str, Any], stderr: IO[str], interrupts: Interrupts | None,
            on_result: Callable[[dict[str, Any]], None] | None,
-           plan: ResumePlan | None, batch_format: BatchFormat | None = None,
-           translate: Translate | None = None,
-           live: LiveInput[Job | LineError] | None = None,
-           made_with: dict[str, Any] | None = None,
-           started: RunStart | None = None) -> RunOutcome:
-    """Run `lines` on the backend, writing each result as it finishes (as an OpenAI
-    batch output line with `batch_format`), reading them on `live`'s thread if given."""
+           started: RunStart) -> RunOutcome:
+    """Step 6: the output prepared (truncated, or its torn tail cut), the input's format
+    read from its first line, then every line run on the backend, each result written as
+    it finishes (as an OpenAI batch output line for an OpenAI batch input), the lines
+    read on the live reader's thread where there is one."""
+    if files.output is not None:
+        files.output.prepare(plan)
+    out = files.output.stream() if files.output is not None else sys.stdout
+    peeked, input_format, why = detect_format(files.source, config.input_format)
+    batch_format = BatchFormat(backend.model_name, why) if input_format == "openai" else None
+    translate = batch_format.translate if batch_format is not None else refuse_requests(why)
+    lines = InputLines(itertools.chain(peeked, files.source),
+                       skip=plan.done if plan is not None else None)
+    total = plan.remaining if plan is not None else _count_lines(config.input)
+    display = RunDisplay(stderr, total=total, quiet=config.quiet,
+                         interval_s=config.progress_interval_s)
+    if plan is not None:
+        _announce_resume(display, config, plan)
+    live = files.live
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
 
     def announce() -> None:
@@ -311,6 +337,13 @@ def _outcome(config: RunConfig, summary: dict[str, Any], signum: int | None,
     if signum is not None and not config.quiet:
         _note(display, _interrupted_note(config, outcome, plan))
     return outcome
+
+
+def _count_lines(path: str) -> int | None:
+    if path == "-":
+        return None
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def _input_name(config: RunConfig) -> str:
