@@ -21,7 +21,7 @@ from typing import IO, Any
 from aici_cli.backends.protocol import Backend
 from aici_cli.input_format import detect_format
 from aici_cli.interrupts import Interrupts, signal_name
-from aici_cli.jobs import open_input, read_jobs
+from aici_cli.jobs import Translate, open_input, read_jobs
 from aici_cli.live_input import LiveInput, may_block
 from aici_cli.made_with import MODEL_KEYS, OPTION_KEYS, run_record
 from aici_cli.models.progress import reporting_to
@@ -259,17 +259,12 @@ def _drive(config: RunConfig, backend: Backend, files: _RunFiles, plan: ResumePl
     if files.output is not None:
         files.output.prepare(plan)
     out = files.output.stream() if files.output is not None else sys.stdout
-    peeked, input_format, why = detect_format(files.source, config.input_format)
-    batch_format = BatchFormat(backend.model_name, why) if input_format == "openai" else None
-    translate = batch_format.translate if batch_format is not None else refuse_requests(why)
-    lines = InputLines(itertools.chain(peeked, files.source),
-                       skip=plan.done if plan is not None else None)
+    lines, batch_format, translate = _input_lines(config, files, plan, backend.model_name)
     total = plan.remaining if plan is not None else _count_lines(config.input)
     display = RunDisplay(stderr, total=total, quiet=config.quiet,
                          interval_s=config.progress_interval_s)
     if plan is not None:
         _announce_resume(display, config, plan)
-    live = files.live
     writer = ResultWriter(out, sync_interval_s=SYNC_INTERVAL_S)
 
     def announce() -> None:
@@ -299,7 +294,7 @@ def _drive(config: RunConfig, backend: Backend, files: _RunFiles, plan: ResumePl
     try:
         with display:
             jobs = sink.not_done(read_jobs(lines, config.defaults, translate))
-            backend.run(jobs, sink, should_admit, note, live)
+            backend.run(jobs, sink, should_admit, note, files.live)
     finally:
         sink.flush()
     wall = time.perf_counter() - t0
@@ -310,6 +305,18 @@ def _drive(config: RunConfig, backend: Backend, files: _RunFiles, plan: ResumePl
     # Only a supervised engine (backends/supervised.py) has processes that die.
     deaths: int = getattr(backend, "deaths", 0)
     return _outcome(config, summary, signum, plan, display, deaths)
+
+
+def _input_lines(config: RunConfig, files: _RunFiles, plan: ResumePlan | None,
+                 model_name: str) -> tuple[InputLines, BatchFormat | None, Translate]:
+    """The input's lines (those a resume found done skipped), its format read from its
+    first line, and how a line of another format becomes one of ours."""
+    peeked, input_format, why = detect_format(files.source, config.input_format)
+    batch_format = BatchFormat(model_name, why) if input_format == "openai" else None
+    translate = batch_format.translate if batch_format is not None else refuse_requests(why)
+    lines = InputLines(itertools.chain(peeked, files.source),
+                       skip=plan.done if plan is not None else None)
+    return lines, batch_format, translate
 
 
 def _outcome(config: RunConfig, summary: dict[str, Any], signum: int | None,

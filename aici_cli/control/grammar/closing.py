@@ -186,15 +186,8 @@ class Closer:
                 if take(self._closing_run(m, limit - len(out))) or take(
                         self._first_valid(m, self._sample_runs(text, hints.strings))):
                     continue
-            # A text chosen twice in a row goes last: a pattern like `[0-9]+-[0-9]+` would
-            # otherwise take "0" forever.
-            order = _order_for(state)
-            if len(out) >= 2 and out[-1] == out[-2]:
-                order = tuple(t for t in order if self.ids.get(t) != out[-1]) + order
             skip = avoid | {t for at, t in barred if at == len(out)}
-            choice = next((t for t in order if t in self.ids and self.ids[t] not in skip
-                           and m.validate_tokens([self.ids[t]]) == 1), None)
-            token = self.ids[choice] if choice is not None else _first_allowed(m, skip)
+            token, choice = self._choose(m, state, out, skip)
             if token is not None and _third_round([*out, token], in_string):
                 # Only what was just taken twice fits of the list (`00`, `--0--0`): the
                 # grammar wants something the list lacks (the `#` of `[0-9]+#[a-z]+`, the
@@ -210,6 +203,22 @@ class Closer:
             out.append(token)
             text += choice if choice is not None else self.tokenizer.decode([token])
         return _Walk(None, walk.choices)
+
+    def _choose(self, m: llguidance.LLMatcher, state: tuple[bool, list[str], str],
+                out: list[int], skip: set[int]) -> tuple[int | None, str | None]:
+        """The next token (and its closing text, if it is one): the first of the closing
+        texts for `state` the grammar allows, else the lowest-numbered allowed token;
+        never one of `skip` while another is allowed."""
+        # A text chosen twice in a row goes last: a pattern like `[0-9]+-[0-9]+` would
+        # otherwise take "0" forever.
+        order = _order_for(state)
+        if len(out) >= 2 and out[-1] == out[-2]:
+            order = tuple(t for t in order if self.ids.get(t) != out[-1]) + order
+        choice = next((t for t in order if t in self.ids and self.ids[t] not in skip
+                       and m.validate_tokens([self.ids[t]]) == 1), None)
+        if choice is not None:
+            return self.ids[choice], choice
+        return _first_allowed(m, skip), None
 
     def tokens(self, text: str) -> list[int]:
         ids = self._tokens.get(text)
