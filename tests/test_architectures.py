@@ -41,20 +41,8 @@ LOGITS_TOL = 1e-4
 SCORE_TOL = 1e-4
 GREEDY_TOKENS = 32
 
-# Not yet in the engine (engine/): Gemma 2's soft-capped attention logits make the packed
-# pass raise (`rows_attention`), and a sliding window without per-layer types (Mistral
-# v0.1's) is not applied to the masks (`AttentionLayout.for_config`). Strict: once the
-# engine does either, the mark must go.
-PENDING_ENGINE = {
-    "gemma2": pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                reason="engine: attention logit soft-capping"),
-}
-_WINDOW_PENDING = pytest.mark.xfail(raises=AssertionError, strict=True,
-                                    reason="engine: sliding window without layer types")
-
-
-def _archs() -> list[Any]:
-    return [pytest.param(a, marks=PENDING_ENGINE.get(a, ())) for a in BUILDERS]
+def _archs() -> list[str]:
+    return list(BUILDERS)
 
 
 @pytest.fixture(scope="session")
@@ -132,7 +120,7 @@ def run_lines(model_dir: Path, lines: list[dict[str, Any]], tmp_path: Path) -> l
     res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "-q", "--model",
                                     str(model_dir), "--dtype", "float32", "--device", "cpu"])
     if res.exception is not None and not isinstance(res.exception, SystemExit):
-        raise res.exception  # the engine's own error, for the PENDING_ENGINE marks
+        raise res.exception  # the engine's own error, as raised
     assert res.exit_code == 0, res.output
     results = [json.loads(x) for x in out.read_text().splitlines()]
     return sorted(results, key=lambda r: r["index"])
@@ -212,8 +200,8 @@ def gguf_reference(gguf: Path, model_dir: Path, quant: str) -> Any:
     return model.eval()
 
 
-def _gguf_archs() -> list[Any]:
-    return [pytest.param(a, marks=PENDING_ENGINE.get(a, ())) for a in GGUF_ARCH]
+def _gguf_archs() -> list[str]:
+    return list(GGUF_ARCH)
 
 
 @pytest.mark.parametrize("quant", QUANTS)
@@ -234,11 +222,7 @@ def test_a_gguf_run_matches_transformers(arch: str, quant: str, arch_dirs: dict[
               converted / "tokenizer.json", tmp_path)
 
 
-def _mistral_with_a_window() -> Any:
-    return pytest.param("mistral", marks=_WINDOW_PENDING)
-
-
-@pytest.mark.parametrize("arch", [_mistral_with_a_window()])
+@pytest.mark.parametrize("arch", ["mistral"])
 def test_a_window_without_layer_types_masks_every_layer(arch: str,
                                                         arch_dirs: dict[str, Path],
                                                         tmp_path: Path) -> None:

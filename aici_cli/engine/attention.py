@@ -20,6 +20,7 @@ its models), so the same model object still runs ordinary forward passes.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from aici_cli.engine.invariant import per_query_attention
 from aici_cli.models.llama import Attention as OwnAttention
 from aici_cli.models.llama import LlamaCausalLM, causal_attention
+from aici_cli.models.softcap import softcapped_attention
 
 NAME = "aici_rows"
 
@@ -134,7 +136,16 @@ def rows_attention(
     """query: [1, H, T, D] packed; key/value: the whole cache buffers
     [rows, kv_heads, capacity, D] (see `RowCache.update`). Returns [1, T, H, D]."""
     plan = current_plan()
+    softcap = kwargs.pop("softcap", None)
+    # Soft-capped logits (Gemma 2) have no SDPA kernel: the same call, scores explicit.
+    attend = (F.scaled_dot_product_attention if softcap is None
+              else functools.partial(softcapped_attention, softcap=softcap))
     if plan is None:
+        if softcap is not None:
+            o = attend(query, key, value, attn_mask=attention_mask, scale=scaling,
+                       is_causal=attention_mask is None and query.shape[2] > 1,
+                       enable_gqa=True)
+            return o.transpose(1, 2).contiguous(), None
         if isinstance(module, OwnAttention):
             return causal_attention(module, query, key, value, attention_mask,
                                     scaling=scaling)
@@ -143,9 +154,9 @@ def rows_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported")
     if plan.invariant:
+        if softcap is not None:
+            raise NotImplementedError("attention logit soft-capping in --deterministic")
         assert plan.token_row_list is not None and plan.token_slot_list is not None
         return per_query_attention(query, key, value, plan.token_row_list,
                                    plan.token_slot_list, scaling, sliding_window)[None], None
@@ -164,7 +175,7 @@ def rows_attention(
         v = value[plan.rows, :, : g.kv_len]
         mask = (g.sliding_attn_mask if windowed and g.sliding_attn_mask is not None
                 else g.attn_mask)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        o = attend(q, k, v, attn_mask=mask, scale=scaling)
         out[g.member_tokens] = o.reshape(span, heads, dim)[g.members]
 
     for r in plan.runs:
@@ -173,7 +184,7 @@ def rows_attention(
         v = value[r.row : r.row + 1, :, : r.kv_len]
         run_mask = (r.sliding_attn_mask if windowed and r.sliding_attn_mask is not None
                     else r.attn_mask)
-        o = F.scaled_dot_product_attention(
+        o = attend(
             q, k, v, attn_mask=run_mask, is_causal=run_mask is None, scale=scaling,
             enable_gqa=rep > 1,
         )

@@ -56,6 +56,10 @@ class AttentionLayout:
         window = getattr(config, "sliding_window", None)
         if "sliding_attention" in layer_types and window:
             return cls(sliding_window=int(window), dict_mask=True)
+        # A window and no layer types (Mistral 7B v0.1): every layer attends within it,
+        # and each passes it to the attention (`rows_attention`'s `sliding_window`).
+        if window and not layer_types:
+            return cls(sliding_window=int(window))
         return cls()
 
 
