@@ -122,6 +122,27 @@ def install(model: Any) -> None:
         model.set_attn_implementation(NAME)
 
 
+def _unplanned(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+               scaling: float | None, sliding_window: int | None, softcap: float | None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention outside a step's plan (a plain forward): the model's own causal
+    attention, or transformers' SDPA; soft-capped scores explicitly (no SDPA kernel
+    caps them, and transformers' SDPA function drops the cap)."""
+    if softcap is not None:
+        o = softcapped_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                 is_causal=attention_mask is None and query.shape[2] > 1,
+                                 enable_gqa=True, softcap=softcap)
+        return o.transpose(1, 2).contiguous(), None
+    if isinstance(module, OwnAttention):
+        return causal_attention(module, query, key, value, attention_mask, scaling=scaling)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                  dropout=dropout, scaling=scaling,
+                                  sliding_window=sliding_window, **kwargs)
+
+
 def rows_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -141,19 +162,8 @@ def rows_attention(
     attend = (F.scaled_dot_product_attention if softcap is None
               else functools.partial(softcapped_attention, softcap=softcap))
     if plan is None:
-        if softcap is not None:
-            o = attend(query, key, value, attn_mask=attention_mask, scale=scaling,
-                       is_causal=attention_mask is None and query.shape[2] > 1,
-                       enable_gqa=True)
-            return o.transpose(1, 2).contiguous(), None
-        if isinstance(module, OwnAttention):
-            return causal_attention(module, query, key, value, attention_mask,
-                                    scaling=scaling)
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+        return _unplanned(module, query, key, value, attention_mask, dropout, scaling,
+                          sliding_window, softcap, **kwargs)
     if plan.invariant:
         if softcap is not None:
             raise NotImplementedError("attention logit soft-capping in --deterministic")
