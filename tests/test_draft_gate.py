@@ -1,4 +1,4 @@
-"""Which rows draft (engine/draft.py `worth_drafting`): a row drafts only while its drafts
+"""Which rows draft (engine/draft.py `DraftGate`): a row drafts only while its drafts
 bring more than they add to the pass (more where the step would otherwise run compiled),
 and retries now and then."""
 
@@ -13,18 +13,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aici_cli.engine.draft import (
-    COMPILED_MIN_GAIN,
-    EAGER_MIN_GAIN,
-    MAX_BACKOFF,
-    RETRY_AFTER,
-    accept_draft,
-    propose_drafts,
-    retry_wait,
-    worth_drafting,
-)
+from aici_cli.engine.draft import COMPILED_MIN_GAIN, EAGER_MIN_GAIN, MAX_BACKOFF, RETRY_AFTER
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.loop import Engine
+from aici_cli.engine.scheduler import propose_drafts
+from aici_cli.engine.update import accept_draft
 from aici_cli.models.load import LoadedModel, load_model
 from aici_cli.vocabulary.config import EngineConfig
 from aici_cli.vocabulary.job import Job
@@ -51,7 +44,7 @@ def test_a_row_drafts_only_while_its_drafts_pay(accepted: list[int], gap: int,
     draft pass: RETRY_AFTER, doubled for each pass in a row after the first that brought
     nothing (at most MAX_BACKOFF times)."""
     gen = _gen([1, 2, 3], [1, 2, 3, 1, 2])
-    gain = gen.draft_gain
+    gain = gen.draft.gain
     misses = 0
     for n in accepted:
         # The model confirms the first n draft tokens after the picked one.
@@ -71,17 +64,17 @@ def test_a_row_drafts_only_while_its_drafts_pay(accepted: list[int], gap: int,
         accept_draft(gen, draft, 3, predicted, take)
         gain = (gain + n) / 2
         misses = 0 if n else misses + 1
-        assert gen.drafted_at == len(gen.output)
-    assert gen.draft_gain == pytest.approx(gain)
+        assert gen.draft.at == len(gen.output)
+    assert gen.draft.gain == pytest.approx(gain)
     wait = RETRY_AFTER * 2 ** min(max(misses - 1, 0), MAX_BACKOFF)
-    assert retry_wait(gen) == wait
+    assert gen.draft.retry_wait() == wait
     gen.output.extend([7] * gap)
     gen.length += gap
     min_gain = COMPILED_MIN_GAIN if compiled else EAGER_MIN_GAIN
     expect = gain >= min_gain or gap >= wait
-    assert worth_drafting(gen, compiled) is expect
+    assert gen.draft.worth(len(gen.output), compiled) is expect
     if compiled:  # a compiled step asks for more than an eager one
-        assert worth_drafting(gen, False) or not expect
+        assert gen.draft.worth(len(gen.output), False) or not expect
     gen.pending = [gen.output[-1]]
     drafts = propose_drafts([gen], 4, eos=set(), compiled=compiled)
     if not expect:

@@ -9,7 +9,7 @@ cache was used at all, so a bypassed cache fails too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,8 +17,8 @@ import torch
 from factories import job_factory
 
 from aici_cli.control.base import ControllerBase, Directive
-from aici_cli.engine.cache import RowCache
 from aici_cli.engine.loop import Engine
+from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.engine.rows import Prepared, RowTable
 from aici_cli.models import LoadedModel
 from aici_cli.vocabulary.config import EngineConfig
@@ -35,25 +35,32 @@ job = job_factory(max_tokens=6)
 
 
 class Probe:
-    """Records every row's fed token sequence and next-token logits at every pass."""
+    """Records every row's fed token sequence (its generation's own tokens, not what the
+    plan says: a wrong copy must not go unseen) and next-token logits at every step."""
 
     def __init__(self, engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
         self.passes: list[tuple[list[int], torch.Tensor]] = []
         self.fed_tokens = 0
-        original = engine.runner.model_pass.run
+        original = engine.runner.execute_model
+        rows = engine.scheduler.table.gens
 
-        def run(first_row: int, gens: Any, drafts: Any, scored: Any = None,
-                steps_ahead: int = 0, rows_bound: int = 0) -> Any:
-            seqs = [None if g is None or not g.pending
-                    else (g.prompt + g.output)[: g.length + len(g.pending)] for g in gens]
-            self.fed_tokens += sum(len(g.pending) for g in gens if g is not None)
-            out = original(first_row, gens, drafts, scored, steps_ahead, rows_bound)
+        def execute_model(plan: StepPlan) -> StepOutput:
+            seqs: list[list[int] | None] = []
+            for k, chunk in enumerate(plan.chunks):
+                gen = rows[plan.span[k]] if chunk else None
+                if gen is None:
+                    seqs.append(None)
+                    continue
+                assert (plan.lengths[k], list(chunk)) == (gen.length, gen.pending)
+                seqs.append((gen.prompt + gen.output)[: gen.length + len(gen.pending)])
+            self.fed_tokens += sum(len(c) for c in plan.chunks)
+            out = original(plan)
             for k, seq in enumerate(seqs):
                 if seq is not None:
-                    self.passes.append((seq, out.every[k].float().clone()))
+                    self.passes.append((seq, out.passed.every[k].float().clone()))
             return out
 
-        monkeypatch.setattr(engine.runner.model_pass, "run", run)
+        monkeypatch.setattr(engine.runner, "execute_model", execute_model)
 
     def assert_exact(self, lm: LoadedModel) -> None:
         assert self.passes
@@ -174,21 +181,16 @@ def test_lines_whose_prefix_is_cached_are_admitted_first(
 
 
 def test_eviction_keeps_the_rows_that_waiting_lines_need_then_the_recent_ones() -> None:
-    class NoCopies:
-        def copy_prefix(self, src: int, dst: int, n: int) -> None:
-            raise AssertionError("choosing a row copies nothing")
-
-    table = RowTable(3, cast(RowCache, NoCopies()), lookahead=4)
+    table = RowTable(3)  # no cache: choosing a row copies nothing
     a, b, c = [np.arange(start, start + 40) for start in (1000, 2000, 3000)]
     for row, held in enumerate((a, b, c)):
         table.held[row] = held
         table.release(row)  # released in row order: row 0 is the least recent
     unrelated = np.arange(9000, 9010)
     # A waiting line needs row 0's keys: the least recent row without a use goes.
-    table.ahead = [Prepared.of(job(7, "x"), [*a[:30].tolist(), 5])]
-    assert table._row_for(unrelated) == 1
+    ahead = [Prepared.of(job(7, "x"), [*a[:30].tolist(), 5])]
+    assert table.row_for(unrelated, ahead) == 1
     # Nothing waiting needs any: the least recently released goes.
-    table.ahead = []
-    assert table._row_for(unrelated) == 0
+    assert table.row_for(unrelated, []) == 0
     # A prompt that starts like a row's keys takes that row, in place.
-    assert table._row_for(np.concatenate([c[:10], unrelated])) == 2
+    assert table.row_for(np.concatenate([c[:10], unrelated]), []) == 2

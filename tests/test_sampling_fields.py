@@ -170,7 +170,7 @@ def test_drafts_stay_exact_under_penalties(lm: LoadedModel,
 
     # Inside the runner: without its check of drafts under penalties, outputs differ.
     monkeypatch.setattr(model_runner, "checked_draft_picks",
-                        lambda out, gens, drafts, b: out.draft_picks(b))
+                        lambda out, rules, outputs, drafts, b, failed: out.draft_picks(b))
     unaccounted = run(lm, jobs, batch_size=4, draft_tokens=4)
     assert any(output_ids(unaccounted[i]) != output_ids(plain[i]) for i in plain)
 

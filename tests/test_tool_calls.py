@@ -483,7 +483,7 @@ def test_a_call_cut_off_keeps_the_whole_calls_before_it() -> None:
 def test_a_line_cut_inside_a_call_reports_the_whole_calls(lm: LoadedModel) -> None:
     """max_tokens cut the output inside its third call (closing off): the result keeps the
     two whole calls as `tool_calls`, names the dropped one, and stays `length`."""
-    from aici_cli.engine.generation import Finish, Generation
+    from aici_cli.engine.generation import Generation
     from aici_cli.engine.result_line import finished_text, generation_result
     from aici_cli.vocabulary.job import Job
 
@@ -499,7 +499,7 @@ def test_a_line_cut_inside_a_call_reports_the_whole_calls(lm: LoadedModel) -> No
               top_p=1.0, seed=0, constraint=constraint)
     gen = Generation(job, [], controller, torch.Generator(), started=0.0)
     gen.output = lm.tokenizer(cut, add_special_tokens=False)["input_ids"]
-    gen.finish = Finish("length")
+    gen.finish_with("length")
     text = finished_text(gen, lm.tokenizer)
     result = generation_result(gen, text, controller.report(text), controller.stats(), 0.0)
     assert result["finish_reason"] == "length"

@@ -15,13 +15,14 @@ def ms(t0: float, t1: float) -> float:
 
 
 class StepClock:
-    """Marks of one step, in order: `start` (at creation), `forward` (the pass begins),
-    `forwarded`, `masks_ready` (the mask worker handed its masks over), `masked` (masks
-    applied), `sampled`, `committed` (controllers answered)."""
+    """Marks of one step, in order: `start` (when the scheduler began the plan; default:
+    at creation), `forward` (the pass begins), `forwarded`, `masks_ready` (the mask worker
+    handed its masks over), `masked` (masks applied), `sampled`, `committed` (controllers
+    answered)."""
 
-    def __init__(self, now: Now = time.perf_counter) -> None:
+    def __init__(self, now: Now = time.perf_counter, start: float | None = None) -> None:
         self.now = now
-        self.marks: dict[str, float] = {"start": now()}
+        self.marks: dict[str, float] = {"start": now() if start is None else start}
 
     def mark(self, name: str) -> None:
         self.marks[name] = self.now()

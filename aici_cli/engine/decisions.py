@@ -4,7 +4,7 @@ after a token, at end-of-sequence, entering a branch) is applied through
 generation; and the forks such a directive asks for.
 
 A fork asked for during a step is not made there: the generation takes no more tokens
-(`Generation.fork_wanted`), and `make_fork` runs between steps, before the next plan, so
+(`Generation.forking`), and `make_fork` runs between steps, before the next plan, so
 nothing starts mid-step. A fork asked for between steps (a controller's `start`, a
 branch's `enter_branch`) is made at once, depth first.
 """
@@ -17,10 +17,9 @@ from typing import Any
 
 from aici_cli.control.base import Directive
 from aici_cli.engine.clock import Now, ms
-from aici_cli.engine.generation import Finish, Generation
+from aici_cli.engine.generation import Generation
 from aici_cli.engine.masks import controller_fault
 from aici_cli.engine.sampling import branch_generator
-from aici_cli.engine.stops import check_stop
 
 Place = Callable[[Generation], None]  # a generation that is done, or waits for a row
 
@@ -43,13 +42,12 @@ class Decisions:
         try:
             directive = ask()
             if directive is None:
-                gen.finish = Finish("stop")
+                gen.finish_with("stop")
             else:
-                changed = _apply(gen, directive)
-                if directive.fork and gen.finish is None:
-                    gen.fork_wanted, changed = directive.fork, True
+                changed = gen.apply(directive)
+                changed = _want_fork(gen, directive) or changed
         except Exception as e:
-            gen.finish = Finish("error", controller_fault(e))
+            gen.finish_with("error", controller_fault(e))
         spent = ms(t0, self.now())
         gen.stats.controller_ms += spent
         return changed, spent
@@ -58,15 +56,25 @@ class Decisions:
         """A directive the controller answered in place of a mask (decided, and timed, in
         the mask worker): applied as `consult` would."""
         try:
-            _apply(gen, directive)
-            if directive.fork and gen.finish is None:
-                gen.fork_wanted = directive.fork
+            gen.apply(directive)
+            _want_fork(gen, directive)
         except Exception as e:
-            gen.finish = Finish("error", controller_fault(e))
+            gen.finish_with("error", controller_fault(e))
         self.check_stop(gen)
 
     def check_stop(self, gen: Generation) -> bool:
-        return check_stop(gen, self.tokenizer)
+        """Finish `gen` on its line's stop terms (stops.py: a stop token id, which is cut
+        off with what follows it, a stop string, max_tokens); True when it is finished
+        (already, or now)."""
+        if gen.finish is not None:
+            return True
+        stop = gen.stops.check(gen.job, gen.output, self.tokenizer)
+        if stop is None:
+            return False
+        if stop.keep is not None:
+            gen.backtrack(len(gen.output) - stop.keep)
+        gen.finish_with(stop.reason, text_end=stop.text_end)
+        return True
 
     def ends(self, gen: Generation, token: int) -> bool:
         """Whether sampling `token` ends the generation rather than appending it: EOS, but
@@ -80,7 +88,7 @@ class Decisions:
         controller = gen.controller
         if self.ends(gen, token):
             if controller is None:
-                gen.finish = Finish("stop")
+                gen.finish_with("stop")
                 return 0.0
             _, spent = self.consult(gen, controller.on_eos)
             self.check_stop(gen)
@@ -93,34 +101,38 @@ class Decisions:
             self.check_stop(gen)
         return spent
 
+    # Long: the fork's steps in the order the contract gives them (refuse, make the
+    # controllers, then each branch's first decision, depth first); split, each part would
+    # need the branches list and the line's state passed around.
     def make_fork(self, gen: Generation, finish: Place, wait: Place) -> None:
         """The fork `gen` wants, after its current tokens: `gen` goes on as branch 0;
         branches 1..n-1 get the other controllers (`Controller.fork`) and `wait` for rows
         (or `finish` at once). Each branch is then asked its first decision, in branch
         order. A fork past `--max-branches`, or one whose controllers cannot be made, ends
         `gen` with that error (and the line with it)."""
-        n, gen.fork_wanted = gen.fork_wanted, 0
-        line, controller = gen.branches, gen.controller
-        if not n or line is None or controller is None or line.failed:
+        fork, controller = gen.branch, gen.controller
+        if fork is None:
+            return
+        n, line = fork.take_wanted(), fork.line
+        if not n or controller is None or line.failed:
             return
         refused = line.would_exceed(n, self.max_branches)
         if refused is not None:
-            gen.finish = Finish("error", ("bad_action", refused))
+            gen.finish_with("error", ("bad_action", refused))
             return
         t0 = self.now()
         try:
             others = controller.fork(n)
         except Exception as e:
-            gen.finish = Finish("error", controller_fault(e))
+            gen.finish_with("error", controller_fault(e))
             return
         replay_ms = ms(t0, self.now()) / len(others)
         line.forked_into(n)
-        base = gen.path
-        gen.path, gen.fork_floor = base + (0,), len(gen.output)
+        base = fork.go_on()
         branches = [gen]
         for k, other in enumerate(others, 1):
             path = base + (k,)
-            branch = gen.branch(other, branch_generator(gen.job.seed, gen.sample, path), path)
+            branch = gen.split(other, branch_generator(gen.job.seed, gen.sample, path), path)
             branch.stats.controller_ms += replay_ms
             branches.append(branch)
         for k, branch in enumerate(branches):
@@ -141,11 +153,10 @@ class Decisions:
                 return
 
 
-def _apply(gen: Generation, directive: Directive) -> bool:
-    """`gen.apply(directive)`; a stop the controller ends as "length" (a loop it cut, not
-    a finished value) finishes with that reason. Returns whether the output changed."""
-    changed = gen.apply(directive)
-    if directive.stop and directive.finish != "stop" and gen.finish is not None \
-            and gen.finish.reason == "stop":
-        gen.finish = Finish(directive.finish)
-    return changed
+def _want_fork(gen: Generation, directive: Directive) -> bool:
+    """A directive's fork, asked for by a generation that goes on: made between steps
+    (`make_fork`). Returns whether one is wanted."""
+    if not directive.fork or gen.finish is not None or gen.branch is None:
+        return False
+    gen.branch.want(directive.fork)
+    return True

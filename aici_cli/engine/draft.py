@@ -6,15 +6,17 @@ before, the tokens that followed them then are a cheap guess for what follows no
 engine feeds such a draft after the row's real tokens and keeps the longest prefix the
 model itself would have produced (greedy argmax), so outputs are unchanged and a run of
 correct guesses costs one pass instead of one per token.
+
+The scheduler picks the rows that draft and proposes their drafts (`propose`); the update
+takes the tokens the model confirmed (`update.accept_draft`) and tells each row's
+`DraftGate` what its pass brought.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Collection, Sequence
-
-from aici_cli.engine.generation import Generation
-from aici_cli.engine.sampling import MIN_TEMPERATURE
+from dataclasses import dataclass
 
 # Longest and shortest history suffix looked up; longer matches predict better.
 MAX_NGRAM = 3
@@ -73,86 +75,45 @@ def _rfind_aligned(data: bytes, tail: bytes, end: int, width: int) -> int | None
     return None
 
 
-def worth_drafting(gen: Generation, compiled: bool) -> bool:
-    """Whether `gen` drafts this step; `compiled`: without drafts the step would run
-    compiled."""
-    min_gain = COMPILED_MIN_GAIN if compiled else EAGER_MIN_GAIN
-    return (gen.draft_gain >= min_gain
-            or len(gen.output) - gen.drafted_at >= retry_wait(gen))
+@dataclass
+class DraftGate:
+    """Whether a row's drafts pay: the extra tokens its recent draft passes brought (a
+    running mean, optimistic at first), the output length at the last one, and how many
+    passes in a row brought none."""
+
+    gain: float = 2.0
+    at: int = 0
+    misses: int = 0
+
+    def worth(self, output_len: int, compiled: bool) -> bool:
+        """Whether the row drafts this step; `compiled`: without drafts the step would run
+        compiled."""
+        min_gain = COMPILED_MIN_GAIN if compiled else EAGER_MIN_GAIN
+        return self.gain >= min_gain or output_len - self.at >= self.retry_wait()
+
+    def retry_wait(self) -> int:
+        """Tokens without a draft before a row whose drafts stopped paying tries again."""
+        return RETRY_AFTER << min(max(self.misses - 1, 0), MAX_BACKOFF)
+
+    def passed(self, brought: int, output_len: int) -> None:
+        """A draft pass brought `brought` extra tokens; the output is `output_len` now."""
+        self.gain = (self.gain + brought) / 2
+        self.at = output_len
+        self.misses = 0 if brought else self.misses + 1
 
 
-def retry_wait(gen: Generation) -> int:
-    """Tokens without a draft before a row whose drafts stopped paying tries again."""
-    return RETRY_AFTER << min(max(gen.draft_misses - 1, 0), MAX_BACKOFF)
-
-
-def propose_drafts(gens: Sequence[Generation | None], k: int,
-                   eos: Collection[int], compiled: bool = False) -> list[list[int]]:
-    """A draft per row (empty: none) of up to `k` tokens: greedy rows past their prefill,
-    trimmed to what their controller accepts (a wasm guest's next answer cannot be
-    predicted: it accepts none), to the token budget and to before any end-of-sequence or
-    stop token id. A row with logit rules is checked under them (`penalties.draft_picks`).
-    Rows whose drafts have not been paying do not draft (`worth_drafting`; `compiled`:
-    drafting would turn a compiled step eager)."""
-    drafts: list[list[int]] = [[] for _ in gens]
-    if k < 2:
-        return drafts
-    for i, gen in enumerate(gens):
-        if (gen is None or gen.length == 0 or gen.score_from is not None
-                or gen.finish is not None
-                or gen.job.temperature >= MIN_TEMPERATURE
-                or not worth_drafting(gen, compiled)):
-            continue
-        n = min(k, gen.job.max_tokens - len(gen.output))
-        if n < 2:
-            continue
-        draft = lookup(gen.prompt, gen.output, n)
-        stop_ids = gen.job.stop_token_ids
-        for j, token in enumerate(draft):
-            if token in eos or token in stop_ids:
-                del draft[j:]
-                break
-        if gen.controller is not None and draft:
-            del draft[gen.controller.valid_prefix(draft):]
-        if len(draft) >= 2:
-            drafts[i] = draft
-    return drafts
-
-
-def accept_draft(gen: Generation, draft: Sequence[int], picked: int,
-                 predicted: Sequence[int], take: Callable[[Generation, int], float]) -> float:
-    """Take the draft's tokens after `picked` while each is what the model predicts after
-    the one before (`predicted[j]`: its unmasked argmax after draft[j], under the line's
-    penalties and biases), so the output is
-    what greedy decoding gives; stop at anything else the generation does: finishing,
-    fast-forward tokens, a backtrack. `take` appends a token as if it had been sampled
-    and returns the controller's ms; returns their sum."""
-    taken = gen.stats.draft_tokens
-    spent = _accept(gen, draft, picked, predicted, take)
-    brought = gen.stats.draft_tokens - taken
-    gen.draft_gain = (gen.draft_gain + brought) / 2
-    gen.drafted_at = len(gen.output)
-    gen.draft_misses = 0 if brought else gen.draft_misses + 1
-    return spent
-
-
-def _accept(gen: Generation, draft: Sequence[int], picked: int,
-            predicted: Sequence[int], take: Callable[[Generation, int], float]) -> float:
-    if draft[0] != picked or gen.finish is not None:
-        return 0.0
-    spent = 0.0
-    previous = picked
-    for token, expected in zip(draft[1:], predicted):
-        # An allowed token that is the unmasked argmax is the masked argmax too.
-        if (token != expected or gen.finish is not None or gen.fork_wanted
-                or gen.pending != [previous]):
+def propose(prompt: Sequence[int], output: Sequence[int], k: int,
+            stop_ids: Collection[int], eos: Collection[int],
+            accepts: Callable[[list[int]], int] | None) -> list[int]:
+    """A draft of up to `k` tokens (empty: none) for a greedy row past its prefill:
+    trimmed to before any end-of-sequence or stop token id, and to what its controller
+    `accepts` (a wasm guest's next answer cannot be predicted: it accepts none). A row
+    with logit rules is checked under them (`penalties.draft_picks`)."""
+    draft = lookup(prompt, output, k)
+    for j, token in enumerate(draft):
+        if token in eos or token in stop_ids:
+            del draft[j:]
             break
-        # Ask again from the controller's current state: a segment may have ended
-        # (its guest decides what follows) since the draft was checked.
-        if gen.controller is not None and gen.controller.valid_prefix([token]) < 1:
-            break
-        gen.fed_draft_token()  # `previous` was fed in this pass as a draft token
-        spent += take(gen, token)
-        gen.stats.draft_tokens += 1
-        previous = token
-    return spent
+    if accepts is not None and draft:
+        del draft[accepts(draft):]
+    return draft if len(draft) >= 2 else []

@@ -1,26 +1,36 @@
-"""One generation in the engine (a line, one of its n samples, or a branch of a fork):
-its tokens, its cache row's fill, its controller and its stats."""
+"""One generation in the engine (a line, one of its n samples, a scored choice's row, or a
+branch of a fork): its tokens, its cache row's fill, its controller and its stats.
+
+The state of each feature that only some generations use is a small object owned by the
+module that changes it: a scored choice's (`scoring.ScoredChoice`), a forking line's
+sequence (`branches.Branch`), the prompt-lookup draft gate (`draft.DraftGate`), the stop
+scan (`stops.StopScan`), the logit rules (`penalties.LogitRules`).
+
+`finish` is set in one place, `finish_with`.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from aici_cli.control.base import Controller, Directive
+from aici_cli.engine.branches import Branch
+from aici_cli.engine.draft import DraftGate
 from aici_cli.engine.penalties import LogitRules
+from aici_cli.engine.scoring import ScoredChoice
+from aici_cli.engine.stops import StopScan
 from aici_cli.vocabulary.errors import ControllerError
 from aici_cli.vocabulary.job import Job
 from aici_cli.vocabulary.line_stats import LineStats, StepTimes, shared_pass_times
 
-if TYPE_CHECKING:
-    from aici_cli.engine.branches import LineBranches
 
-
-@dataclass
+@dataclass(frozen=True)
 class Finish:
     reason: str  # "stop" | "length" | "error"
     error: tuple[str, str] | None = None  # (type, message)
@@ -64,51 +74,45 @@ class Generation:
     pending: list[int] = field(default_factory=list)
     length: int = 0
     stats: LineStats = field(default_factory=LineStats)
-    steps: list[dict[str, Any]] | None = None
-    finish: Finish | None = None
+    steps: list[dict[str, Any]] | None = None  # --step-stats records
     group: SampleGroup | None = None  # set when the line asks for n > 1 samples
     sample: int = 0  # which of the group's samples
-    text_checked: int = 0  # chars of decoded output already searched for stop strings
-    # A scored choice: `prompt` is the line's prompt and the choice tokenized together,
-    # the choice's tokens start here; the row is read once, nothing is sampled.
-    score_from: int | None = None
-    choice: str = ""
-    logprob: float = 0.0
-    greedy: bool = True  # every choice token the most likely one (an empty choice: vacuously)
-    # A line whose choices are one token each after the same context: one row scores them
-    # all (`prompt` is the context and the first one); their tokens, and then their scores.
-    token_choices: list[int] | None = None
-    token_scores: list[tuple[float, bool]] | None = None
+    # The results of the line's earlier attempts (a relaxed schema's retries, retry.py).
+    earlier: list[dict[str, Any]] = field(default_factory=list)
     # With logprobs: one record per output token so far (None where none could be read).
     logprobs: list[dict[str, Any] | None] | None = None
     closing: bool = False  # finished, and took one more pass to read its last logprobs
     rules: LogitRules | None = None  # penalties, logit_bias, min_tokens (None: none)
-    ids_checked: int = 0  # output tokens already searched for stop_token_ids
-    stop_floor: int | None = None  # chars of the first min_tokens tokens' text (stop strings)
-    # The results of the line's earlier attempts (a relaxed schema's retries, retry.py).
-    earlier: list[dict[str, Any]] = field(default_factory=list)
-    # What the line's sequences share once its controller can fork (branches.py).
-    branches: LineBranches | None = None
-    path: tuple[int, ...] = ()  # the branch index taken at each fork so far
-    fork_floor: int = 0  # output tokens before the latest fork (shared with its siblings)
-    from_fork: bool = False  # made by a fork: the cache may hold its output's keys too
-    # Its controller asked to fork into this many branches during a step: the fork is
-    # made before the next plan (decisions.py), and no more tokens are taken until then.
-    fork_wanted: int = 0
-    # Prompt-lookup drafts (draft.py): extra tokens the recent draft passes brought (a
-    # running mean, optimistic at first), the output length at the last one, and how many
-    # passes in a row brought none.
-    draft_gain: float = 2.0
-    drafted_at: int = 0
-    draft_misses: int = 0
+    scored: ScoredChoice | None = None  # a scored choice's row: read once, never sampled
+    branch: Branch | None = None  # its line's sequences, once its controller can fork
+    draft: DraftGate = field(default_factory=DraftGate)
+    stops: StopScan = field(default_factory=StopScan)
+    _finish: Finish | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.pending = list(self.prompt)
         self.stats.prompt_tokens = len(self.prompt)
 
+    @property
+    def finish(self) -> Finish | None:
+        """How the generation ended (None: it goes on)."""
+        return self._finish
+
+    def finish_with(self, reason: str, error: tuple[str, str] | None = None,
+                    text_end: int | None = None) -> None:
+        """The one place a generation's end is set; a later call replaces it (a
+        controller that fails after it stopped ends with its error)."""
+        self._finish = Finish(reason, error, text_end)
+
+    @property
+    def forking(self) -> bool:
+        """Its controller asked for a fork that is not made yet (it takes no tokens)."""
+        return self.branch is not None and self.branch.wanted > 0
+
     def apply(self, directive: Directive) -> bool:
         """Apply a controller's directive: backtrack, then fast-forward tokens, within
-        max_tokens. Returns whether the output changed."""
+        max_tokens; a stop ends the generation with the directive's reason. Returns
+        whether the output changed."""
         if directive.backtrack:
             self.backtrack(directive.backtrack)
         ff_tokens = list(directive.ff_tokens)
@@ -116,8 +120,7 @@ class Generation:
                 and not self.pending and self.length > 0):
             # The first new token's logprob needs the logits after the last kept token,
             # which is in the cache: feed it again (same slot) so the pass reads them.
-            self.length -= 1
-            self.pending = [(self.prompt + self.output)[self.length]]
+            self._feed_last_again()
         budget = self.job.max_tokens - len(self.output)
         if len(ff_tokens) > budget:
             ff_tokens = ff_tokens[:budget]
@@ -125,13 +128,16 @@ class Generation:
         self.pending += ff_tokens
         self.stats.ff_tokens += len(ff_tokens)
         if directive.stop:
-            self.finish = Finish("stop")
+            self.finish_with(directive.finish)
         elif not self.pending and self.length > 0:
             # Everything is in the cache (a backtrack with nothing fast-forwarded): feed
             # the last token again so the next pass has logits for this row.
-            self.length -= 1
-            self.pending = [(self.prompt + self.output)[self.length]]
+            self._feed_last_again()
         return bool(directive.ff_tokens or directive.backtrack)
+
+    def _feed_last_again(self) -> None:
+        self.length -= 1
+        self.pending = [(self.prompt + self.output)[self.length]]
 
     def append(self, token: int) -> None:
         """A sampled token: in the output, and fed by the next pass."""
@@ -144,8 +150,8 @@ class Generation:
         st.forward_passes += 1
         if self.group is not None:
             self.group.passes[id(times)] = times
-        if self.branches is not None:
-            self.branches.passes[id(times)] = times
+        if self.branch is not None:
+            self.branch.line.passes[id(times)] = times
         st.forward_ms += times.forward_ms
         st.mask_ms += times.mask_ms
         st.sample_ms += times.sample_ms
@@ -185,11 +191,9 @@ class Generation:
         if self.rules is not None:
             self.rules.truncate(self.output, keep)
         del self.output[keep:]
-        self.ids_checked = min(self.ids_checked, keep)
-        self.stop_floor = None
+        self.stops.rewind(keep)  # the rewritten tail must be searched again
         if self.logprobs is not None:
             del self.logprobs[len(self.output) :]
-        self.text_checked = 0  # the rewritten tail must be searched for stop strings again
         from_pending = min(n, len(self.pending))
         del self.pending[len(self.pending) - from_pending :]
         self.length -= n - from_pending
@@ -198,35 +202,35 @@ class Generation:
         """The tokens whose keys a cache row may already hold before this generation's
         first pass: its prompt, or for a branch of a fork, its prompt and output (the
         tokens before the fork are in the forking row)."""
-        return self.prompt + self.output if self.from_fork else self.prompt
+        if self.branch is not None and self.branch.from_fork:
+            return self.prompt + self.output
+        return self.prompt
 
     def cache_limit(self) -> int:
         """Most of `cacheable()` the prefix cache may provide: all but the last token (fed
         for this row's own logits), or for a scored choice all before the choice's first
         token's predecessor (those logits are the score)."""
-        if self.score_from is not None:
-            return self.score_from - 1
+        if self.scored is not None:
+            return self.scored.start - 1
         return len(self.cacheable()) - 1
 
-    def branch(self, controller: Controller, generator: torch.Generator,
-               path: tuple[int, ...]) -> Generation:
+    def split(self, controller: Controller, generator: torch.Generator,
+              path: tuple[int, ...]) -> Generation:
         """A new branch of this generation at a fork: the same tokens so far (whose keys
         its row takes from this one's, `rows.py`), its own controller, sampler and stats.
-        It starts with this generation's clock, first-token time, logprobs and logit-rule
-        counts; its stats count its own work from the fork on."""
+        It starts with this generation's clock, first-token time, logprobs, logit-rule
+        counts and stop scan; its stats count its own work from the fork on."""
+        assert self.branch is not None
         branch = Generation(self.job, self.prompt, controller, generator, started=self.started,
                             group=self.group, sample=self.sample, earlier=self.earlier,
-                            branches=self.branches, path=path, fork_floor=len(self.output),
-                            from_fork=True)
+                            branch=self.branch.child(path))
         branch.output = list(self.output)
         branch.pending = self.prompt + branch.output
         branch.stats.ttft_ms = self.stats.ttft_ms
         branch.steps = [] if self.steps is not None else None
         branch.logprobs = list(self.logprobs) if self.logprobs is not None else None
         branch.rules = copy.deepcopy(self.rules)
-        branch.text_checked = self.text_checked
-        branch.ids_checked = self.ids_checked
-        branch.stop_floor = self.stop_floor
+        branch.stops = dataclasses.replace(self.stops)
         return branch
 
     def take_cached(self, n: int) -> None:

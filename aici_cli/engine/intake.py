@@ -1,18 +1,25 @@
 """Admission's per-line work: a line read ahead becomes a tokenized `Prepared`, an
 admitted one gets its controllers (or its scored choices' token sequences). A line that
-fails here becomes its own error result; the run goes on."""
+fails here becomes its own error result; the run goes on.
+
+A scored line's choices (scoring.py): the prompt and each choice are tokenized together,
+and the choice's tokens are those past the longest common prefix with the prompt's own
+tokens. A token that merges the end of the prompt with the start of the choice
+(" Paris" after "is") thus counts to the choice, scored given the prompt tokens before
+it, which is what the model sees when it writes the choice itself."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+
+import numpy as np
 
 from aici_cli.control.base import Controller
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.early_close import Closing
-from aici_cli.engine.rows import Prepared
-from aici_cli.engine.scoring import choice_sequences
+from aici_cli.engine.rows import Prepared, common_prefix
 from aici_cli.models.chat import render_prompt
 from aici_cli.models.load import LoadedModel
 from aici_cli.vocabulary.config import EngineConfig
@@ -34,6 +41,23 @@ def token_ids_problem(job: Job, vocab_size: int) -> str | None:
             return (f"field '{field}' has token id(s) {outside[:5]} outside the model's "
                     f"vocabulary (ids 0 to {vocab_size - 1})")
     return None
+
+
+def choice_sequences(tokenizer: Any, text: str, special: bool, context: Sequence[int],
+                     options: Sequence[str]) -> list[tuple[list[int], int]]:
+    """For each option: the ids of `text + option` tokenized together, and where the
+    option's tokens start in them (at least 1: something must predict the first)."""
+    ctx = np.asarray(context, dtype=np.int64)
+    out = []
+    for option in options:
+        ids = list(tokenizer(text + option, add_special_tokens=special)["input_ids"])
+        start = common_prefix(np.asarray(ids, dtype=np.int64), ctx)
+        if start == 0:
+            raise GrammarError("invalid_choices",
+                               f"choice {option!r} merges with the whole prompt's first token; "
+                               "it cannot be scored after it")
+        out.append((ids, start))
+    return out
 
 
 # The constraint kinds whose lines are closed at the limit and guarded against loops.

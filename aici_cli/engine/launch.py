@@ -9,15 +9,15 @@ import functools
 from collections.abc import Callable, Collection
 
 from aici_cli.control.line_scope import LineScope
-from aici_cli.engine.branches import LineBranches
+from aici_cli.engine.branches import Branch, LineBranches
 from aici_cli.engine.clock import Now, ms
 from aici_cli.engine.decisions import Decisions, Place
-from aici_cli.engine.generation import Finish, Generation, SampleGroup
+from aici_cli.engine.generation import Generation, SampleGroup
 from aici_cli.engine.intake import Emit, LineIntake
 from aici_cli.engine.penalties import LogitRules
 from aici_cli.engine.rows import Prepared
 from aici_cli.engine.sampling import row_generator
-from aici_cli.engine.scoring import shared_token_choices
+from aici_cli.engine.scoring import ScoredChoice, shared_token_choices
 from aici_cli.engine.trace_hooks import EngineTracer
 
 
@@ -53,7 +53,7 @@ class Launcher:
         for i, controller in enumerate(controllers):
             gen = Generation(job, line.prompt, controller, row_generator(job.seed, i),
                              started=self.now(), group=group, sample=i, earlier=line.earlier,
-                             branches=branches)
+                             branch=Branch(branches) if branches is not None else None)
             gen.stats.started_ms = ms(self.origin, gen.started)
             self.tracer().admitted(gen)  # trace hook
             gen.rules = LogitRules.of(job, line.prompt, self.eos)
@@ -85,17 +85,16 @@ class Launcher:
         if tokens is not None:  # one row scores them all
             ids, start = sequences[0]
             gen = Generation(job, ids, None, row_generator(job.seed, 0), started=self.now(),
-                             group=group, score_from=start, choice=options[0])
-            gen.token_choices = tokens
+                             group=group, scored=ScoredChoice(start, options[0], tokens))
             return [gen]
         waiting = []
         for i, (option, (ids, start)) in enumerate(zip(options, sequences)):
             gen = Generation(job, ids, None, row_generator(job.seed, i), started=self.now(),
-                             group=group, sample=i, score_from=start, choice=option)
+                             group=group, sample=i, scored=ScoredChoice(start, option))
             gen.stats.started_ms = ms(self.origin, gen.started)
             self.tracer().admitted(gen)  # trace hook
             if start == len(ids):  # an empty choice: nothing to score
-                gen.finish = Finish("stop")
+                gen.finish_with("stop")
                 finish(gen)
             else:
                 waiting.append(gen)

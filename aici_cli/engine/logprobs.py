@@ -20,12 +20,9 @@ from typing import Any
 import torch
 
 from aici_cli.engine.generation import Generation
+from aici_cli.engine.sampling import log_softmax
 
 TokenBytes = Callable[[int], bytes]
-
-
-def log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def entry(logprobs: torch.Tensor, token: int, k: int, token_bytes: TokenBytes) -> dict[str, Any]:

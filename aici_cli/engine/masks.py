@@ -5,20 +5,36 @@ llguidance matcher (built-in grammars, wasm grammar segments) are filled in one 
 call; other controllers fill their own row. Applying means `masked_fill` with -inf where
 a token is disallowed: the words are complemented and unpacked in one pass over [b, V]
 (about 0.5 ms a row at V=262k; cheaper than unpacking, then comparing).
+
+This is the one place the model runner calls into a row's controller: through the
+narrow `MaskSource` view the plan gives it (the controller's `matcher`, `fill_mask` and
+`matcher_fault`), on the mask worker thread, beside the forward pass. It never sees a
+generation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import llguidance
 import numpy as np
 import torch
 
-from aici_cli.control.base import Controller, Directive
-from aici_cli.engine.generation import Generation
+from aici_cli.control.base import Directive
 from aici_cli.vocabulary.errors import ControllerError
+
+
+class MaskSource(Protocol):
+    """What fills a row's mask: the part of `control.base.Controller` a step calls while
+    it runs (on the mask worker thread)."""
+
+    def matcher(self) -> llguidance.LLMatcher | None: ...
+
+    def fill_mask(self, out: torch.Tensor) -> bool | Directive: ...
+
+    def matcher_fault(self) -> ControllerError: ...
 
 
 def controller_fault(e: Exception) -> tuple[str, str]:
@@ -48,24 +64,25 @@ class TokenMasks:
         self.bitmask = torch.zeros((rows, self.words), dtype=torch.int32)
         self.executor = llguidance.LLExecutor()
 
-    def fill(self, rows: Sequence[int], gens: Sequence[Generation | None]) -> MaskVerdict:
-        """Runs in the worker thread, beside the forward pass. Everything by position in
-        `rows`: the disallowed tokens, the controllers that failed, and the rows whose
-        controller answered with a directive instead of a mask."""
+    def fill(self, rows: Sequence[int], sources: Sequence[MaskSource | None]) -> MaskVerdict:
+        """Runs in the worker thread, beside the forward pass. `sources[k]` fills row
+        `rows[k]`'s mask (None: the row is not masked). Everything by position in `rows`:
+        the disallowed tokens, the controllers that failed, and the rows whose controller
+        answered with a directive instead of a mask."""
         failed: dict[int, ControllerError] = {}
         deferred: dict[int, Directive] = {}
         grammar: list[tuple[llguidance.LLMatcher, int]] = []
-        grammar_k: list[tuple[int, Controller]] = []
-        custom: list[tuple[int, int, Controller]] = []
-        for k, (row, gen) in enumerate(zip(rows, gens)):
-            if gen is None or gen.controller is None or gen.finish is not None:
+        grammar_k: list[tuple[int, MaskSource]] = []
+        custom: list[tuple[int, int, MaskSource]] = []
+        for k, (row, source) in enumerate(zip(rows, sources)):
+            if source is None:
                 continue
-            matcher = gen.controller.matcher()
+            matcher = source.matcher()
             if matcher is not None:  # filled in parallel with the others
                 grammar.append((matcher, row))
-                grammar_k.append((k, gen.controller))
+                grammar_k.append((k, source))
             else:
-                custom.append((k, row, gen.controller))
+                custom.append((k, row, source))
         if not grammar and not custom:
             return MaskVerdict(None, failed, deferred)
         if grammar:

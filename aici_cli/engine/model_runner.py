@@ -1,10 +1,13 @@
-"""The model runner: a `StepPlan` in, a `StepOutput` out. It runs the pass, fills and
-applies the token masks, applies the lines' logit rules and samples; it touches no
-scheduling state (rows, queues) and hands no token to a controller (update.py does).
+"""The model runner: a `StepPlan` in, a `StepOutput` out. It owns the KV cache and the
+forward pass; it makes the plan's prefix copies, runs the pass, fills and applies the
+token masks, applies the lines' logit rules and samples. It reads the plan's data only:
+it touches no scheduling state (rows, queues), sees no generation and hands no token to
+a controller (the scheduler's update does).
 
-Within a step (times in `StepClock` marks):
+Within a step (times in `StepClock` marks, from the plan's start):
   1. the masks are filled in a worker thread, beside the forward pass: they depend only on
-     tokens already known (llguidance and torch release the GIL);
+     tokens already known (llguidance and torch release the GIL); this is the one call
+     into controllers, through `masks.MaskSource`;
   2. one packed forward pass over the plan's span (passes.py);
   3. the penalties, `logit_bias` and `min_tokens` hold of rows that set them, then the
      masks, in place (`penalties.py`, `masks.py`);
@@ -13,30 +16,41 @@ Within a step (times in `StepClock` marks):
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from aici_cli.engine.cache import RowCache
-from aici_cli.engine.clock import StepClock
-from aici_cli.engine.generation import Generation
-from aici_cli.engine.logprobs import log_softmax
+from aici_cli.engine.clock import Now, StepClock
 from aici_cli.engine.masks import MaskVerdict, TokenMasks, apply_masks
-from aici_cli.engine.passes import ModelPass
+from aici_cli.engine.passes import ModelPass, PassOutput
+from aici_cli.engine.penalties import LogitRules, draft_picks, rules_before_masks
 from aici_cli.engine.plan import StepOutput, StepPlan
-from aici_cli.engine.sampling import sample
-from aici_cli.engine.step_rules import checked_draft_picks, rules_before_masks
+from aici_cli.engine.sampling import Draw, log_softmax, sample
 from aici_cli.models.load import LoadedModel
 from aici_cli.vocabulary.config import EngineConfig
 from aici_cli.vocabulary.errors import ControllerError
 
 
 class ModelRunner:
-    def __init__(self, lm: LoadedModel, cache: RowCache, config: EngineConfig) -> None:
+    def __init__(self, lm: LoadedModel, cache: RowCache, config: EngineConfig,
+                 now: Now) -> None:
+        self.cache = cache
         self.model_pass = ModelPass(lm, cache, config.deterministic, config.compile)
         self.masks = TokenMasks(config.batch_size, lm.vocab_size)
         self.masked_logprobs = config.logprobs_mode == "masked"
+        self.now = now
         self.pool: ThreadPoolExecutor | None = None  # the mask worker, for one run
+
+    @property
+    def compiles(self) -> bool:
+        """Whether one-token steps may run compiled (`--compile` on or auto, supported)."""
+        return self.model_pass.decode.compiled is not None
+
+    def runs_compiled(self) -> bool:
+        """Whether one-token steps run compiled now (for `auto`: once it chose to)."""
+        return self.model_pass.decode.chosen
 
     def open(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aici-mask")
@@ -46,45 +60,47 @@ class ModelRunner:
             self.pool.shutdown(wait=True)
             self.pool = None
 
-    def execute(self, plan: StepPlan, clock: StepClock) -> StepOutput:
+    def execute_model(self, plan: StepPlan) -> StepOutput:
         assert self.pool is not None, "open() first"
-        gens = list(plan.gens)
+        clock = StepClock(self.now, plan.started)
+        for src, dst, n in plan.copies:  # before the pass: it reads those keys
+            self.cache.copy_prefix(src, dst, n)
+        b = len(plan.span)
         drafts = [list(d) for d in plan.drafts]  # a pass out of memory drops them
-        masks = self.pool.submit(self.masks.fill, plan.span, gens)  # overlaps the pass
+        masks = self.pool.submit(self.masks.fill, plan.span, plan.masks)  # beside the pass
         clock.mark("forward")
-        passed = self.model_pass.run(plan.first_row, gens, drafts, list(plan.offsets),
-                                     plan.steps_ahead, plan.rows_bound)
+        passed = self.model_pass.run(plan.first_row, plan.lengths, plan.chunks, drafts,
+                                     plan.offsets, plan.steps_ahead, plan.rows_bound)
         clock.mark("forwarded")
         verdict = _verdict(masks.result(), passed.out_of_memory)
         clock.mark("masks_ready")
-        logits = passed.next_token_logits(len(gens))
-        raw_logprobs = self._next_logprobs(logits, gens, masked=False)
-        logits = rules_before_masks(logits, gens, verdict)
+        logits = passed.next_token_logits(b)
+        raw_logprobs = self._next_logprobs(logits, plan.logprobs, masked=False)
+        logits = rules_before_masks(logits, plan.rules, plan.outputs,
+                                    verdict.deferred.keys() | verdict.failed.keys(),
+                                    verdict.disallowed)
         greedy = apply_masks(logits, verdict)  # the failed rows now include empty masks
-        next_logprobs = self._next_logprobs(logits, gens, masked=True) or raw_logprobs
+        next_logprobs = self._next_logprobs(logits, plan.logprobs, masked=True) or raw_logprobs
         clock.mark("masked")
-        real = [k for k, g in enumerate(gens) if g is not None and k not in verdict.deferred
-                and k not in verdict.failed and k not in plan.scoring and k not in plan.closing]
-        picked = _sample(logits, greedy.tolist(), real, gens)
+        real = [k for k, d in enumerate(plan.draws) if d is not None
+                and k not in verdict.deferred and k not in verdict.failed]
+        picked = _sample(logits, greedy.tolist(), real, plan.draws)
         clock.mark("sampled")
         times = clock.times(plan.kind, rows=len(real), tokens=plan.fed)
-        # Before any token is handed over: the outputs are those the pass saw.
-        live = [None if k in verdict.failed else g for k, g in enumerate(gens)]
-        predicted = (checked_draft_picks(passed, live, drafts, len(gens)) if any(drafts)
-                     else [])
-        return StepOutput(passed, times, verdict.failed, verdict.deferred,
+        predicted = (checked_draft_picks(passed, plan.rules, plan.outputs, drafts, b,
+                                         verdict.failed) if any(drafts) else [])
+        return StepOutput(passed, clock, times, verdict.failed, verdict.deferred,
                           list(zip(real, picked)), next_logprobs, drafts, predicted,
                           self.model_pass.fits)
 
-    def _next_logprobs(self, logits: torch.Tensor, gens: list[Generation | None],
+    def _next_logprobs(self, logits: torch.Tensor, rows: Collection[int],
                        masked: bool) -> dict[int, torch.Tensor]:
         """Log-softmax of the next-token logits of the rows that want logprobs, taken
         before the masks apply (`masked` False) or after, as the run's mode says; {} at
         the other moment."""
         if masked != self.masked_logprobs:
             return {}
-        return {k: log_softmax(logits[k]) for k, g in enumerate(gens)
-                if g is not None and g.logprobs is not None and g.score_from is None}
+        return {k: log_softmax(logits[k]) for k in sorted(rows)}
 
 
 def _verdict(verdict: MaskVerdict, out_of_memory: list[int]) -> MaskVerdict:
@@ -98,10 +114,32 @@ def _verdict(verdict: MaskVerdict, out_of_memory: list[int]) -> MaskVerdict:
 
 
 def _sample(logits: torch.Tensor, greedy: list[int], real: list[int],
-            gens: list[Generation | None]) -> list[int]:
+            draws: Sequence[Draw | None]) -> list[int]:
     """One token for each row in `real` (greedy, or seeded temperature with min-p, top-k
     and top-p)."""
-    chosen = [g for g in (gens[k] for k in real) if g is not None]
-    return sample(logits, greedy, real, [g.job.temperature for g in chosen],
-                  [g.job.top_p for g in chosen], [g.generator for g in chosen],
-                  top_ks=[g.job.top_k for g in chosen], min_ps=[g.job.min_p for g in chosen])
+    chosen = [d for d in (draws[k] for k in real) if d is not None]
+    return sample(logits, greedy, real, [d.temperature for d in chosen],
+                  [d.top_p for d in chosen], [d.generator for d in chosen],
+                  top_ks=[d.top_k for d in chosen], min_ps=[d.min_p for d in chosen])
+
+
+def checked_draft_picks(out: PassOutput, rules: Sequence[LogitRules | None],
+                        outputs: Sequence[int], drafts: Sequence[Sequence[int]], b: int,
+                        failed: Collection[int]) -> list[int]:
+    """`PassOutput.draft_picks`, with the picks of rows that have rules (and did not
+    fail) taken under them (`penalties.draft_picks`), so drafts check against the
+    penalised argmax."""
+    picks = out.draft_picks(b)
+    ruled = [k for k, r in enumerate(rules) if r is not None and drafts[k] and k not in failed]
+    if not ruled:
+        return picks
+    spans = [(out.draft_at(k, b), len(drafts[k]) - 1) for k in ruled]
+    # A copy: the raw rows still give the draft tokens' logprobs.
+    logits = torch.cat([out.every[b + at : b + at + n] for at, n in spans]).float()
+    chosen = [r for r in (rules[k] for k in ruled) if r is not None]
+    new = draft_picks(logits, chosen, [drafts[k] for k in ruled], [outputs[k] for k in ruled])
+    i = 0
+    for at, n in spans:
+        picks[at : at + n] = new[i : i + n]
+        i += n
+    return picks

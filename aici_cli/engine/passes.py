@@ -16,7 +16,6 @@ import torch
 from aici_cli.engine.attention import invariant_pass
 from aici_cli.engine.cache import RowCache
 from aici_cli.engine.compiled import DecodeSteps
-from aici_cli.engine.generation import Generation
 from aici_cli.engine.inputs import AttentionLayout, Readout, build_inputs, forward
 from aici_cli.engine.invariant import install as install_tiled_linears
 from aici_cli.models.load import LoadedModel
@@ -39,7 +38,7 @@ class PassOutput:
 
     every: torch.Tensor
     extra_at: list[int]
-    scored: list[list[int]]
+    scored: Sequence[Sequence[int]]
     out_of_memory: list[int]
 
     def next_token_logits(self, b: int) -> torch.Tensor:
@@ -76,25 +75,25 @@ class ModelPass:
             install_tiled_linears(lm.model, invariant_pass)
         self.decode = DecodeSteps(compile, lm.model, cache, cache.rows, lm.device, invariant)
 
-    def run(self, first_row: int, gens: Sequence[Generation | None],
-            drafts: list[list[int]], scored: list[list[int]] | None = None,
+    def run(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
+            drafts: list[list[int]], scored: Sequence[Sequence[int]] | None = None,
             steps_ahead: int = 0, rows_bound: int = 0) -> PassOutput:
-        """Each row feeds its pending tokens and its draft but its last token (a draft d
-        is checked against the logits after d[0..-2]: its last token needs no pass of
-        its own). `scored[i]`: offsets in row i's pending tokens (before the last) whose
-        logits it needs too. Out of memory, `drafts` is cleared and the pass retried
-        without. `steps_ahead`: a bound of the one-token steps still to come (whether
-        compiling the decode step pays, compiled.py); `rows_bound`: of the rows the run
-        can still occupy (0: unknown, every row)."""
-        lengths = [g.length if g is not None else 0 for g in gens]
-        chunks = [g.pending if g is not None else [] for g in gens]
-        scored = scored if scored is not None else [[] for _ in gens]
+        """Row `first_row + i`, whose cache holds `lengths[i]` tokens, feeds `chunks[i]`
+        (empty: it sits the pass out) and its draft but its last token (a draft d is
+        checked against the logits after d[0..-2]: its last token needs no pass of its
+        own). `scored[i]`: offsets in row i's chunk (before the last) whose logits it
+        needs too. Out of memory, `drafts` is cleared and the pass retried without.
+        `steps_ahead`: a bound of the one-token steps still to come (whether compiling
+        the decode step pays, compiled.py); `rows_bound`: of the rows the run can still
+        occupy (0: unknown, every row)."""
+        b = len(chunks)
+        scored = scored if scored is not None else [() for _ in chunks]
         if not any(drafts) and not any(scored) and all(len(c) <= 1 for c in chunks):
             one = self._one_token(first_row, lengths, chunks, steps_ahead, rows_bound)
             if one is not None:
-                return PassOutput(self._vocab(one), [len(gens)] * len(gens), scored, [])
+                return PassOutput(self._vocab(one), [b] * b, scored, [])
         if any(drafts):
-            fed = [c + d[:-1] for c, d in zip(chunks, drafts)]
+            fed = [[*c, *d[:-1]] for c, d in zip(chunks, drafts)]
             readouts = [_readout(len(c), s, len(d)) for c, s, d in zip(chunks, scored, drafts)]
             try:
                 self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
@@ -110,7 +109,7 @@ class ModelPass:
         logits, extra_at, out_of_memory = self._forward(first_row, lengths, chunks, readouts)
         return PassOutput(self._vocab(logits), extra_at, scored, out_of_memory)
 
-    def _one_token(self, first_row: int, lengths: list[int], chunks: list[list[int]],
+    def _one_token(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
                    steps_ahead: int, rows_bound: int) -> torch.Tensor | None:
         """The compiled step's logits [b, V] for a pass where every row feeds at most one
         token, or None to run it eagerly (not compiled, or out of memory)."""
@@ -120,7 +119,7 @@ class ModelPass:
         compiling = step.bucket(first_row + len(chunks), rows_bound) not in step.compile_s
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
-            return step.run(first_row, lengths, [c[0] if c else None for c in chunks],
+            return step.run(first_row, list(lengths), [c[0] if c else None for c in chunks],
                             rows_bound)
         except Exception as e:
             if is_out_of_memory(e):
@@ -137,7 +136,7 @@ class ModelPass:
         v = self.lm.vocab_size
         return logits[:, :v] if logits.shape[-1] > v else logits
 
-    def _forward(self, first_row: int, lengths: list[int], chunks: list[list[int]],
+    def _forward(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
                  readouts: list[Readout | None]) -> tuple[torch.Tensor, list[int], list[int]]:
         """One packed pass: the logits of each row's readout positions (next tokens [b, V],
         then the extras from `extra_at`), and the rows that could not run even alone for
@@ -169,7 +168,8 @@ class ModelPass:
             logits[extra_at[k] : extra_at[k] + n] = parts[1][0][extra_at[k] : extra_at[k] + n]
         return logits, extra_at, parts[0][2] + parts[1][2]
 
-    def _alone_out_of_memory(self, chunks: list[list[int]], readouts: list[Readout | None],
+    def _alone_out_of_memory(self, chunks: Sequence[Sequence[int]],
+                             readouts: Sequence[Readout | None],
                              active: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
         b = len(chunks)
         extra_at, total = [], b

@@ -12,7 +12,9 @@ the model's dtype is narrower, as vLLM does).
 
 Drafts stay exact: a draft token is checked against the argmax of its position's logits
 under the same rules, with the counts of the output followed by the draft tokens before
-it (`draft_picks`). A step applies them to its rows in `step_rules.py`.
+it (`draft_picks`). A step applies them to its rows before their masks
+(`rules_before_masks`), from the plan's data: each row's rules (None: none, or the row is
+not sampled), synced with its output when the plan was made, and its output's length.
 """
 
 from __future__ import annotations
@@ -170,3 +172,29 @@ def draft_picks(logits: torch.Tensor, rules: Sequence[LogitRules],
             hold.append(length + j + 1 < r.min_tokens)
     apply_rules(logits, range(len(flat_rules)), flat_rules, extra, hold)
     return logits.argmax(dim=-1).tolist()
+
+
+def rules_before_masks(logits: torch.Tensor, rules: Sequence[LogitRules | None],
+                       outputs: Sequence[int], skip: Collection[int],
+                       disallowed: torch.Tensor | None) -> torch.Tensor:
+    """A step's rules on the rows whose line sets them (but those in `skip`: failed, or
+    answered with a directive), before the masks `disallowed` ([b, V] bool, True:
+    disallowed; None: none) apply: returns the logits [b, V] to mask and sample from,
+    widened to float32 when a row has rules (the others' argmax is unchanged: widening
+    is exact), `logits` itself when none has."""
+    if not any(r is not None for r in rules):
+        return logits
+    ks, ruled, hold = [], [], []
+    for k, r in enumerate(rules):
+        if r is None or k in skip:
+            continue
+        ks.append(k)
+        ruled.append(r)
+        # A constraint that allows nothing but an ending token ends the line there.
+        hold.append(outputs[k] < r.min_tokens and not (
+            disallowed is not None and only_held_allowed(disallowed[k], r.held)))
+    if not ks:
+        return logits
+    logits = logits.float()  # a copy from a narrower dtype; else in place, as masks are
+    apply_rules(logits, ks, ruled, None, hold)
+    return logits

@@ -1,9 +1,13 @@
 """What passes between the three parts of a step: the scheduler's `StepPlan` (who feeds
 what), the model runner's `StepOutput` (what the pass and the sampler made of it). The
-update applies an output to the plan's generations (update.py).
+scheduler applies an output to the generations it planned (`Scheduler.update_from_output`).
 
-Everything is by *position*: position k of a step is cache row `span[k]`, and `gens[k]`
-is the generation feeding there (None: an idle row, or a new one waiting a pass).
+Everything is by *position*: position k of a step is cache row `span[k]`. The plan is
+data: token ids, lengths, positions to read, how to sample; the runner never sees a
+generation. Two kinds of live object ride along, each behind a narrow interface: a row's
+mask source (its controller's `masks.MaskSource` side, called on the mask worker) and its
+random stream (`sampling.Draw.generator`, advanced by the sampler); its logit rules
+(`penalties.LogitRules`) are read only.
 """
 
 from __future__ import annotations
@@ -13,25 +17,43 @@ from dataclasses import dataclass, field
 import torch
 
 from aici_cli.control.base import Directive
-from aici_cli.engine.generation import Generation
+from aici_cli.engine.clock import StepClock
+from aici_cli.engine.masks import MaskSource
 from aici_cli.engine.passes import PassOutput
+from aici_cli.engine.penalties import LogitRules
+from aici_cli.engine.sampling import Draw
 from aici_cli.vocabulary.errors import ControllerError
 from aici_cli.vocabulary.line_stats import StepTimes
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step, decided before the pass. `drafts[k]`: the prompt-lookup draft row k feeds
-    (empty: none); `offsets[k]`: offsets in its pending tokens whose logits it needs too
-    (a scored choice's, or fast-forwarded tokens' for raw logprobs). `scoring` rows are
-    read, not sampled; `closing` rows finished and take one more pass for the logprobs of
-    their last fast-forwarded tokens. `steps_ahead` bounds the one-token steps still to
-    come (whether compiling the decode step pays); `rows_bound` the rows (below)."""
+    """One step, decided before the pass.
+
+    Per position k: `lengths[k]` tokens are in row `span[k]`'s cache; it feeds `chunks[k]`
+    (empty: it sits the pass out) and its prompt-lookup draft `drafts[k]` (empty: none);
+    `offsets[k]` are offsets in its chunk whose logits it needs too (a scored choice's, or
+    fast-forwarded tokens' for raw logprobs); `draws[k]` is how it samples (None: it does
+    not: it sits out, is a scored choice, or takes its closing pass); `masks[k]` fills its
+    mask (None: unconstrained, or not sampled); `rules[k]` its logit rules (synced with its
+    output, `outputs[k]` tokens long). `copies` are prefix copies `(src, dst, n)` to make,
+    in order, before the pass (`rows.RowTable.take_part`). `logprobs`: rows that read the
+    next token's log-softmax; `scoring` rows are read, not sampled; `closing` rows finished
+    and take one more pass for the logprobs of their last fast-forwarded tokens.
+    `steps_ahead` bounds the one-token steps still to come (whether compiling the decode
+    step pays); `rows_bound` the rows (below). `started`: the step's clock start."""
 
     span: tuple[int, ...]  # the cache rows of the pass, consecutive
-    gens: tuple[Generation | None, ...]
-    drafts: tuple[list[int], ...]
-    offsets: tuple[list[int], ...]
+    lengths: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...]
+    copies: tuple[tuple[int, int, int], ...]
+    drafts: tuple[tuple[int, ...], ...]
+    offsets: tuple[tuple[int, ...], ...]
+    draws: tuple[Draw | None, ...]
+    masks: tuple[MaskSource | None, ...]
+    rules: tuple[LogitRules | None, ...]
+    outputs: tuple[int, ...]
+    logprobs: frozenset[int]
     scoring: frozenset[int]
     closing: frozenset[int]
     kind: str  # "prefill" (a row feeds its prompt) | "decode"
@@ -41,6 +63,7 @@ class StepPlan:
     # (the input is read to its end and nothing waits), else every row. The compiled
     # step's graph on CPU is sized by it (compiled.py): a one-line run computes one row.
     rows_bound: int = 0
+    started: float = 0.0
 
     @property
     def first_row(self) -> int:
@@ -56,9 +79,12 @@ class StepOutput:
     sampled, in position order. `next_logprobs`: log-softmax of the next-token logits of
     the rows that want logprobs (raw or masked, as the run's mode says). `predicted[j]`:
     the model's pick after the j-th draft position (see `PassOutput.draft_at`). `fits`:
-    rows that may run at once from now on (lowered when a pass ran out of memory)."""
+    rows that may run at once from now on (lowered when a pass ran out of memory).
+    `clock`: the step's marks so far; `times` its timings (the update adds the
+    controllers' and the step's own)."""
 
     passed: PassOutput
+    clock: StepClock
     times: StepTimes
     failed: dict[int, ControllerError]
     deferred: dict[int, Directive]

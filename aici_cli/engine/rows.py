@@ -1,5 +1,6 @@
-"""Row bookkeeping: which generation holds each cache row, who waits for one, which keys a
-row still holds for the next line, and who takes part in the next pass.
+"""Row bookkeeping: which generation holds each cache row, which keys a row still holds
+for the next line, which row a generation gets, and who takes part in the next pass.
+The queues (who waits for a row, the lines read ahead) are the scheduler's.
 
 Row i of the table is row i of the KV cache. A finished generation's row is released at
 once and refilled at the next admission (continuous batching).
@@ -7,32 +8,32 @@ once and refilled at the next admission (continuous batching).
 Prefix cache. A released row keeps its keys until it is overwritten, so a new line whose
 prompt starts like the tokens a row holds (a shared few-shot prefix, a system prompt, the
 same prompt for `n` samples) takes those keys instead of recomputing them: in place when
-it is given that row, otherwise copied (`RowCache.copy_prefix`, exact: slot s holds
-position s in every row). The index is a scan over the rows, not a radix tree or block
-hashes: the cache holds one sequence per row, at most `batch_size` of them, and comparing a
-prompt with each is a vectorized compare of microseconds; a tree pays off only when many
-more cached sequences than rows are kept (a paged cache).
+it is given that row, otherwise copied (the plan names the copy; the model runner makes
+it with `RowCache.copy_prefix` before the pass, exact: slot s holds position s in every
+row). The index is a scan over the rows, not a radix tree or block hashes: the cache
+holds one sequence per row, at most `batch_size` of them, and comparing a prompt with
+each is a vectorized compare of microseconds; a tree pays off only when many more cached
+sequences than rows are kept (a paged cache).
 
 Forks use the same path: a new branch of a fork is a generation whose prompt and output
 so far are the forking row's tokens (`Generation.cacheable`), so its first pass takes
 their keys from that row (or, if it waited, from the row that kept them) and feeds only
 the tokens the forking row had not fed yet: nothing before the fork is computed again.
 
-Admission reads up to `lookahead` lines ahead (bounded, so a 10 GB stdin still streams),
-prefers the lines whose prefix is cached, and gives each the idle row whose keys serve it
-best, evicting the idle row whose keys serve the waiting lines least.
+The scheduler's admission reads up to `lookahead` lines ahead (bounded, so a 10 GB stdin
+still streams); the table picks the one whose prefix is cached (`next_line`) and gives
+each generation the idle row whose keys serve it best, evicting the idle row whose keys
+serve the waiting lines least (`place`).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from aici_cli.engine.cache import RowCache
 from aici_cli.engine.generation import Generation
 from aici_cli.vocabulary.job import Job
 
@@ -71,27 +72,20 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
+Copy = tuple[int, int, int]  # (src, dst, n): row dst takes row src's first n slots
+
+
 class RowTable:
-    def __init__(self, size: int, cache: RowCache, prefix_cache: bool = True,
-                 lookahead: int = 64) -> None:
-        self.cache = cache
+    def __init__(self, size: int, prefix_cache: bool = True) -> None:
         self.prefix_cache = prefix_cache
-        self.lookahead = max(1, lookahead)
         self.gens: list[Generation | None] = [None] * size
         # Tokens whose keys an idle row still holds (valid until it is overwritten).
         self.held: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(size)]
-        # Generations of admitted lines (their n samples) still waiting for a free row.
-        self.waiting: deque[Generation] = deque()
-        # Lines read ahead, not yet admitted, in input order.
-        self.ahead: list[Prepared] = []
         # When each row was last released (a counter): the eviction's tie-break.
         self.released_at = [0] * size
         self._releases = 0
         # Rows that may run at once; lowered when a pass runs out of memory.
         self.live_cap = size
-
-    def __iter__(self) -> Iterator[Generation | None]:
-        return iter(self.gens)
 
     def busy(self) -> bool:
         return any(g is not None for g in self.gens)
@@ -115,25 +109,9 @@ class RowTable:
         """Whether a row could take a generation now."""
         return self.live() < self.live_cap and None in self.gens
 
-    def wants_more(self) -> bool:
-        """Whether reading another line ahead is useful now."""
-        return len(self.ahead) < self.lookahead
-
-    def admit(self, launch: Callable[[Prepared], list[Generation]],
-              new_lines: bool = True) -> None:
-        """Fill idle rows, first with waiting samples, then (if `new_lines`) with lines
-        read ahead, those with the longest cached prefix first, up to `live_cap` rows in
-        all. `launch` builds a line's generations (none when it already has its result)."""
-        live = self.live()
-        while live < self.live_cap and None in self.gens:
-            if not self.waiting:
-                if not new_lines or not self.ahead:
-                    return
-                self.waiting.extend(launch(self.ahead.pop(self._next_line())))
-                continue
-            gen = self.waiting.popleft()
-            self.gens[self._row_for(np.asarray(gen.cacheable(), dtype=np.int64))] = gen
-            live += 1
+    def place(self, gen: Generation, ahead: Sequence[Prepared]) -> None:
+        """Give `gen` the idle row that serves it best (`row_for`)."""
+        self.gens[self.row_for(np.asarray(gen.cacheable(), dtype=np.int64), ahead)] = gen
 
     def _rows_tokens(self) -> list[np.ndarray]:
         """What each row's cache holds now: a live generation's fed tokens, or an idle
@@ -146,20 +124,21 @@ class RowTable:
                 out.append(np.asarray((gen.prompt + gen.output)[: gen.length], dtype=np.int64))
         return out
 
-    def _next_line(self) -> int:
-        """Index in `ahead` of the line to admit next: the longest cached prefix, the
-        earliest line among equals (input order when nothing is cached)."""
-        if not self.prefix_cache or len(self.ahead) == 1:
+    def next_line(self, ahead: Sequence[Prepared]) -> int:
+        """Index in `ahead` (lines read ahead) of the line to admit next: the longest
+        cached prefix, the earliest line among equals (input order when nothing is
+        cached)."""
+        if not self.prefix_cache or len(ahead) == 1:
             return 0
         rows = self._rows_tokens()
         best, best_n = 0, -1
-        for i, line in enumerate(self.ahead):
+        for i, line in enumerate(ahead):
             n = max((common_prefix(line.tokens, held) for held in rows), default=0)
             if n > best_n:
                 best, best_n = i, n
         return best
 
-    def _row_for(self, prompt: np.ndarray) -> int:
+    def row_for(self, prompt: np.ndarray, ahead: Sequence[Prepared]) -> int:
         """The idle row a new generation goes to: the one whose kept keys share the most
         with its prompt (they are reused in place); when none shares any, eviction: the
         one whose keys serve the lines read ahead least (by the tokens they would save),
@@ -174,7 +153,7 @@ class RowTable:
             return idle[shared.index(max(shared))]
 
         def value(row: int) -> tuple[int, int]:
-            saves = max((common_prefix(line.tokens, self.held[row]) for line in self.ahead),
+            saves = max((common_prefix(line.tokens, self.held[row]) for line in ahead),
                         default=0)
             return saves, self.released_at[row]
 
@@ -182,22 +161,24 @@ class RowTable:
 
     # ---------------------------------------------------------------------- the pass
 
-    def take_part(self) -> tuple[list[int], list[Generation | None]]:
-        """The span of live rows, and the generation of each row taking part in this pass
+    def take_part(self) -> tuple[list[int], list[Generation | None], list[Copy]]:
+        """The span of live rows, the generation of each row taking part in this pass
         (None: idle, or a new row that waits: for the prefill budget, or for a row of this
-        pass that computes keys it can copy next pass). A new row first takes the longest
-        prefix of its prompt that any row's cache holds."""
+        pass that computes keys it can copy next pass), and the prefix copies to make
+        before the pass, in order. A new row first takes the longest prefix of its prompt
+        that any row's cache holds."""
         live = [i for i, g in enumerate(self.gens) if g is not None]
         rows = list(range(live[0], live[-1] + 1))
         gens = [self.gens[i] for i in rows]
         budget = PREFILL_TOKENS_PER_PASS
         prefilling: list[np.ndarray] = []  # prompts new rows of this pass compute
+        copies: list[Copy] = []
         for k, gen in enumerate(gens):
             if gen is None or gen.stats.forward_passes > 0:
                 continue
             prompt = np.asarray(gen.cacheable(), dtype=np.int64)
             if self.prefix_cache:
-                cached = self._take_cached(rows[k], gen, prompt)
+                cached = self._take_cached(rows[k], gen, prompt, copies)
                 soon = max((common_prefix(prompt, p) for p in prefilling), default=0)
                 gain = min(soon, gen.cache_limit()) - cached
                 if gain > 0 and gain >= min(WAIT_MIN_TOKENS, gen.cache_limit()):
@@ -208,12 +189,14 @@ class RowTable:
                 continue
             budget -= len(gen.pending)
             prefilling.append(prompt)
-        return rows, gens
+        return rows, gens, copies
 
-    def _take_cached(self, row: int, gen: Generation, prompt: np.ndarray) -> int:
+    def _take_cached(self, row: int, gen: Generation, prompt: np.ndarray,
+                     copies: list[Copy]) -> int:
         """Give the new generation in `row` the longest prefix of its prompt that a row's
-        cache holds (its own row's kept keys in place, another row's copied), but at least
-        its last prompt token to feed, for its own next-token logits. Returns its length."""
+        cache holds (its own row's kept keys in place, another row's copied: added to
+        `copies`), but at least its last prompt token to feed, for its own next-token
+        logits. Returns its length."""
         best_row, best = row, 0
         for other, tokens in enumerate(self._rows_tokens()):
             # Its own row: the keys kept there, or already taken in place.
@@ -223,7 +206,7 @@ class RowTable:
         best = min(best, gen.cache_limit())
         if best > gen.length:
             if best_row != row:
-                self.cache.copy_prefix(best_row, row, best)
+                copies.append((best_row, row, best))
             gen.take_cached(best)
         self.held[row] = np.zeros(0, dtype=np.int64)  # the live generation defines it now
         return gen.length

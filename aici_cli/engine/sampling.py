@@ -9,6 +9,7 @@ then turned into a token by inverse-CDF over the row's (filtered) distribution, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,6 +32,23 @@ def branch_generator(seed: int, sample: int, path: tuple[int, ...]) -> torch.Gen
     g = torch.Generator(device="cpu")
     g.manual_seed(mixed)
     return g
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How one row samples: its line's settings, and its own random stream (the one
+    piece of state the sampler advances)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    generator: torch.Generator
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """The log-probabilities a row's logits give (float32): what logprobs report."""
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 # Below this a temperature is greedy: logits / t would overflow to inf (and the softmax to

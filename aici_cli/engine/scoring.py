@@ -10,42 +10,52 @@ Choices of one token each after the same prompt tokens (MMLU's " A".." D") share
 the logits after the prompt score them all, so such a line costs one row and one pass
 rather than one row per choice (`shared_token_choices`, `token_choice_results`).
 
-Tokenization: the prompt and the choice are tokenized together, and the choice's tokens
-are those past the longest common prefix with the prompt's own tokens. A token that merges
-the end of the prompt with the start of the choice (" Paris" after "is") thus counts to the
-choice, scored given the prompt tokens before it, which is what the model sees when it
-writes the choice itself.
+A scored row's state is its `ScoredChoice`; the choices' tokens come from the intake
+(`intake.choice_sequences`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from aici_cli.engine.generation import Generation
-from aici_cli.engine.rows import common_prefix
-from aici_cli.vocabulary.errors import GrammarError
 from aici_cli.vocabulary.line_stats import summed_stats
 
 
-def choice_sequences(tokenizer: Any, text: str, special: bool, context: Sequence[int],
-                     options: Sequence[str]) -> list[tuple[list[int], int]]:
-    """For each option: the ids of `text + option` tokenized together, and where the
-    option's tokens start in them (at least 1: something must predict the first)."""
-    ctx = np.asarray(context, dtype=np.int64)
-    out = []
-    for option in options:
-        ids = list(tokenizer(text + option, add_special_tokens=special)["input_ids"])
-        start = common_prefix(np.asarray(ids, dtype=np.int64), ctx)
-        if start == 0:
-            raise GrammarError("invalid_choices",
-                               f"choice {option!r} merges with the whole prompt's first token; "
-                               "it cannot be scored after it")
-        out.append((ids, start))
-    return out
+@dataclass
+class ScoredChoice:
+    """A row that scores a choice rather than samples: its prompt is the line's prompt
+    and the choice tokenized together, the choice's tokens from `start` on; or, for
+    one-token choices after the same context, the context and the first one, and
+    `token_choices` every choice's token. The row is read once; then its scores."""
+
+    start: int
+    choice: str
+    token_choices: list[int] | None = None
+    logprob: float = 0.0
+    # Every choice token the most likely one (an empty choice: vacuously).
+    greedy: bool = True
+    token_scores: list[tuple[float, bool]] | None = None
+
+    def offsets(self, length: int, prompt_len: int) -> list[int]:
+        """Offsets, in the row's pending tokens (its cache holds `length`), of the
+        positions whose logits predict the choice's tokens: each token's predecessor."""
+        assert length < self.start
+        return list(range(self.start - 1 - length, prompt_len - 1 - length))
+
+    def read(self, prompt: Sequence[int], logits: torch.Tensor) -> None:
+        """Take the scores from the logits [c, V] at `offsets`."""
+        if self.token_choices is not None:
+            self.token_scores = token_choice_scores(logits, self.token_choices)
+        else:
+            self.logprob, self.greedy = choice_logprob(prompt[self.start :], logits)
+
+    def fields(self, prompt_len: int) -> dict[str, Any]:
+        """The result's `score` (not for one-token choices: `token_choice_results`)."""
+        return score_fields(self.choice, self.logprob, prompt_len - self.start, self.greedy)
 
 
 def shared_token_choices(sequences: Sequence[tuple[list[int], int]]) -> list[int] | None:
@@ -84,22 +94,15 @@ def token_choice_results(result: dict[str, Any], options: Sequence[str],
     return out
 
 
-def scored_offsets(gen: Generation) -> list[int]:
-    """Offsets, in the row's pending tokens, of the positions whose logits predict the
-    choice's tokens: each token's predecessor."""
-    assert gen.score_from is not None and gen.length < gen.score_from
-    return list(range(gen.score_from - 1 - gen.length, len(gen.prompt) - 1 - gen.length))
-
-
-def choice_logprob(gen: Generation, logits: torch.Tensor) -> tuple[float, bool]:
-    """The choice's log-probability from `logits` [c, V] at `scored_offsets`, and whether
-    each of its c tokens is the most likely one there (lm-evaluation-harness's
-    `is_greedy`: greedy decoding would write the choice; a tie counts as the first id)."""
-    assert gen.score_from is not None
-    targets = torch.tensor(gen.prompt[gen.score_from :], device=logits.device)
+def choice_logprob(targets: Sequence[int], logits: torch.Tensor) -> tuple[float, bool]:
+    """The log-probability of the choice's tokens `targets` from `logits` [c, V] (the
+    positions before each), and whether each is the most likely one there
+    (lm-evaluation-harness's `is_greedy`: greedy decoding would write the choice; a tie
+    counts as the first id)."""
+    wanted = torch.tensor(list(targets), device=logits.device)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    greedy = bool((logprobs.argmax(dim=-1) == targets).all())
-    return float(logprobs.gather(1, targets[:, None]).sum()), greedy
+    greedy = bool((logprobs.argmax(dim=-1) == wanted).all())
+    return float(logprobs.gather(1, wanted[:, None]).sum()), greedy
 
 
 def score_fields(option: str, logprob: float, tokens: int, greedy: bool) -> dict[str, Any]:

@@ -1,14 +1,15 @@
-"""The update: a `StepOutput` applied to its plan's generations. Each sampled token (and
-the draft tokens the model confirmed) goes to its generation's controller, which answers
-with fast-forward tokens, a backtrack, a stop or a fork (decisions.py); a deferred
-directive is applied in place of a token; scored rows take their scores; fast-forwarded
-tokens fed in the pass get their logprobs. Touches no row or queue: it says which
-positions may be done and which want a fork, and the engine retires and forks them."""
+"""The update: a `StepOutput` applied to the generations of its plan (the scheduler's
+`update_from_output` hands them over, by position). Each sampled token (and the draft
+tokens the model confirmed) goes to its generation's controller, which answers with
+fast-forward tokens, a backtrack, a stop or a fork (decisions.py); a deferred directive
+is applied in place of a token; scored rows take their scores; fast-forwarded tokens fed
+in the pass get their logprobs. Touches no row or queue: it says which positions may be
+done and which want a fork, and the scheduler retires and forks them."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,18 +17,19 @@ import torch
 from aici_cli.control.base import Directive
 from aici_cli.engine.clock import Now, ms
 from aici_cli.engine.decisions import Decisions
-from aici_cli.engine.draft import accept_draft
-from aici_cli.engine.generation import Finish, Generation
-from aici_cli.engine.logprobs import TokenBytes, entry, fill_fed, log_softmax
+from aici_cli.engine.generation import Generation
+from aici_cli.engine.logprobs import TokenBytes, entry, fill_fed
 from aici_cli.engine.plan import StepOutput, StepPlan
-from aici_cli.engine.scoring import choice_logprob, token_choice_scores
+from aici_cli.engine.sampling import log_softmax
 from aici_cli.engine.trace_hooks import EngineTracer
 from aici_cli.vocabulary.line_stats import StepTimes
+
+Gens = Sequence[Generation | None]  # by position in the step (None: not taking part)
 
 
 @dataclass(frozen=True)
 class Applied:
-    """What the update leaves to the engine: the positions that may have finished, in
+    """What the update leaves to the scheduler: the positions that may have finished, in
     the order their results go out; those whose controller wants a fork, in the order
     they asked; the controllers' ms of the step."""
 
@@ -45,19 +47,8 @@ class Update:
         self.now = now
         self.tracer = tracer  # the engine's current tracer (trace hooks)
 
-    @staticmethod
-    def fail(plan: StepPlan, out: StepOutput) -> list[int]:
-        """Rows whose mask failed (or allows nothing), or that ran out of memory alone,
-        cannot go on: their error is their finish. Returns their positions."""
-        for k, err in out.failed.items():
-            gen = plan.gens[k]
-            assert gen is not None
-            gen.finish = Finish("error", (err.type, err.message))
-        return list(out.failed)
-
-    def apply(self, plan: StepPlan, out: StepOutput) -> Applied:
-        gens = ([None if k in out.failed else g for k, g in enumerate(plan.gens)]
-                if out.failed else list(plan.gens))
+    def apply(self, gens: Gens, plan: StepPlan, out: StepOutput) -> Applied:
+        """`gens`: the plan's generations, None where the row failed."""
         self._fill_fed_logprobs(gens, out)
         controller_ms = self._hand_over(gens, out)
         for k, directive in out.deferred.items():
@@ -73,17 +64,17 @@ class Update:
         real = [k for k, _ in out.sampled]
         done = [*real, *out.deferred, *sorted(plan.scoring), *sorted(plan.closing)]
         forking = [k for k in (*real, *out.deferred)
-                   if (g := gens[k]) is not None and g.fork_wanted]
+                   if (g := gens[k]) is not None and g.forking]
         return Applied(done, forking, controller_ms)
 
-    def _fill_fed_logprobs(self, gens: list[Generation | None], out: StepOutput) -> None:
+    def _fill_fed_logprobs(self, gens: Gens, out: StepOutput) -> None:
         """Logprobs of the fast-forwarded tokens this pass fed (before any new token)."""
         for k, gen in enumerate(gens):
-            if gen is not None and gen.logprobs is not None and gen.score_from is None:
+            if gen is not None and gen.logprobs is not None and gen.scored is None:
                 logits = None if self.masked_logprobs else out.passed.scored_logits(k)
                 fill_fed(gen, logits, self.token_bytes)
 
-    def _hand_over(self, gens: list[Generation | None], out: StepOutput) -> float:
+    def _hand_over(self, gens: Gens, out: StepOutput) -> float:
         """Give each row its sampled token and the draft tokens the model confirmed;
         returns the controllers' ms."""
         b = len(gens)
@@ -143,16 +134,48 @@ class Update:
         return self.decisions.take_token(gen, token)
 
     @staticmethod
-    def _score(gens: list[Generation | None], scoring: frozenset[int],
-               out: StepOutput) -> None:
+    def _score(gens: Gens, scoring: frozenset[int], out: StepOutput) -> None:
         for k in sorted(scoring):
             gen = gens[k]
             if gen is None:  # failed (out of memory even alone)
                 continue
+            assert gen.scored is not None
             gen.took_part(out.times)
-            logits = out.passed.scored_logits(k)
-            if gen.token_choices is not None:
-                gen.token_scores = token_choice_scores(logits, gen.token_choices)
-            else:
-                gen.logprob, gen.greedy = choice_logprob(gen, logits)
-            gen.finish = Finish("stop")
+            gen.scored.read(gen.prompt, out.passed.scored_logits(k))
+            gen.finish_with("stop")
+
+
+def accept_draft(gen: Generation, draft: Sequence[int], picked: int,
+                 predicted: Sequence[int], take: Callable[[Generation, int], float]) -> float:
+    """Take the draft's tokens after `picked` while each is what the model predicts after
+    the one before (`predicted[j]`: its unmasked argmax after draft[j], under the line's
+    penalties and biases), so the output is what greedy decoding gives; stop at anything
+    else the generation does: finishing, fast-forward tokens, a backtrack, a fork. `take`
+    appends a token as if it had been sampled and returns the controller's ms; returns
+    their sum. The row's `DraftGate` learns what the draft brought."""
+    taken = gen.stats.draft_tokens
+    spent = _accept(gen, draft, picked, predicted, take)
+    gen.draft.passed(gen.stats.draft_tokens - taken, len(gen.output))
+    return spent
+
+
+def _accept(gen: Generation, draft: Sequence[int], picked: int,
+            predicted: Sequence[int], take: Callable[[Generation, int], float]) -> float:
+    if draft[0] != picked or gen.finish is not None:
+        return 0.0
+    spent = 0.0
+    previous = picked
+    for token, expected in zip(draft[1:], predicted):
+        # An allowed token that is the unmasked argmax is the masked argmax too.
+        if (token != expected or gen.finish is not None or gen.forking
+                or gen.pending != [previous]):
+            break
+        # Ask again from the controller's current state: a segment may have ended
+        # (its guest decides what follows) since the draft was checked.
+        if gen.controller is not None and gen.controller.valid_prefix([token]) < 1:
+            break
+        gen.fed_draft_token()  # `previous` was fed in this pass as a draft token
+        spent += take(gen, token)
+        gen.stats.draft_tokens += 1
+        previous = token
+    return spent
