@@ -1,3 +1,3 @@
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 
 main()

@@ -56,7 +56,7 @@ class NullServices:
 
 
 def pct(values: list[float], q: float) -> float:
-    from aici_cli.stats import percentile
+    from aici_cli.run.tally import percentile
 
     return round(percentile(values, q), 4)
 
@@ -162,8 +162,8 @@ def main() -> int:
 def end_to_end(args: argparse.Namespace, segment_wasm: dict[str, Path],
                report: dict[str, Any]) -> None:
     """The built-in JSON-schema controller against each guest's one-segment controller."""
-    from aici_cli.runner import run_batch
-    from aici_cli.vocabulary.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.core.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.run.batch import run_batch
 
     files = sorted(DATA.glob("*.json"))[: args.schemas]
     schemas = [json.loads(f.read_text()) for f in files]

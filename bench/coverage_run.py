@@ -81,9 +81,9 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "coverage")
     args = ap.parse_args()
 
-    from aici_cli.runner import run_batch
-    from aici_cli.stats import percentile
-    from aici_cli.vocabulary.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.core.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.run.batch import run_batch
+    from aici_cli.run.tally import percentile
 
     if not args.data.is_dir():
         print(f"no schemas at {args.data}", file=sys.stderr)

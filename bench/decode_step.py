@@ -36,10 +36,10 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "decode_step.json")
     args = ap.parse_args()
 
-    from aici_cli.engine.loop import Engine
+    from aici_cli.core.config import EngineConfig
+    from aici_cli.core.job import Job
+    from aici_cli.engine.engine import Engine
     from aici_cli.models.load import load_model
-    from aici_cli.vocabulary.config import EngineConfig
-    from aici_cli.vocabulary.job import Job
 
     models = {q: load_model(args.model, args.device, args.dtype, q)
               for q in args.quantize.split(",")}

@@ -35,8 +35,8 @@ def glaive_jobs(n: int, max_tokens: int, logprobs: int | None = 0,
                 half: str = "held") -> list[Any]:
     """The n first Glaive schemas of `half` (by file name) as chat requests for a JSON
     object, greedy."""
-    from aici_cli.vocabulary.constraint import Constraint
-    from aici_cli.vocabulary.job import Job
+    from aici_cli.core.constraint import Constraint
+    from aici_cli.core.job import Job
 
     files = sorted(f for f in DATA.glob("*.json") if in_half(f, half))[:n]
     jobs = []
@@ -52,8 +52,8 @@ def glaive_jobs(n: int, max_tokens: int, logprobs: int | None = 0,
 
 def run(lm: Any, jobs: list[Any], **engine: Any) -> tuple[dict[str, Any], float, int]:
     """Results by id, wall seconds, tokens generated."""
-    from aici_cli.engine.loop import Engine
-    from aici_cli.vocabulary.config import EngineConfig
+    from aici_cli.core.config import EngineConfig
+    from aici_cli.engine.engine import Engine
 
     eng = Engine(lm, EngineConfig(**engine))
     eng.compiler  # noqa: B018 - build the tokenizer wrapper outside the timing

@@ -52,10 +52,10 @@ def replay_ms(component: Any, calls: int, repeats: int) -> float:
 
 def run_lines(lm: Any, component: Any, lines: list[dict[str, Any]],
               batch_size: int) -> tuple[float, list[dict[str, Any]], Any]:
-    from aici_cli.backends.build import wasm_factory
-    from aici_cli.engine.loop import Engine
-    from aici_cli.vocabulary.config import EngineConfig, RunConfig
-    from aici_cli.vocabulary.job import Job
+    from aici_cli.core.config import EngineConfig, RunConfig
+    from aici_cli.core.job import Job
+    from aici_cli.engine.engine import Engine
+    from aici_cli.run.backends.build import wasm_factory
 
     config = EngineConfig(batch_size=batch_size)
     engine = Engine(lm, config)

@@ -42,10 +42,10 @@ def main() -> int:
     import torch
     from peers.common import generate_batch
 
-    from aici_cli.engine.loop import Engine
+    from aici_cli.core.config import EngineConfig
+    from aici_cli.core.job import Job
+    from aici_cli.engine.engine import Engine
     from aici_cli.models.load import load_model
-    from aici_cli.vocabulary.config import EngineConfig
-    from aici_cli.vocabulary.job import Job
 
     rows: list[dict[str, Any]] = []
     for quantize in args.quantize.split(","):

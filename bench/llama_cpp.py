@@ -78,11 +78,11 @@ def peak_rss_mib() -> float:
 
 
 def ours(task: dict[str, Any]) -> dict[str, Any]:
-    from aici_cli.engine.loop import Engine
+    from aici_cli.core.config import EngineConfig
+    from aici_cli.core.constraint import Constraint
+    from aici_cli.core.job import Job
+    from aici_cli.engine.engine import Engine
     from aici_cli.models.load import load_model
-    from aici_cli.vocabulary.config import EngineConfig
-    from aici_cli.vocabulary.constraint import Constraint
-    from aici_cli.vocabulary.job import Job
 
     lm = load_model(task["gguf"], "cpu", "auto", task["quantize"])
     config = EngineConfig(batch_size=task["batch"], draft_tokens=task["drafts"],

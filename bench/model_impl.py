@@ -27,9 +27,9 @@ PROMPT = "Write a long story about a robot who learns to paint."
 
 def decode_rate(lm: Any, batch: int, max_tokens: int) -> float:
     """Generated tokens per second of `batch` greedy lines of `max_tokens` each."""
-    from aici_cli.engine.loop import Engine
-    from aici_cli.vocabulary.config import EngineConfig
-    from aici_cli.vocabulary.job import Job
+    from aici_cli.core.config import EngineConfig
+    from aici_cli.core.job import Job
+    from aici_cli.engine.engine import Engine
 
     jobs = [Job(index=i, id=str(i), prompt=None, max_tokens=max_tokens, temperature=0.0,
                 top_p=1.0, seed=i, ignore_eos=True,

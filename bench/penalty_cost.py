@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aici_cli.engine import loop
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.job import Job
+from aici_cli.engine import engine as loop
+from aici_cli.engine.engine import Engine
 from aici_cli.models import load_model
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.job import Job
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},

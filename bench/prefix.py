@@ -47,8 +47,8 @@ def json_lines(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_aici(lines: list[dict[str, Any]], batch_size: int, score: bool,
              prefix_cache: bool) -> dict[str, Any]:
-    from aici_cli.runner import run_batch
-    from aici_cli.vocabulary.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.core.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.run.batch import run_batch
 
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"

@@ -56,10 +56,10 @@ def next_token_logprobs(lm: Any, text: str, window: int, windows: int) -> Any:
 def json_compliance(lm: Any, schemas: list[Path], max_tokens: int) -> dict[str, Any]:
     import jsonschema
 
-    from aici_cli.engine.loop import Engine
-    from aici_cli.vocabulary.config import EngineConfig
-    from aici_cli.vocabulary.constraint import Constraint
-    from aici_cli.vocabulary.job import Job
+    from aici_cli.core.config import EngineConfig
+    from aici_cli.core.constraint import Constraint
+    from aici_cli.core.job import Job
+    from aici_cli.engine.engine import Engine
 
     jobs, loaded = [], []
     for i, path in enumerate(schemas):
@@ -85,9 +85,9 @@ def json_compliance(lm: Any, schemas: list[Path], max_tokens: int) -> dict[str, 
 
 
 def eval_accuracy(lm: Any) -> dict[str, Any]:
-    from aici_cli.engine.loop import Engine
-    from aici_cli.jobs import read_jobs
-    from aici_cli.vocabulary.config import EngineConfig
+    from aici_cli.core.config import EngineConfig
+    from aici_cli.engine.engine import Engine
+    from aici_cli.formats.jobs import read_jobs
 
     results: list[dict[str, Any]] = []
     with EVAL.open("rb") as f:
@@ -98,7 +98,7 @@ def eval_accuracy(lm: Any) -> dict[str, Any]:
 
 
 def _defaults() -> Any:
-    from aici_cli.vocabulary.config import JobDefaults
+    from aici_cli.core.config import JobDefaults
 
     return JobDefaults(score=True)
 

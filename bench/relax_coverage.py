@@ -36,10 +36,10 @@ def main() -> int:
     args = ap.parse_args()
 
     from aici_cli.control.grammar import GrammarCompiler
+    from aici_cli.core.constraint import Constraint
+    from aici_cli.core.errors import GrammarError
     from aici_cli.models import load_model
-    from aici_cli.stats import percentile
-    from aici_cli.vocabulary.constraint import Constraint
-    from aici_cli.vocabulary.errors import GrammarError
+    from aici_cli.run.tally import percentile
 
     if not args.data.is_dir():
         print(f"no schemas at {args.data}", file=sys.stderr)

@@ -49,12 +49,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "step_profile.json")
     args = ap.parse_args()
 
-    from aici_cli.engine.loop import Engine
+    from aici_cli.core.config import EngineConfig
+    from aici_cli.core.constraint import Constraint
+    from aici_cli.core.job import Job
+    from aici_cli.engine.engine import Engine
     from aici_cli.models.load import load_model
-    from aici_cli.stats import step_summary
-    from aici_cli.vocabulary.config import EngineConfig
-    from aici_cli.vocabulary.constraint import Constraint
-    from aici_cli.vocabulary.job import Job
+    from aici_cli.run.tally import step_summary
 
     files = sorted(DATA.glob("*.json"))
     if not files:  # a checkout without shared/ beside it: the project's own schema

@@ -59,10 +59,10 @@ def traced_hook_costs(tmp: Path) -> dict[str, float]:
     writing to a file): a step serving 8 lines, a guest call's span."""
     from types import SimpleNamespace
 
+    from aici_cli.core.config import RunConfig
+    from aici_cli.core.line_stats import StepTimes
     from aici_cli.engine.clock import StepClock
-    from aici_cli.tracing import open_tracing
-    from aici_cli.vocabulary.config import RunConfig
-    from aici_cli.vocabulary.line_stats import StepTimes
+    from aici_cli.run.tracing import open_tracing
 
     tracer = open_tracing(RunConfig(input="-", trace=str(tmp / "hooks.jsonl")))
     assert tracer is not None
@@ -95,7 +95,7 @@ def instrument_tracer() -> dict[str, float]:
     """Time spent inside the tracer's hooks on the engine's threads (step spans, line spans,
     guest-call spans), summed into the returned dict's "s": tracing's own cost, apart from
     the noise of a shared machine. (The export thread's encoding is not in it.)"""
-    from aici_cli import tracing
+    from aici_cli.run import tracing
 
     spent = {"s": 0.0}
 
@@ -117,8 +117,8 @@ def instrument_tracer() -> dict[str, float]:
 
 def run_once(model: str | None, dtype: str, inp: Path, work: Path, controller: Path | None,
              trace: bool, spent: dict[str, float]) -> dict[str, Any]:
-    from aici_cli.runner import run_batch
-    from aici_cli.vocabulary.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.core.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.run.batch import run_batch
 
     trace_file = work / "trace.jsonl" if trace else None
     config = RunConfig(input=str(inp), output=str(work / "out.jsonl"), model=model,

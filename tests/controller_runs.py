@@ -8,7 +8,7 @@ from typing import Any
 
 from click.testing import CliRunner
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 
 
 def run_controller(model_dir: Path | None, wasm: Path, lines: list[dict[str, Any]],

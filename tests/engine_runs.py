@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.job import Job
 
 
 def run(lm: LoadedModel, jobs: list[Job], **config: Any) -> dict[int, dict[str, Any]]:

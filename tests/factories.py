@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from aici_cli.vocabulary.job import Job
+from aici_cli.core.job import Job
 
 
 def job(index: int, prompt: str | None = None, **fields: Any) -> Job:

@@ -18,10 +18,10 @@ from typing import Any
 def main(modes: list[dict[str, str]], lines: list[dict[str, Any]]) -> None:
     import torch
 
-    from aici_cli.engine.loop import Engine
-    from aici_cli.jobs import read_jobs
+    from aici_cli.core.config import EngineConfig, JobDefaults
+    from aici_cli.engine.engine import Engine
+    from aici_cli.formats.jobs import read_jobs
     from aici_cli.models.load import load_model
-    from aici_cli.vocabulary.config import EngineConfig, JobDefaults
 
     capability = torch.backends.cpu.get_cpu_capability()
     for mode in modes:

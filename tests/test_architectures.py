@@ -32,8 +32,8 @@ from arch_models import BUILDERS, build_arch_model
 from click.testing import CliRunner
 from tokenizers import Tokenizer
 
-from aici_cli.cli import main
-from aici_cli.vocabulary.errors import ModelError
+from aici_cli.cli.main import main
+from aici_cli.core.errors import ModelError
 
 # Measured: at most ~1e-5 apart (fp32 sums in another order: packed rows, per-row SDPA
 # against transformers' eager matmuls), on logits of magnitude ~5.
@@ -73,9 +73,9 @@ def encode(model_dir: Path, text: str) -> list[int]:
 
 @pytest.mark.parametrize("arch", _archs())
 def test_next_token_logits_match_transformers(arch: str, arch_dirs: dict[str, Path]) -> None:
-    from aici_cli.engine.attention import install
-    from aici_cli.engine.cache import RowCache
-    from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
+    from aici_cli.engine.forward.attention import install
+    from aici_cli.engine.forward.cache import RowCache
+    from aici_cli.engine.forward.inputs import AttentionLayout, build_inputs, forward
     from aici_cli.models import load_model
 
     model_dir = arch_dirs[arch]

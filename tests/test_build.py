@@ -350,7 +350,7 @@ def test_a_0_1_0_component_still_loads_and_runs(tiny_model_dir: Path, built_v010
                                                 tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from aici_cli.cli import main
+    from aici_cli.cli.main import main
     from aici_cli.control.wasm import ControllerComponent
 
     loaded = ControllerComponent.load(built_v010)

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from aici_cli.engine.attention import install
-from aici_cli.engine.cache import RowCache
-from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
+from aici_cli.engine.forward.attention import install
+from aici_cli.engine.forward.cache import RowCache
+from aici_cli.engine.forward.inputs import AttentionLayout, build_inputs, forward
 from aici_cli.models import LoadedModel
 
 TOL = 1e-4

@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from click.testing import CliRunner, Result
 
-from aici_cli.cli import main
-from aici_cli.jobs import load_schema
+from aici_cli.cli.main import main
+from aici_cli.formats.jobs import load_schema
 
 GOOD = [
     {"id": "a", "prompt": "Once upon a time", "max_tokens": 6},
@@ -322,12 +322,12 @@ def heavy_modules_after(code: str) -> list[str]:
 
 
 def test_importing_the_cli_does_not_import_torch() -> None:
-    assert heavy_modules_after("import aici_cli.cli") == []
+    assert heavy_modules_after("import aici_cli.cli.main") == []
 
 
 @pytest.mark.parametrize("args", LIGHT_COMMANDS, ids=" ".join)
 def test_light_commands_do_not_import_torch(args: list[str]) -> None:
-    code = ("from aici_cli.cli import main\n"
+    code = ("from aici_cli.cli.main import main\n"
             f"try:\n    main({args!r})\nexcept SystemExit:\n    pass")
     assert heavy_modules_after(code) == []
 
@@ -337,7 +337,7 @@ def test_models_does_not_import_torch(args: list[str], tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`models` reads transformers' version (the conversion cache's key), not torch."""
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
-    code = ("from aici_cli.cli import main\n"
+    code = ("from aici_cli.cli.main import main\n"
             f"try:\n    main({args!r})\nexcept SystemExit:\n    pass")
     assert "torch" not in heavy_modules_after(code)
 
@@ -346,7 +346,7 @@ def test_a_local_run_does_not_import_ray(model_args: list[str], tmp_path: Path) 
     """Ray is optional: a run without --ray never imports it."""
     src = tmp_path / "in.jsonl"
     src.write_text(jsonl(GOOD[:1]))
-    code = ("import sys\nfrom aici_cli.cli import main\n"
+    code = ("import sys\nfrom aici_cli.cli.main import main\n"
             f"try:\n    main(['run', {str(src)!r}, *{model_args!r}, '-q'])\n"
             "except SystemExit as e:\n    assert e.code == 0, e.code\n"
             "print('ray' in sys.modules, file=sys.stderr)")
@@ -359,7 +359,7 @@ def test_ray_without_ray_installed_is_a_one_line_usage_error(tmp_path: Path) -> 
     src = tmp_path / "in.jsonl"
     src.write_text(jsonl(GOOD[:1]))
     code = ("import sys\nsys.modules['ray'] = None  # as if not installed\n"
-            "from aici_cli.cli import main\n"
+            "from aici_cli.cli.main import main\n"
             f"main(['run', {str(src)!r}, '--ray', 'auto', '--workers', '2'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
@@ -377,9 +377,9 @@ def test_workers_need_ray(tmp_path: Path) -> None:
 def test_score_alone_ranks_the_choices_each_line_brings() -> None:
     # `--score` without `--choices` is a run of lines that carry their own choices (the
     # eval example): not a bad option. With a constraint that is not choices, it is.
-    from aici_cli.jobs.defaults import defaults_problem
-    from aici_cli.vocabulary.config import JobDefaults
-    from aici_cli.vocabulary.constraint import Constraint
+    from aici_cli.core.config import JobDefaults
+    from aici_cli.core.constraint import Constraint
+    from aici_cli.formats.jobs.defaults import defaults_problem
 
     assert defaults_problem(JobDefaults(score=True), strict_json=True) is None
     assert defaults_problem(

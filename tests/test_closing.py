@@ -13,16 +13,16 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.control.grammar.closing import Closer, closing_order, json_state
 from aici_cli.control.grammar.compiler import GrammarCompiler
 from aici_cli.control.grammar.loops import find_loop
-from aici_cli.engine.loop import Engine
-from aici_cli.jobs import load_schema
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
+from aici_cli.formats.jobs import load_schema
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.job import Job
 
 STRING = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
 NESTED = {"type": "object",

@@ -23,7 +23,7 @@ from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.compiler import CompiledGrammar, GrammarCompiler
 from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose
 from aici_cli.control.grammar.hints import hints_for, shortest_match
-from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.core.constraint import Constraint
 
 pytestmark = pytest.mark.real_model  # the default model's tokenizer
 

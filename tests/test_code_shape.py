@@ -43,6 +43,16 @@ def test_every_module_is_in_one_layer() -> None:
     assert sorted(set(named) - tops) == [], "layers name modules that do not exist"
 
 
+def test_the_top_level_is_a_handful_of_packages() -> None:
+    """At most 12 entries at the package's top level (ARCHITECTURE.md's table), and the
+    engine's pass and logits each a sub-package of it."""
+    entries = [p for p in PACKAGE.iterdir()
+               if p.suffix == ".py" or (p / "__init__.py").is_file()]
+    assert len(entries) <= 12, sorted(p.name for p in entries)
+    assert all((PACKAGE / "engine" / sub / "__init__.py").is_file()
+               for sub in ("forward", "logits"))
+
+
 def _why_long(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
     above = lines[max(0, first - 4) : first - 1]

@@ -17,12 +17,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aici_cli.engine import compiled
-from aici_cli.engine.compiled import CompiledDecode, DecodeSteps, unsupported
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
+from aici_cli.engine.forward import compiled
+from aici_cli.engine.forward.compiled import CompiledDecode, DecodeSteps, unsupported
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.job import Job
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_buckets_cover_the_span_with_idle_rows() -> None:
 def test_auto_compiles_only_when_enough_work_is_ahead(lm32: LoadedModel,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled, "compiler_problem", lambda device: None)
-    from aici_cli.engine.cache import RowCache
+    from aici_cli.engine.forward.cache import RowCache
 
     cache = RowCache(num_layers=2, rows=2, capacity=16)
     steps = DecodeSteps("auto", lm32.model, cache, 2, lm32.device, deterministic=False)

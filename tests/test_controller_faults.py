@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from wat import OOM_HOOK, Guest, component, save, u32s
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 
 GUESTS = {
     "A": Guest("(call $sample-all)"),
@@ -115,7 +115,7 @@ def test_summary_reports_guest_call_times(tiny_model_dir: Path, tmp_path: Path,
                                           controller: Path) -> None:
     import jsonschema
 
-    from aici_cli.jobs import load_schema
+    from aici_cli.formats.jobs import load_schema
 
     stats = tmp_path / "stats.json"
     code, results = run([{"prompt": "x", "controller_arg": "A"}] * 3, tiny_model_dir,

@@ -25,13 +25,13 @@ from click.testing import CliRunner
 from rich.console import Console
 from tiny_model import write_tiny_gguf
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.models import conversion_cache, gguf_convert, gguf_identity, sources
 from aici_cli.models.cache_entries import cache_entries
 from aici_cli.models.progress import LoadProgress, reporting_to
 from aici_cli.models.resolve import resolve_model
 from aici_cli.models.sources import ModelSource
-from aici_cli.ui import ConsoleProgress
+from aici_cli.run.ui import ConsoleProgress
 
 PROMPTS = "".join(json.dumps({"id": f"p{i}", "prompt": f"Hello {i}", "max_tokens": 3}) + "\n"
                   for i in range(2))

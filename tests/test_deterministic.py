@@ -20,15 +20,15 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aici_cli.cli import main
-from aici_cli.engine import invariance_check
-from aici_cli.engine.invariant import TILE_ROWS, invariant_linear
-from aici_cli.engine.loop import Engine
+from aici_cli.cli.main import main
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import ModelError
+from aici_cli.core.job import Job
+from aici_cli.engine import deterministic_check as invariance_check
+from aici_cli.engine.engine import Engine
+from aici_cli.engine.forward.deterministic import TILE_ROWS, invariant_linear
 from aici_cli.models import LoadedModel, load_model
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import ModelError
-from aici_cli.vocabulary.job import Job
 
 PREFIX = "Write the answer as JSON. Question: "
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from aici_cli.engine.loop import Engine
-from aici_cli.jobs import read_jobs
-from aici_cli.vocabulary.config import EngineConfig, JobDefaults
-from aici_cli.vocabulary.job import Job
+from aici_cli.core.config import EngineConfig, JobDefaults
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
+from aici_cli.formats.jobs import read_jobs
 
 pytestmark = pytest.mark.real_model
 

@@ -11,18 +11,18 @@ import torch
 from factories import job_factory
 
 from aici_cli.control.base import ControllerBase, Directive
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import ControllerError
+from aici_cli.core.job import BadLine, Job
 from aici_cli.engine.clock import StepClock
-from aici_cli.engine.loop import Engine
+from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import ControllerError
-from aici_cli.vocabulary.job import Job, LineError
 
 job = job_factory(prompt="Hello there", max_tokens=12)
 
 
-def run(lm: LoadedModel, jobs: Sequence[Job | LineError], **config: Any) -> list[dict[str, Any]]:
+def run(lm: LoadedModel, jobs: Sequence[Job | BadLine], **config: Any) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     Engine(lm, EngineConfig(**config)).run(jobs, results.append)
     return results
@@ -33,8 +33,8 @@ def by_index(results: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def test_every_job_gets_exactly_one_result(lm: LoadedModel) -> None:
-    jobs: list[Job | LineError] = [job(i, max_tokens=3 + i % 5) for i in range(1, 12)]
-    jobs.insert(4, LineError(99, "bad", "invalid_json", "line 99: not JSON"))
+    jobs: list[Job | BadLine] = [job(i, max_tokens=3 + i % 5) for i in range(1, 12)]
+    jobs.insert(4, BadLine(99, "bad", "invalid_json", "line 99: not JSON"))
     results = run(lm, jobs, batch_size=4)
     assert sorted(r["index"] for r in results) == sorted(j.index for j in jobs)
     for r in results:
@@ -194,7 +194,7 @@ def test_host_bug_in_a_controller_is_confined_to_its_line(lm: LoadedModel) -> No
 def _oom_above(monkeypatch: pytest.MonkeyPatch, max_tokens_per_pass: int) -> list[int]:
     """Make every pass of more than `max_tokens_per_pass` tokens run out of memory, the way
     the CPU allocator reports it; returns the sizes of the passes that ran."""
-    import aici_cli.engine.passes as passes
+    import aici_cli.engine.forward.passes as passes
 
     real = passes.forward
     sizes: list[int] = []
@@ -241,7 +241,7 @@ def test_out_of_memory_alone_fails_only_that_line(lm: LoadedModel,
 def _count_prompt_tokens(monkeypatch: pytest.MonkeyPatch, prompt: list[int]) -> list[int]:
     """Record, for each pass, how many of its tokens sit at prompt positions 1.. (every
     prefill of `prompt` feeds them; re-feeding only the last prompt token does not)."""
-    import aici_cli.engine.passes as passes
+    import aici_cli.engine.forward.passes as passes
 
     real = passes.forward
     counts: list[int] = []

@@ -26,18 +26,18 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aici_cli.backends.child_faults import (
+from aici_cli.cli.main import main
+from aici_cli.core.config import EngineConfig, RunConfig
+from aici_cli.formats.jobs import load_schema
+from aici_cli.models.progress import LoadProgress
+from aici_cli.run.backends.child_faults import (
     CRASH_AT_LOAD_ENV,
     CRASH_AT_STEP_ENV,
     CRASH_ON_ID_ENV,
     CRASH_SIGNAL_ENV,
 )
-from aici_cli.backends.progress_relay import ProgressReplay, RelayProgress
-from aici_cli.cli import main
-from aici_cli.jobs import load_schema
-from aici_cli.models.progress import LoadProgress
-from aici_cli.runner import RunOutcome, run_batch
-from aici_cli.vocabulary.config import EngineConfig, RunConfig
+from aici_cli.run.backends.progress_relay import ProgressReplay, RelayProgress
+from aici_cli.run.batch import RunOutcome, run_batch
 
 RESULT_SCHEMA = load_schema("result-line")
 DEATH = "warning: the engine process died"

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aici_cli.evals.requests import (
-    RequestError,
+    EvalRequestError,
     cut_at_stops,
     generation_line,
     group_by_context,
@@ -38,7 +38,7 @@ def test_every_request_lands_in_one_group_with_its_tokens(
 
 
 def test_a_continuation_longer_than_the_model_is_refused() -> None:
-    with pytest.raises(RequestError, match="does not fit the model's 4 positions"):
+    with pytest.raises(EvalRequestError, match="does not fit the model's 4 positions"):
         truncated([1, 2], [3, 4, 5, 6, 7], max_length=4)
 
 
@@ -57,7 +57,7 @@ def test_gen_kwargs_as_line_fields() -> None:
     assert generation_line(1, {"json_schema": '{"type": "object"}'}, 16, None)[
         "json_schema"] == {"type": "object"}
     assert generation_line(1, {"choice": "yes,no"}, 16, None)["choices"] == ["yes", "no"]
-    with pytest.raises(RequestError, match="not JSON"):
+    with pytest.raises(EvalRequestError, match="not JSON"):
         generation_line(1, {"json_schema": "{"}, 16, None)
 
 

@@ -19,14 +19,14 @@ import pytest
 from factories import job_factory
 from wat import Guest, component, save, u32s
 
-from aici_cli.backends.build import wasm_factory
 from aici_cli.control.actions import Sample, StepInput, TokenSet
 from aici_cli.control.wasm import ControllerComponent, GuestLimits
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig, RunConfig
+from aici_cli.core.errors import ControllerError
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig, RunConfig
-from aici_cli.vocabulary.errors import ControllerError
-from aici_cli.vocabulary.job import Job
+from aici_cli.run.backends.build import wasm_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_SCHEMA = json.loads((ROOT / "schemas" / "result-line.schema.json").read_text())
@@ -293,7 +293,7 @@ def test_replay_that_answers_otherwise_is_refused(guests: ControllerComponent) -
 
 def test_a_forked_result_survives_the_openai_batch_format(
         lm: LoadedModel, guests: ControllerComponent) -> None:
-    from aici_cli.openai_batch import as_result, to_output
+    from aici_cli.formats.openai_batch import as_result, to_output
 
     results, _ = run(lm, guests, [job(1, "F")], batch_size=4)
     back = as_result(to_output(results[1], None, "m"))

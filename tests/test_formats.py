@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from aici_cli import formats
-from aici_cli.formats import load_schema
-from aici_cli.vocabulary.job import LineError, error_result
-from aici_cli.vocabulary.line_stats import ZERO_STATS
+from aici_cli.core.job import BadLine, error_result
+from aici_cli.core.line_stats import ZERO_STATS
+from aici_cli.formats import schemas as formats
+from aici_cli.formats.schemas import load_schema
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -221,7 +221,7 @@ def test_bad_result_lines_fail(case: str, line: dict[str, Any]) -> None:
 
 
 def test_error_result_validates_against_result_schema() -> None:
-    err = LineError(index=3, id="q7", type="invalid_json", message="line 3: invalid JSON: x")
+    err = BadLine(index=3, id="q7", type="invalid_json", message="line 3: invalid JSON: x")
     result = error_result(err)
     assert _is_valid("result-line", result)
     assert result == {
@@ -235,7 +235,7 @@ def test_error_result_validates_against_result_schema() -> None:
 
 
 def test_error_result_stats_are_a_copy() -> None:
-    err = LineError(index=1, id="1", type="t", message="line 1: m")
+    err = BadLine(index=1, id="1", type="t", message="line 1: m")
     error_result(err)["stats"]["prompt_tokens"] = 99
     assert ZERO_STATS["prompt_tokens"] == 0
 

@@ -70,7 +70,7 @@ def test_the_default_models_layers_stack_for_the_compiled_step() -> None:
     """On the real default model at int4 (its GGUF's own blocks), every layer's q/k/v and
     gate/up stack (no SideBySide fallback), and the model's own modules keep their
     outputs."""
-    from aici_cli.engine.decode_layer import DecodeLayer
+    from aici_cli.engine.forward.decode_layer import DecodeLayer
     from aici_cli.models.load import load_model
 
     lm = load_model(None, "cpu", "auto", "int4")

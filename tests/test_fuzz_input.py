@@ -1,4 +1,4 @@
-"""Hostile input lines: whatever a line holds, it becomes exactly one Job or one LineError
+"""Hostile input lines: whatever a line holds, it becomes exactly one Job or one BadLine
 with a precise message, fast, and the good lines around it are untouched.
 
 The property tests feed `read_jobs` thousands of generated lines: arbitrary bytes,
@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from aici_cli.jobs import read_jobs
-from aici_cli.vocabulary.config import MIB, JobDefaults
-from aici_cli.vocabulary.job import Job, LineError
+from aici_cli.core.config import MIB, JobDefaults
+from aici_cli.core.job import BadLine, Job
+from aici_cli.formats.jobs import read_jobs
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULTS = JobDefaults()
@@ -265,12 +265,12 @@ def _is_blank(raw: bytes | str, index: int) -> bool:
     return not text.strip()
 
 
-def _check_items(lines: list[bytes | str], items: list[Job | LineError]) -> None:
-    """One item per non-blank line, in order, each a Job or a precise LineError."""
+def _check_items(lines: list[bytes | str], items: list[Job | BadLine]) -> None:
+    """One item per non-blank line, in order, each a Job or a precise BadLine."""
     expected = [i for i, raw in enumerate(lines, start=1) if not _is_blank(raw, i)]
     assert [item.index for item in items] == expected
     for item in items:
-        if isinstance(item, LineError):
+        if isinstance(item, BadLine):
             assert item.type in PARSER_ERROR_TYPES, item
             assert item.message.startswith(f"line {item.index}: ")
             assert len(item.message) > len(f"line {item.index}: ") + 5
@@ -291,7 +291,7 @@ def _check_job_in_range(job: Job) -> None:
     assert (job.prompt is None) != (job.messages is None)
 
 
-def _parse(lines: list[bytes | str]) -> list[Job | LineError]:
+def _parse(lines: list[bytes | str]) -> list[Job | BadLine]:
     t0 = time.perf_counter()
     items = list(read_jobs(lines, DEFAULTS))
     # Generated lines are small: even the slowest check (a schema) takes milliseconds.
@@ -377,7 +377,7 @@ def _one_option(name: str, value: Any) -> None:
         assert isinstance(value, (int, float)) and not isinstance(value, bool)
         assert low <= value <= high
         return
-    assert isinstance(item, LineError)
+    assert isinstance(item, BadLine)
     if isinstance(value, float) and not math.isfinite(value):
         assert item.type == "invalid_json"  # NaN and Infinity are not JSON
         assert "not valid JSON" in item.message
@@ -497,7 +497,7 @@ def test_explicit_hostile_line(line: bytes, type_: str | None, fragments: list[s
     if type_ is None:
         assert isinstance(item, Job), item
         return
-    assert isinstance(item, LineError), item
+    assert isinstance(item, BadLine), item
     assert item.type == type_
     for fragment in fragments:
         assert fragment in item.message
@@ -506,7 +506,7 @@ def test_explicit_hostile_line(line: bytes, type_: str | None, fragments: list[s
 def test_duplicate_ids_each_get_their_own_item() -> None:
     items = _parse([_line(id="dup"), _line(id="dup", max_tokens=0), _line(id="dup")])
     assert [(i.index, i.id, type(i).__name__) for i in items] == [
-        (1, "dup", "Job"), (2, "dup", "LineError"), (3, "dup", "Job")]
+        (1, "dup", "Job"), (2, "dup", "BadLine"), (3, "dup", "Job")]
 
 
 def test_limits_are_settings() -> None:
@@ -532,7 +532,7 @@ def test_size_limit_counts_utf8_bytes_without_the_line_ending() -> None:
         assert isinstance(next(read_jobs([raw], limits)), Job)
     over = body.replace('"}', 'x"}')
     err = next(read_jobs([over + "\n"], limits))
-    assert isinstance(err, LineError) and err.type == "line_too_large"
+    assert isinstance(err, BadLine) and err.type == "line_too_large"
     assert f"line is {MIB + 1:,} bytes" in err.message
 
 
@@ -629,7 +629,7 @@ def test_cli_survives_a_file_of_hostile_lines(tiny_model_dir: Path, tmp_path: Pa
     parsed = {item.index: item for item in read_jobs(as_read, JobDefaults(max_tokens=4))}
     for index, item in parsed.items():
         result = by_index[index]
-        if isinstance(item, LineError):  # refused by the parser: exactly that error
+        if isinstance(item, BadLine):  # refused by the parser: exactly that error
             assert result["finish_reason"] == "error"
             assert result["error"] == {"type": item.type, "message": item.message}
         elif result["finish_reason"] == "error":  # refused later (grammar, prompt length)

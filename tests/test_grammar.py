@@ -11,12 +11,12 @@ import pytest
 
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.schema_rewrite import close_objects, exclusive_one_of
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import GrammarError
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import GrammarError
-from aici_cli.vocabulary.job import Job
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
 

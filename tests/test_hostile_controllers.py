@@ -22,14 +22,14 @@ from click.testing import CliRunner
 from fake_services import FakeServices
 from wat import OOM_HOOK, Guest, component, save, u32s
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.control.actions import Sample, StepInput, TokenSet
 from aici_cli.control.wasm import (
     ControllerComponent,
     GuestInstance,
     GuestLimits,
 )
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 HERE = Path(__file__).resolve().parent
 PROBE = HERE / "guests" / "sandbox_probe.py"
@@ -385,7 +385,7 @@ def test_hostile_lines_end_alone_and_the_rest_is_unchanged(tiny_model_dir: Path,
 # what the second run added on top of everything the first one needed.
 _PEAK_RSS = """
 import resource, sys
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 n = int(sys.argv[1])
 inputs, rest = sys.argv[2 : 2 + n], sys.argv[2 + n :]
 for path in inputs:

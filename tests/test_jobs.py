@@ -1,4 +1,4 @@
-"""Input parsing is where users meet the tool: every bad line must become a LineError
+"""Input parsing is where users meet the tool: every bad line must become a BadLine
 whose type a script can branch on and whose message a person can act on, and good
 lines must keep flowing around bad ones."""
 
@@ -13,31 +13,31 @@ from typing import Any
 
 import pytest
 
-from aici_cli.jobs import open_input, read_jobs
-from aici_cli.result_writer import ResultWriter
-from aici_cli.vocabulary.config import JobDefaults
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import UsageError
-from aici_cli.vocabulary.job import Job, LineError, error_result
+from aici_cli.core.config import JobDefaults
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import UsageError
+from aici_cli.core.job import BadLine, Job, error_result
+from aici_cli.formats.jobs import open_input, read_jobs
+from aici_cli.run.result_writer import ResultWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
 DEFAULTS = JobDefaults()
 
 
-def _read(lines: list[str | bytes], defaults: JobDefaults = DEFAULTS) -> list[Job | LineError]:
+def _read(lines: list[str | bytes], defaults: JobDefaults = DEFAULTS) -> list[Job | BadLine]:
     return list(read_jobs(lines, defaults))
 
 
-def _one(line: str | bytes, defaults: JobDefaults = DEFAULTS) -> Job | LineError:
+def _one(line: str | bytes, defaults: JobDefaults = DEFAULTS) -> Job | BadLine:
     items = _read([line], defaults)
     assert len(items) == 1
     return items[0]
 
 
-def _error(line: str | bytes) -> LineError:
+def _error(line: str | bytes) -> BadLine:
     item = _one(line)
-    assert isinstance(item, LineError), item
+    assert isinstance(item, BadLine), item
     return item
 
 
@@ -158,7 +158,7 @@ def test_bad_line_gives_typed_error_naming_line_and_problem(
     items = _read(['{"prompt": "ok"}', "", line])  # bad line is physical line 3
     assert isinstance(items[0], Job)
     err = items[1]
-    assert isinstance(err, LineError)
+    assert isinstance(err, BadLine)
     assert err.type == type_
     assert err.index == 3
     assert err.message.startswith("line 3: ")
@@ -188,7 +188,7 @@ def test_error_carries_the_line_id_when_readable() -> None:
 def test_error_id_falls_back_to_index_when_unreadable() -> None:
     items = _read(["", "{bad", '{"id": 7.5, "prompt": "x"}', b"\xff\xfe",
                    '{"id": true, "prompt": "x"}'])
-    assert [(e.index, e.id) for e in items if isinstance(e, LineError)] == [
+    assert [(e.index, e.id) for e in items if isinstance(e, BadLine)] == [
         (2, "2"),
         (3, "3"),
         (4, "4"),
@@ -199,7 +199,7 @@ def test_error_id_falls_back_to_index_when_unreadable() -> None:
 def test_an_integer_id_is_kept_as_given() -> None:
     [job, error] = _read(['{"id": 7, "prompt": "x"}', '{"id": 12345678901234567890, "promt": 1}'])
     assert isinstance(job, Job) and job.id == 7
-    assert isinstance(error, LineError) and error.id == 12345678901234567890
+    assert isinstance(error, BadLine) and error.id == 12345678901234567890
 
 
 def test_good_lines_around_bad_ones_keep_their_indexes() -> None:
@@ -379,7 +379,7 @@ def test_result_writer_writes_one_flushed_line_per_result() -> None:
     stream = _FlushCounter()
     writer = ResultWriter(stream)
     ok = {"id": "1", "index": 1, "text": "héllo\nworld", "finish_reason": "stop"}
-    bad = error_result(LineError(index=2, id="2", type="invalid_json", message="line 2: x"))
+    bad = error_result(BadLine(index=2, id="2", type="invalid_json", message="line 2: x"))
 
     writer.write(ok)
     assert stream.getvalue().count("\n") == 1

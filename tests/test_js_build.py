@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.control.build import BuildError, build_controller
 from aici_cli.control.build import js as build_js
 from aici_cli.control.build.js import (

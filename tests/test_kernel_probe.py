@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tiny_model import write_tiny_gguf
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models import kernel_probe
 from aici_cli.models.kernel_probe import (
     ENV,
@@ -28,7 +29,6 @@ from aici_cli.models.kernel_probe import (
     verdict,
 )
 from aici_cli.models.kernel_run import FAULT_ENV
-from aici_cli.vocabulary.errors import ModelError
 
 TINY = Shapes(hidden=64, intermediate=128, vocab=256, heads=4, kv_heads=2, head_dim=16,
               layers=2)

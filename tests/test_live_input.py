@@ -1,6 +1,6 @@
 """Streaming input: with a producer that writes a line now and then (stdin from a pipe),
 lines already running keep decoding while the next is awaited, end of input ends the run,
-and the first Ctrl-C still stops admission at once (`aici_cli.live_input`)."""
+and the first Ctrl-C still stops admission at once (`aici_cli.run.live_input`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from aici_cli.live_input import LiveInput, may_block
+from aici_cli.run.live_input import LiveInput, may_block
 
 INTERVAL_S = 1.0  # the producer's pace: a blocking read would cost a running line this long
 
@@ -198,7 +198,7 @@ def test_only_what_can_wait_is_read_on_a_thread(tmp_path: Path) -> None:
     with regular.open("rb") as f:
         assert not may_block(f)
     done = subprocess.run([sys.executable, "-c",
-                           "import sys; from aici_cli.live_input import may_block; "
+                           "import sys; from aici_cli.run.live_input import may_block; "
                            "print(may_block(sys.stdin.buffer))"],
                           input="", capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "True"  # stdin from a pipe

@@ -15,11 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel, load_model
 from aici_cli.models.llama import LlamaCausalLM, unsupported
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.job import Job
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def _cli_run(model_dir: Path, tmp_path: Path,
     prompts.write_text('{"prompt": "hello", "logprobs": true}\n' + json.dumps(chat) + "\n")
     script = (
         "import sys\n"
-        "from aici_cli.cli import main\n"
+        "from aici_cli.cli.main import main\n"
         f"try: main(['run', {str(prompts)!r}, '--model', {str(model_dir)!r},"
         f" '--max-tokens', '5', '-o', {str(out)!r}, '--quiet', '--model-impl', {impl!r}])\n"
         "except SystemExit as e: assert e.code in (0, None), e.code\n"

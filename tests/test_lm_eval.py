@@ -21,7 +21,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from aici_cli.evals.harness import harness_argv  # noqa: E402
 from aici_cli.evals.lm_eval_backend import AiciBatchLM  # noqa: E402
-from aici_cli.evals.requests import RequestError  # noqa: E402
+from aici_cli.evals.requests import EvalRequestError  # noqa: E402
 
 TASKS = Path(__file__).parent / "data" / "lm_eval"
 TOL = 1e-4
@@ -133,7 +133,7 @@ def test_json_schema_and_choice_in_gen_kwargs(ours: AiciBatchLM) -> None:
 def test_a_request_it_cannot_run_names_its_task(ours: AiciBatchLM, kwargs: dict[str, Any],
                                                 message: str) -> None:
     req = Instance("generate_until", {}, ("Q: ", kwargs), 0, metadata=("t", 3, 1))
-    with pytest.raises(RequestError, match=re.escape(message)):
+    with pytest.raises(EvalRequestError, match=re.escape(message)):
         ours.generate_until([req])
 
 
@@ -194,7 +194,7 @@ def test_the_lm_eval_command_end_to_end(tiny_model_dir: Path, tmp_path: Path) ->
 
 def test_the_lm_eval_command_without_lm_eval_installed() -> None:
     code = ("import sys\nsys.modules['lm_eval'] = None  # as if not installed\n"
-            "from aici_cli.cli import main\nmain(['lm-eval', '--tasks', 'x'])")
+            "from aici_cli.cli.main import main\nmain(['lm-eval', '--tasks', 'x'])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2

@@ -10,8 +10,8 @@ import torch
 from engine_runs import output_ids, run
 from factories import job_factory
 
+from aici_cli.core.constraint import Constraint
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.constraint import Constraint
 
 TOL = 1e-4
 

@@ -26,8 +26,8 @@ from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.early_close import Closing
 from aici_cli.control.grammar.hints import NO_HINTS, Hints
 from aici_cli.control.grammar.loops import MAX_PERIOD, find_loop, min_span
+from aici_cli.core.constraint import Constraint
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.constraint import Constraint
 
 PROPS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow])

@@ -27,18 +27,18 @@ import torch
 from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.limits import (
     MAX_OBJECT_PROPERTIES,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
 )
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import ControllerError, GrammarError
 from aici_cli.models import conversion_cache, gguf_convert, sources
 from aici_cli.models.resolve import resolve_model
 from aici_cli.models.sources import DEFAULT_MODEL
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import ControllerError, GrammarError
 
 ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
             "(org/name), or a short name ('aici-batch models' lists them)")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from reference import greedy_tokens
 
+from aici_cli.core.errors import ModelError, NoChatTemplateError
 from aici_cli.models import conversion_cache, device, gguf_convert, sources
 from aici_cli.models.chat import render_prompt
 from aici_cli.models.conversion_cache import cache_dir
@@ -18,7 +19,6 @@ from aici_cli.models.device import pick_device, pick_dtype
 from aici_cli.models.load import load_model
 from aici_cli.models.resolve import resolve_model
 from aici_cli.models.sources import DEFAULT_MODEL
-from aici_cli.vocabulary.errors import ModelError, NoChatTemplateError
 
 ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
             "(org/name), or a short name ('aici-batch models' lists them)")

@@ -10,13 +10,13 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from aici_cli.cli import main
-from aici_cli.jobs import load_schema
-from aici_cli.openai_batch import (
+from aici_cli.cli.main import main
+from aici_cli.formats.jobs import load_schema
+from aici_cli.formats.openai_batch import (
     CHAT,
     COMPLETIONS,
+    BatchRequestError,
     Request,
-    RequestError,
     looks_like_request,
     to_line,
     to_output,
@@ -72,7 +72,7 @@ def test_completion_request_and_json_object() -> None:
      "needs json_schema.schema"),
 ])
 def test_unsupported_requests_name_the_field(req: dict[str, Any], needle: str) -> None:
-    with pytest.raises(RequestError, match=".*") as info:
+    with pytest.raises(BatchRequestError, match=".*") as info:
         to_line(req)
     assert needle in str(info.value)
 
@@ -229,5 +229,5 @@ def test_null_fields_and_the_fields_vllm_ignores_are_accepted() -> None:
     line, _ = to_line(request(COMPLETIONS, prompt="Once", stream_options={"include_usage": True},
                               top_logprobs=None, suffix=None))
     assert line == {"id": "r1", "prompt": "Once"}
-    with pytest.raises(RequestError, match=r"unsupported body field\(s\): audio$"):
+    with pytest.raises(BatchRequestError, match=r"unsupported body field\(s\): audio$"):
         to_line(request(messages=messages, audio={"voice": "alloy"}))

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aici_cli.cli import main
-from aici_cli.ordered import InputOrder
-from aici_cli.vocabulary.job import LineError
+from aici_cli.cli.main import main
+from aici_cli.core.job import BadLine
+from aici_cli.run.ordered import InputOrder
 
 
 @settings(max_examples=60, deadline=None)
@@ -27,7 +27,7 @@ def test_any_finishing_order_is_written_in_input_order(data: st.DataObject, n: i
     finish into it, so it holds at most `limit` + rows - 1."""
     written: list[int] = []
     order: InputOrder[int] = InputOrder(written.append, limit=limit)
-    waiting = order.track(iter([LineError(i, str(i), "t", "m") for i in range(1, n + 1)]))
+    waiting = order.track(iter([BadLine(i, str(i), "t", "m") for i in range(1, n + 1)]))
     running: list[int] = []
     exhausted = False
     while True:
@@ -49,7 +49,7 @@ def test_any_finishing_order_is_written_in_input_order(data: st.DataObject, n: i
 def test_flush_writes_what_waits_behind_a_line_that_never_ran() -> None:
     written: list[str] = []
     order: InputOrder[str] = InputOrder(written.append)
-    list(order.track(iter([LineError(i, str(i), "t", "m") for i in (1, 2, 4, 5)])))
+    list(order.track(iter([BadLine(i, str(i), "t", "m") for i in (1, 2, 4, 5)])))
     order.put(5, "five")
     order.put(1, "one")
     order.put(4, "four")

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.models import MODEL_SOURCES, available_models
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},

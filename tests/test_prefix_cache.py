@@ -17,12 +17,12 @@ import torch
 from factories import job_factory
 
 from aici_cli.control.base import ControllerBase, Directive
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.engine.rows import Prepared, RowTable
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.job import Job
 
 TOL = 1e-4
 PREFIX = ("Answer each question with one word.\n"

@@ -24,11 +24,11 @@ import jsonschema
 import pytest
 
 from aici_cli.control.build import build_controller
-from aici_cli.distributed.driver import LINE_LOSSES
-from aici_cli.distributed.worker import CRASH_ON_ID_ENV
-from aici_cli.formats import load_schema
-from aici_cli.runner import RunOutcome, run_batch
-from aici_cli.vocabulary.config import EngineConfig, RayOptions, RunConfig
+from aici_cli.core.config import EngineConfig, RayOptions, RunConfig
+from aici_cli.formats.schemas import load_schema
+from aici_cli.run.batch import RunOutcome, run_batch
+from aici_cli.run.distributed.driver import LINE_LOSSES
+from aici_cli.run.distributed.worker import CRASH_ON_ID_ENV
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -227,7 +227,7 @@ def test_without_streaming_calls_as_through_ray_client(reference: tuple[Path, Pa
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray Client (`--ray ray://...`) has no streaming calls: a chunk's results come
     whole, and a killed worker's chunks run again, still once per line."""
-    from aici_cli.distributed import driver
+    from aici_cli.run.distributed import driver
 
     monkeypatch.setattr(driver, "client_mode", lambda: True)
     src, local_out = reference

@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
-from aici_cli.distributed import placement  # noqa: E402
-from aici_cli.vocabulary.config import RayOptions  # noqa: E402
-from aici_cli.vocabulary.errors import UsageError  # noqa: E402
+from aici_cli.core.config import RayOptions  # noqa: E402
+from aici_cli.core.errors import UsageError  # noqa: E402
+from aici_cli.run.distributed import placement  # noqa: E402
 
 
 class FakeInit:

@@ -32,7 +32,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

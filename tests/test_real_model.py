@@ -13,14 +13,14 @@ import jsonschema
 import pytest
 import torch
 
-from aici_cli.engine.attention import install
-from aici_cli.engine.cache import RowCache
-from aici_cli.engine.inputs import AttentionLayout, build_inputs, forward
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
+from aici_cli.engine.forward.attention import install
+from aici_cli.engine.forward.cache import RowCache
+from aici_cli.engine.forward.inputs import AttentionLayout, build_inputs, forward
 from aici_cli.models import LoadedModel, load_model
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.job import Job
 
 pytestmark = pytest.mark.real_model
 
@@ -109,7 +109,7 @@ def test_the_eval_example_scores_through_the_prefix_cache(tmp_path: Path) -> Non
     """`examples/eval` on the default model, as the README runs it (a slice of it)."""
     from click.testing import CliRunner
 
-    from aici_cli.cli import main
+    from aici_cli.cli.main import main
 
     eval_file = Path(__file__).resolve().parents[1] / "examples" / "eval" / "eval.jsonl"
     src, out = tmp_path / "eval.jsonl", tmp_path / "out.jsonl"

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from coverage_run import prompt_for  # noqa: E402

@@ -1,4 +1,4 @@
-"""`aici_cli.report`: figures derived from hand-built result lines, checked exactly.
+"""`aici_cli.report.summarize`: figures derived from hand-built result lines, checked exactly.
 
 The fixture results are a small batch whose per-sequence stats equal the sums of their
 per-step records, so both step sources can be checked against numbers worked out by
@@ -17,8 +17,10 @@ import pytest
 from jsonschema import Draft202012Validator
 from rich.console import Console
 
-from aici_cli.jobs import load_schema
-from aici_cli.report import (
+from aici_cli.core.line_stats import StepTimes
+from aici_cli.formats.jobs import load_schema
+from aici_cli.report.plot import plot
+from aici_cli.report.summarize import (
     NO_RUN_SUMMARY_NOTE,
     ReportError,
     merge_run_summary,
@@ -26,9 +28,7 @@ from aici_cli.report import (
     report_table,
     summarize_results,
 )
-from aici_cli.report_plot import plot
-from aici_cli.stats import RunTally
-from aici_cli.vocabulary.line_stats import StepTimes
+from aici_cli.run.tally import RunTally
 
 RESULT_VALIDATOR = Draft202012Validator(load_schema("result-line"))
 STATS_VALIDATOR = Draft202012Validator(load_schema("stats"))

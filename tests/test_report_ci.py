@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from aici_cli.cli import main
-from aici_cli.jobs import load_schema
-from aici_cli.report_baseline import mcnemar_p, paired_bootstrap
+from aici_cli.cli.main import main
+from aici_cli.formats.jobs import load_schema
+from aici_cli.report.baseline import mcnemar_p, paired_bootstrap
 
 RESULT = Draft202012Validator(load_schema("result-line"))
 STATS = {"prompt_tokens": 3, "output_tokens": 2, "forward_passes": 2, "ff_tokens": 0,

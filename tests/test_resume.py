@@ -20,11 +20,13 @@ import jsonschema
 import pytest
 from click.testing import CliRunner, Result
 
-from aici_cli.cli import main
-from aici_cli.formats import load_schema
-from aici_cli.jobs import read_jobs
-from aici_cli.result_writer import ResultWriter
-from aici_cli.resume import (
+from aici_cli.cli.main import main
+from aici_cli.core.config import JobDefaults
+from aici_cli.core.errors import UsageError
+from aici_cli.formats.jobs import read_jobs
+from aici_cli.formats.schemas import load_schema
+from aici_cli.run.result_writer import ResultWriter
+from aici_cli.run.resume import (
     DIGEST_FIELD,
     InputLines,
     OutputFile,
@@ -34,8 +36,6 @@ from aici_cli.resume import (
     scan_output,
     with_digest,
 )
-from aici_cli.vocabulary.config import JobDefaults
-from aici_cli.vocabulary.errors import UsageError
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "Alice", "Bob",
          "Paris", "London", "model", "token", "batch", "prompt", "answer", "json", "schema",
@@ -588,9 +588,9 @@ def test_results_without_a_record_are_taken_as_made_with_this_runs_options(
 
 
 def test_made_with_records_only_what_differs_and_names_each_option() -> None:
-    from aici_cli.made_with import DEFAULTS, mismatch, run_record
-    from aici_cli.vocabulary.config import EngineConfig, RunConfig
-    from aici_cli.vocabulary.constraint import Constraint
+    from aici_cli.core.config import EngineConfig, RunConfig
+    from aici_cli.core.constraint import Constraint
+    from aici_cli.run.made_with import DEFAULTS, mismatch, run_record
 
     plain = RunConfig(input="-")
     assert run_record(plain, "m", None) == {"model": "m"}

@@ -18,9 +18,9 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from aici_cli import __version__
-from aici_cli.cli import main
-from aici_cli.jobs import load_schema
-from aici_cli.ui import ModelLoading, RunDisplay, failure_line, summary_table
+from aici_cli.cli.main import main
+from aici_cli.formats.jobs import load_schema
+from aici_cli.run.ui import ModelLoading, RunDisplay, failure_line, summary_table
 
 FAILING = [
     {"id": "a", "prompt": "Once upon a time", "max_tokens": 3},

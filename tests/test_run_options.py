@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
+from aici_cli.cli.option_values import choices_option
 from aici_cli.control.schema_envelope import inert_problem, unwrap
-from aici_cli.option_values import choices_option
-from aici_cli.vocabulary.errors import UsageError
+from aici_cli.core.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from aici_cli.cli import main
-from aici_cli.out_paths import check_writable, writable_problem
-from aici_cli.runner import run_batch
-from aici_cli.vocabulary.config import EngineConfig, RunConfig
-from aici_cli.vocabulary.errors import UsageError
+from aici_cli.cli.main import main
+from aici_cli.core.config import EngineConfig, RunConfig
+from aici_cli.core.errors import UsageError
+from aici_cli.run.batch import run_batch
+from aici_cli.run.out_paths import check_writable, writable_problem
 
 
 def aici_batch() -> list[str]:

@@ -17,15 +17,15 @@ from click.testing import CliRunner
 from engine_runs import output_ids, run
 from factories import job_factory
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.job import Job
 from aici_cli.engine import model_runner
-from aici_cli.engine.penalties import LogitRules, apply_rules
-from aici_cli.engine.sampling import row_generator, sample
-from aici_cli.jobs import load_schema
+from aici_cli.engine.logits.logit_rules import LogitRules, apply_rules
+from aici_cli.engine.logits.sampling import row_generator, sample
+from aici_cli.formats.jobs import load_schema
+from aici_cli.formats.openai_batch import COMPLETIONS
 from aici_cli.models import LoadedModel
-from aici_cli.openai_batch import COMPLETIONS
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.job import Job
 
 NEG_INF = float("-inf")
 

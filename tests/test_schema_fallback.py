@@ -12,17 +12,17 @@ import pytest
 from click.testing import CliRunner
 from factories import job_factory
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.relax import Checks, Relaxation, relax_step
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import GrammarError
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
 from aici_cli.engine.retry import RETRY_TEMPERATURE, next_attempt
-from aici_cli.jobs import load_schema
+from aici_cli.formats.jobs import load_schema
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import GrammarError
-from aici_cli.vocabulary.job import Job
 
 # Refused by llguidance as written: the lookaround. Relaxed, any short string goes; the
 # original matches none ("y" cannot also start with "x"), so no output may be valid.

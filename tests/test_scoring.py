@@ -12,12 +12,12 @@ import torch
 from click.testing import CliRunner
 from factories import job_factory
 
-from aici_cli.cli import main
-from aici_cli.engine.loop import Engine
+from aici_cli.cli.main import main
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.job import Job
+from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.job import Job
 
 TOL = 1e-4
 PREFIX = ("Answer each question with one word.\n"

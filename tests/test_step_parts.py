@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from factories import job_factory
 
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.engine.engine import Engine
 from aici_cli.engine.generation import Generation
-from aici_cli.engine.loop import Engine
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.models.load import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.constraint import Constraint
 
 job = job_factory(lambda index: dict(id=str(index), prompt=f"Line {index} says"),
                   max_tokens=6)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from aici_cli import threads
+from aici_cli.run import threads
 
 
 def cgroup_tree(tmp_path: Path, files: dict[str, str], proc: str) -> tuple[Path, Path]:

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 from tiny_model import CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE, build_tiny_model
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.tool_calls import (
     SEPARATOR,
@@ -25,12 +25,12 @@ from aici_cli.control.tool_calls import (
     complete_calls,
     parse_calls,
 )
-from aici_cli.jobs import load_schema
-from aici_cli.jobs.tools import tool_constraint
+from aici_cli.core.constraint import Constraint
+from aici_cli.formats.jobs import load_schema
+from aici_cli.formats.jobs.tools import tool_constraint
+from aici_cli.formats.openai_batch import CHAT, COMPLETIONS
 from aici_cli.models import LoadedModel, load_model, render_prompt
 from aici_cli.models.tool_prompt import template_takes_tools
-from aici_cli.openai_batch import CHAT, COMPLETIONS
-from aici_cli.vocabulary.constraint import Constraint
 
 DATA = Path(__file__).parent / "data"
 OUTPUT_SCHEMA = load_schema("openai-batch-output")
@@ -483,9 +483,9 @@ def test_a_call_cut_off_keeps_the_whole_calls_before_it() -> None:
 def test_a_line_cut_inside_a_call_reports_the_whole_calls(lm: LoadedModel) -> None:
     """max_tokens cut the output inside its third call (closing off): the result keeps the
     two whole calls as `tool_calls`, names the dropped one, and stays `length`."""
+    from aici_cli.core.job import Job
     from aici_cli.engine.generation import Generation
     from aici_cli.engine.result_line import finished_text, generation_result
-    from aici_cli.vocabulary.job import Job
 
     compiler = GrammarCompiler(lm.tokenizer, lm.vocab_size, sorted(lm.eos_token_ids))
     whole = [ToolCall("get_weather", '{"unit": "c", "now": true}'),

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 from wat import Guest, component, save
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 
 json_format = pytest.importorskip("google.protobuf.json_format")
 trace_pb2 = pytest.importorskip("opentelemetry.proto.trace.v1.trace_pb2")
@@ -166,7 +166,7 @@ def test_a_trace_file_holds_the_run_its_lines_and_steps(
     assert kinds["prefill"] >= 1 and kinds["decode"] >= 1
 
     # The timeline reads the same file (plain JSON), and the results alone.
-    from aici_cli.report_timeline import read_results, read_trace
+    from aici_cli.report.timeline import read_results, read_trace
 
     bars, step_blocks = read_trace(tmp_path / "trace.jsonl")
     assert {b.index: b.reason for b in bars} == {

@@ -14,14 +14,14 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from aici_cli.cli import main
+from aici_cli.cli.main import main
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar_check import lark_grammar, whitespace_problem
-from aici_cli.input_format import detect_format
-from aici_cli.jobs import load_schema
+from aici_cli.core.constraint import Constraint
+from aici_cli.formats.detect import detect_format
+from aici_cli.formats.jobs import load_schema
+from aici_cli.formats.openai_batch import CHAT, COMPLETIONS, line_format, to_line
 from aici_cli.models import LoadedModel
-from aici_cli.openai_batch import CHAT, COMPLETIONS, line_format, to_line
-from aici_cli.vocabulary.constraint import Constraint
 
 DATA = Path(__file__).parent / "data"
 OUTPUT_SCHEMA = load_schema("openai-batch-output")

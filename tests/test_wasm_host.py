@@ -38,8 +38,8 @@ from aici_cli.control.wasm import (
 )
 from aici_cli.control.wasm import component as wasm_component
 from aici_cli.control.wasm.wasm_engine import EpochTicker
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import ControllerError
 
 STEP = StepInput(backtrack=0, tokens=(4,))
 Load = Callable[..., ControllerComponent]

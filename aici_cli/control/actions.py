@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.core.constraint import Constraint
 
 TokenSetKind = Literal["all", "allow", "deny", "bitmask", "host-set", "not-host-set"]
 

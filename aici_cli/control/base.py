@@ -21,7 +21,7 @@ import llguidance
 import torch
 
 from aici_cli.control.line_scope import LineScope
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 
 @dataclass(frozen=True)

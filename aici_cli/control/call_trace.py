@@ -1,4 +1,4 @@
-"""What a controller reports of its guest calls to a tracer (`aici_cli/tracing.py`).
+"""What a controller reports of its guest calls to a tracer (`aici_cli/run/tracing.py`).
 
 A `WasmController` with a `trace` calls it once per call into its guest: `start`
 (instantiate and construct), `mid-process`, `fork replay` (a new branch's guest brought

@@ -13,7 +13,7 @@ import re
 import warnings
 from typing import Any
 
-from aici_cli.vocabulary.constraint import Constraint
+from aici_cli.core.constraint import Constraint
 
 # Distinct grammars whose answer is kept: a batch repeats one grammar on every line, and
 # checking one costs about 1 ms (5 ms when it is refused).

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 
 def _size_text(n: int) -> str:

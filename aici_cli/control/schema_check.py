@@ -20,7 +20,7 @@ from referencing import Registry, Resource, Specification
 from referencing.exceptions import NoSuchAnchor, NoSuchResource, PointerToNowhere, Unresolvable
 from referencing.jsonschema import DRAFT202012, specification_with
 
-from aici_cli.json_text import field_path, show
+from aici_cli.core.json_text import field_path, show
 
 
 def check_json_schema(schema: dict[str, Any]) -> str | None:

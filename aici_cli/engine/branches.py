@@ -28,7 +28,7 @@ from enum import Enum
 from typing import Any
 
 from aici_cli.control.line_scope import LineScope
-from aici_cli.vocabulary.line_stats import StepTimes, shared_pass_times, summed_stats
+from aici_cli.core.line_stats import StepTimes, shared_pass_times, summed_stats
 
 Key = tuple[int, tuple[int, ...]]  # a sequence of a line: (sample, path)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from aici_cli.vocabulary.line_stats import StepTimes
+from aici_cli.core.line_stats import StepTimes
 
 Now = Callable[[], float]  # seconds, monotonic; tests pass a fake
 

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 from aici_cli.control.base import Controller, Directive
+from aici_cli.core.errors import ControllerError
+from aici_cli.core.job import Job
+from aici_cli.core.line_stats import LineStats, StepTimes, shared_pass_times
 from aici_cli.engine.branches import Branch
 from aici_cli.engine.draft import DraftGate
-from aici_cli.engine.penalties import LogitRules
+from aici_cli.engine.logits.logit_rules import LogitRules
 from aici_cli.engine.scoring import ScoredChoice
 from aici_cli.engine.stops import StopScan
-from aici_cli.vocabulary.errors import ControllerError
-from aici_cli.vocabulary.job import Job
-from aici_cli.vocabulary.line_stats import LineStats, StepTimes, shared_pass_times
 
 
 @dataclass(frozen=True)

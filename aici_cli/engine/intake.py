@@ -19,12 +19,12 @@ from aici_cli.control.base import Controller
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.early_close import Closing
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.errors import ControllerError, GrammarError, ModelError
+from aici_cli.core.job import BadLine, Job, error_result
 from aici_cli.engine.rows import Prepared, common_prefix
 from aici_cli.models.chat import render_prompt
 from aici_cli.models.load import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.errors import ControllerError, GrammarError, ModelError
-from aici_cli.vocabulary.job import Job, LineError, error_result
 
 ControllerFactory = Callable[[Job], "Controller | None"]
 Emit = Callable[[dict[str, Any]], None]
@@ -87,15 +87,15 @@ class LineIntake:
         """Compile time of each distinct grammar of the run (empty when none compiled)."""
         return self._compiler.compile_ms if self._compiler is not None else []
 
-    def prepare(self, item: Job | LineError, emit: Emit) -> Prepared | None:
+    def prepare(self, item: Job | BadLine, emit: Emit) -> Prepared | None:
         """A line read ahead, tokenized. A line error, or a prompt that cannot be
         tokenized, becomes that line's error result (and None)."""
-        if isinstance(item, LineError):
+        if isinstance(item, BadLine):
             emit(error_result(item))
             return None
         outside = token_ids_problem(item, self.lm.vocab_size)
         if outside is not None:
-            emit(error_result(LineError(item.index, item.id, "invalid_line",
+            emit(error_result(BadLine(item.index, item.id, "invalid_line",
                                         f"line {item.index}: {outside}")))
             return None
         return self.guard(item, emit, lambda: Prepared.of(item, self.tokenize(item)))
@@ -121,9 +121,9 @@ class LineIntake:
         try:
             return build()
         except (GrammarError, ControllerError, ModelError) as e:
-            emit(error_result(LineError(job.index, job.id, e.type, f"line {job.index}: {e}")))
+            emit(error_result(BadLine(job.index, job.id, e.type, f"line {job.index}: {e}")))
         except Exception as e:
-            emit(error_result(LineError(job.index, job.id, "internal_error",
+            emit(error_result(BadLine(job.index, job.id, "internal_error",
                                         f"line {job.index}: {type(e).__name__}: {e}")))
         return None
 

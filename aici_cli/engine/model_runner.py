@@ -10,7 +10,7 @@ Within a step (times in `StepClock` marks, from the plan's start):
      into controllers, through `masks.MaskSource`;
   2. one packed forward pass over the plan's span (passes.py);
   3. the penalties, `logit_bias` and `min_tokens` hold of rows that set them, then the
-     masks, in place (`penalties.py`, `masks.py`);
+     masks, in place (`logits/logit_rules.py`, `masks.py`);
   4. one token for every row that samples (not scored, closing, failed or deferred).
 """
 
@@ -21,16 +21,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from aici_cli.engine.cache import RowCache
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.errors import ControllerError
 from aici_cli.engine.clock import Now, StepClock
-from aici_cli.engine.masks import MaskVerdict, TokenMasks, apply_masks
-from aici_cli.engine.passes import ModelPass, PassOutput
-from aici_cli.engine.penalties import LogitRules, draft_picks, rules_before_masks
+from aici_cli.engine.forward.cache import RowCache
+from aici_cli.engine.forward.passes import ModelPass, PassOutput
+from aici_cli.engine.logits.logit_rules import LogitRules, draft_picks, rules_before_masks
+from aici_cli.engine.logits.masks import MaskVerdict, TokenMasks, apply_masks
+from aici_cli.engine.logits.sampling import Draw, log_softmax, sample
 from aici_cli.engine.plan import StepOutput, StepPlan
-from aici_cli.engine.sampling import Draw, log_softmax, sample
 from aici_cli.models.load import LoadedModel
-from aici_cli.vocabulary.config import EngineConfig
-from aici_cli.vocabulary.errors import ControllerError
 
 
 class ModelRunner:

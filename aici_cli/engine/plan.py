@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from aici_cli.control.base import Directive
+from aici_cli.core.errors import ControllerError
+from aici_cli.core.line_stats import StepTimes
 from aici_cli.engine.clock import StepClock
-from aici_cli.engine.masks import MaskSource
-from aici_cli.engine.passes import PassOutput
-from aici_cli.engine.penalties import LogitRules
-from aici_cli.engine.sampling import Draw
-from aici_cli.vocabulary.errors import ControllerError
-from aici_cli.vocabulary.line_stats import StepTimes
+from aici_cli.engine.forward.passes import PassOutput
+from aici_cli.engine.logits.logit_rules import LogitRules
+from aici_cli.engine.logits.masks import MaskSource
+from aici_cli.engine.logits.sampling import Draw
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ import dataclasses
 from typing import Any
 
 from aici_cli.control.tool_calls import tool_calls_field
+from aici_cli.core.job import Job
+from aici_cli.core.line_stats import summed_stats
 from aici_cli.engine.clock import ms
 from aici_cli.engine.generation import Finish, Generation
-from aici_cli.vocabulary.job import Job
-from aici_cli.vocabulary.line_stats import summed_stats
 
 
 def finished_text(gen: Generation, tokenizer: Any) -> str:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from aici_cli.engine.sampling import MIN_TEMPERATURE
-from aici_cli.vocabulary.job import Job
-from aici_cli.vocabulary.line_stats import summed_stats
+from aici_cli.core.job import Job
+from aici_cli.core.line_stats import summed_stats
+from aici_cli.engine.logits.sampling import MIN_TEMPERATURE
 
 RETRY_TEMPERATURE = 0.7
 

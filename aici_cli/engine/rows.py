@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from aici_cli.core.job import Job
 from aici_cli.engine.generation import Generation
-from aici_cli.vocabulary.job import Job
 
 # Prompt tokens one pass takes on; further new rows wait for the next pass. Bounds the
 # activations of a pass (and its latency for the rows already decoding).

@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
+from aici_cli.core.job import BadLine, Job
+from aici_cli.core.line_stats import StepTimes
 from aici_cli.engine.branches import Ending
 from aici_cli.engine.clock import Now
 from aici_cli.engine.decisions import Decisions
@@ -32,20 +34,18 @@ from aici_cli.engine.draft import propose
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.intake import Emit, LineIntake
 from aici_cli.engine.launch import Launcher
-from aici_cli.engine.logprobs import TokenBytes, fed_offsets, fill_fed
-from aici_cli.engine.masks import MaskSource
-from aici_cli.engine.penalties import LogitRules
+from aici_cli.engine.logits.logit_rules import LogitRules
+from aici_cli.engine.logits.logprobs import TokenBytes, fed_offsets, fill_fed
+from aici_cli.engine.logits.masks import MaskSource
+from aici_cli.engine.logits.sampling import MIN_TEMPERATURE, Draw
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.engine.rows import Prepared, RowTable
-from aici_cli.engine.sampling import MIN_TEMPERATURE, Draw
 from aici_cli.engine.trace_hooks import EngineTracer
 from aici_cli.engine.update import Update
-from aici_cli.vocabulary.job import Job, LineError
-from aici_cli.vocabulary.line_stats import StepTimes
 
-# A source may yield None: a live feed (a Ray worker's, aici_cli/distributed/worker.py) with
+# A source may yield None: a live feed (a Ray worker's, aici_cli/run/distributed/worker.py) with
 # nothing ready now, that is not exhausted; the run asks it again after its next step.
-Source = Iterator[Job | LineError | None]
+Source = Iterator[Job | BadLine | None]
 _END = object()
 
 
@@ -108,7 +108,7 @@ class Scheduler:
                 return None
             if item is None:  # a live source with nothing ready now
                 break
-            assert isinstance(item, (Job, LineError))
+            assert isinstance(item, (Job, BadLine))
             prepared = self.intake.prepare(item, emit)
             if prepared is not None:
                 self.ahead.append(prepared)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from aici_cli.vocabulary.line_stats import summed_stats
+from aici_cli.core.line_stats import summed_stats
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aici_cli.control.stop_strings import find_stop
-from aici_cli.vocabulary.job import Job
+from aici_cli.core.job import Job
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The engine's tracing hooks: what it tells a tracer, and the tracer it has by default,
 which does nothing.
 
-`Engine.tracer` is `NO_TRACE` unless a run traces (`aici_cli/tracing.py` subclasses
+`Engine.tracer` is `NO_TRACE` unless a run traces (`aici_cli/run/tracing.py` subclasses
 `EngineTracer`). The hooks are few and sit off the per-token path: `step` once per
 forward pass, `first_token` once per generation, the others once per line. With
 `NO_TRACE` each is one call of an empty method, about 0.1 µs against a step of tens of
@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from aici_cli.core.job import Job
+    from aici_cli.core.line_stats import StepTimes
     from aici_cli.engine.clock import StepClock
     from aici_cli.engine.generation import Generation
     from aici_cli.engine.intake import Emit
-    from aici_cli.vocabulary.job import Job
-    from aici_cli.vocabulary.line_stats import StepTimes
 
 
 class _Nothing:

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from aici_cli.control.base import Directive
+from aici_cli.core.line_stats import StepTimes
 from aici_cli.engine.clock import Now, ms
 from aici_cli.engine.decisions import Decisions
 from aici_cli.engine.generation import Generation
-from aici_cli.engine.logprobs import TokenBytes, entry, fill_fed
+from aici_cli.engine.logits.logprobs import TokenBytes, entry, fill_fed
+from aici_cli.engine.logits.sampling import log_softmax
 from aici_cli.engine.plan import StepOutput, StepPlan
-from aici_cli.engine.sampling import log_softmax
 from aici_cli.engine.trace_hooks import EngineTracer
-from aici_cli.vocabulary.line_stats import StepTimes
 
 Gens = Sequence[Generation | None]  # by position in the step (None: not taking part)
 

@@ -15,7 +15,7 @@ the two backends score the same tokens:
   may carry a constraint (`json_schema`, `regex`, `choice`, `grammar`), see `requests.py`.
 
 A request that fails (a constraint the engine refuses, a prompt too long) raises
-`RequestError` naming its task and document: an eval with a silently missing answer
+`EvalRequestError` naming its task and document: an eval with a silently missing answer
 would report a wrong score.
 """
 
@@ -32,11 +32,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import has_bos_prefix, resolve_max_length
 from tqdm import tqdm
 
-from aici_cli.engine.loop import Engine
+from aici_cli.core.config import EngineConfig, JobDefaults
+from aici_cli.core.job import BadLine, Job
+from aici_cli.engine import Engine
 from aici_cli.evals.requests import (
     PROMPT_IDS,
     SEQUENCES,
-    RequestError,
+    EvalRequestError,
     ScoreGroup,
     cut_at_stops,
     generation_line,
@@ -44,10 +46,8 @@ from aici_cli.evals.requests import (
     score_line,
 )
 from aici_cli.evals.token_intake import TokenIntake
-from aici_cli.jobs import read_jobs
+from aici_cli.formats.jobs import read_jobs
 from aici_cli.models.load import load_model
-from aici_cli.vocabulary.config import EngineConfig, JobDefaults
-from aici_cli.vocabulary.job import Job, LineError
 
 # A (context, continuation) request as TemplateLM hands it over: its strings (None for a
 # rolling window) and their token ids.
@@ -224,8 +224,8 @@ class AiciBatchLM(TemplateLM):
             context, gen_kwargs = req.args
             try:
                 line = generation_line(i, gen_kwargs or {}, self.max_gen_toks, eos_text)
-            except RequestError as e:
-                raise RequestError(f"{_where(req)}: {e}") from None
+            except EvalRequestError as e:
+                raise EvalRequestError(f"{_where(req)}: {e}") from None
             ids = self.tok_encode(context,
                                   left_truncate_len=self.max_length - line["max_tokens"])
             jobs.append(self._job(line, i, {PROMPT_IDS: ids}, req))
@@ -248,8 +248,8 @@ class AiciBatchLM(TemplateLM):
         """The line through the input checks (a constraint is checked as a line's is),
         numbered `index`, with its token ids."""
         item = next(read_jobs([json.dumps(line)], self.defaults))
-        if isinstance(item, LineError):
-            raise RequestError(f"{_where(req)}: {item.message.removeprefix('line 1: ')}")
+        if isinstance(item, BadLine):
+            raise EvalRequestError(f"{_where(req)}: {item.message.removeprefix('line 1: ')}")
         return dataclasses.replace(item, index=index, extra={**item.extra, **extra})
 
     def _run(self, jobs: list[Job], what: str, disable_tqdm: bool) -> dict[int, dict[str, Any]]:
@@ -267,7 +267,7 @@ class AiciBatchLM(TemplateLM):
     def _succeeded(result: dict[str, Any], req: Any) -> dict[str, Any]:
         if result["finish_reason"] == "error":
             message = result["error"]["message"].split(": ", 1)[-1]
-            raise RequestError(f"{_where(req)}: {result['error']['type']}: {message}")
+            raise EvalRequestError(f"{_where(req)}: {result['error']['type']}: {message}")
         return result
 
 

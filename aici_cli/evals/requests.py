@@ -34,7 +34,7 @@ CONSTRAINT_FIELDS = {"json_schema": "json_schema", "regex": "regex", "choice": "
 _NO_EFFECT = ("do_sample", "max_length")
 
 
-class RequestError(ValueError):
+class EvalRequestError(ValueError):
     """A request the engine cannot run as asked (its task's configuration is at fault)."""
 
 
@@ -59,7 +59,7 @@ def truncated(context: Sequence[int], continuation: Sequence[int],
     whole = [*context, *continuation][-(max_length + 1):]
     start = len(whole) - len(continuation)
     if start < 1:
-        raise RequestError(f"a continuation of {len(continuation)} tokens does not fit the "
+        raise EvalRequestError(f"a continuation of {len(continuation)} tokens does not fit the "
                            f"model's {max_length} positions after at least one context token")
     return whole, start
 
@@ -90,7 +90,7 @@ def generation_line(index: int, gen_kwargs: dict[str, Any], default_max_tokens: 
 
     `until` (a string or a list) becomes the stop strings, plus the end-of-text token's
     text as lm-eval's `hf` backend adds it; greedy unless `do_sample` is true (then at
-    `temperature`, default 1.0) and `temperature` > 0. Raises RequestError for a key this
+    `temperature`, default 1.0) and `temperature` > 0. Raises EvalRequestError for a key this
     engine has no meaning for (beam search, say), naming it."""
     kwargs = dict(gen_kwargs)
     until = kwargs.pop("until", None)
@@ -109,14 +109,14 @@ def generation_line(index: int, gen_kwargs: dict[str, Any], default_max_tokens: 
     line.setdefault("seed", index)
     constraints = [k for k in CONSTRAINT_FIELDS if k in kwargs]
     if len(constraints) > 1:
-        raise RequestError(f"gen_kwargs give {' and '.join(constraints)}: at most one "
+        raise EvalRequestError(f"gen_kwargs give {' and '.join(constraints)}: at most one "
                            "constraint per request")
     for key in constraints:
         line[CONSTRAINT_FIELDS[key]] = _constraint_value(key, kwargs.pop(key))
     for key in _NO_EFFECT:
         kwargs.pop(key, None)
     if kwargs:
-        raise RequestError(f"gen_kwargs {sorted(kwargs)} have no meaning for the aici-batch "
+        raise EvalRequestError(f"gen_kwargs {sorted(kwargs)} have no meaning for the aici-batch "
                            "backend (it reads until, max_gen_toks, do_sample, temperature, "
                            f"{', '.join(_SAME_FIELDS)} and a constraint: "
                            f"{', '.join(CONSTRAINT_FIELDS)})")
@@ -130,7 +130,8 @@ def _constraint_value(key: str, value: Any) -> Any:
         try:
             return json.loads(value)
         except ValueError as e:
-            raise RequestError(f"gen_kwargs json_schema is a string but not JSON: {e}") from None
+            raise EvalRequestError(
+                f"gen_kwargs json_schema is a string but not JSON: {e}") from None
     if key in ("choice", "choices") and isinstance(value, str):
         return [c for c in value.split(",") if c]
     return value

@@ -10,11 +10,10 @@ other line is tokenized as usual. The backend builds its `Engine` with it
 
 from __future__ import annotations
 
-from aici_cli.engine.intake import Emit, LineIntake
-from aici_cli.engine.rows import Prepared
+from aici_cli.core.errors import GrammarError
+from aici_cli.core.job import Job
+from aici_cli.engine import Emit, LineIntake, Prepared
 from aici_cli.evals.requests import PROMPT_IDS, SEQUENCES
-from aici_cli.vocabulary.errors import GrammarError
-from aici_cli.vocabulary.job import Job
 
 
 class TokenIntake(LineIntake):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aici_cli.core.errors import ModelError, NoChatTemplateError
 from aici_cli.models.one_line import one_line
 from aici_cli.models.tool_prompt import (
     plain_messages,
@@ -12,7 +13,6 @@ from aici_cli.models.tool_prompt import (
     template_tools,
     uses_tools,
 )
-from aici_cli.vocabulary.errors import ModelError, NoChatTemplateError
 
 # The tokenizer attribute `load_model` records the model's name in, for `render_prompt`.
 MODEL_NAME_ATTR = "aici_model_name"

@@ -31,14 +31,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from aici_cli.cache_paths import cache_dir
-from aici_cli.file_lock import exclusive_lock
+from aici_cli.core.cache_paths import cache_dir
+from aici_cli.core.errors import ModelError
+from aici_cli.core.file_lock import exclusive_lock
 from aici_cli.models import sources
 from aici_cli.models.gguf_identity import GgufIdentity, gguf_identity
 from aici_cli.models.one_line import one_line
 from aici_cli.models.progress import current_progress
 from aici_cli.models.quiet import quiet_transformers
-from aici_cli.vocabulary.errors import ModelError
 
 # Bump when the conversion's output changes, so existing cache entries are not reused.
 _CONVERTER_VERSION = "3"  # 2: bfloat16, and the GGUF's own quantised blocks; 3: tensors

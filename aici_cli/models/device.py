@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from aici_cli.vocabulary.errors import ModelError
+from aici_cli.core.errors import ModelError
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models.gguf_quantized import write_blocks
 from aici_cli.models.one_line import one_line
 from aici_cli.models.progress import LoadProgress, current_progress
-from aici_cli.vocabulary.errors import ModelError
 
 # Fewest bytes a GGUF file spends per weight: its smallest quantisations (IQ1_S) take
 # about 1.56 bits. A config promising more weights than that fits in the file is wrong.

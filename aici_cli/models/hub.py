@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models.conversion_cache import converted_gguf, slug
 from aici_cli.models.one_line import one_line
-from aici_cli.vocabulary.errors import ModelError
 
 
 def hub_cache_dir() -> Path:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from aici_cli.cache_paths import cache_dir
+from aici_cli.core.cache_paths import cache_dir
 
 PROBE_VERSION = 2  # 2: step times on one thread
 TIMEOUT_S = 120.0  # a probe child that takes longer hangs (the default model's: ~3 s)
@@ -148,7 +148,7 @@ def choose_kernels(path: Path, device: str, dtype_spec: str, quantize_spec: str,
         if found.ok:
             return KernelChoice(dt, q, tuple(rejected))
         rejected.append((mode.label, found.reason or "rejected"))
-    from aici_cli.vocabulary.errors import ModelError
+    from aici_cli.core.errors import ModelError
 
     label, reason = rejected[0]
     others = "".join(f"; then {lb}: {r}" for lb, r in rejected[1:])

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models import sources
 from aici_cli.models.cache_entries import cache_entries
 from aici_cli.models.conversion_cache import cache_target, models_dir
 from aici_cli.models.hub import hub_cache_dir, hub_models
 from aici_cli.models.sources import DEFAULT_MODEL
-from aici_cli.vocabulary.errors import ModelError
 
 
 def available_models() -> dict[str, Any]:

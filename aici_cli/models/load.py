@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models.aligned import align_model
 from aici_cli.models.chat import MODEL_NAME_ATTR
 from aici_cli.models.conversion_cache import cache_hint
@@ -32,7 +33,6 @@ from aici_cli.models.quantize import resolve_mode
 from aici_cli.models.quiet import quiet_transformers
 from aici_cli.models.resolve import resolve_with_name
 from aici_cli.models.transformers_build import attention_implementation, fill_buffers
-from aici_cli.vocabulary.errors import ModelError
 
 
 @dataclass

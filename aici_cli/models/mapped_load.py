@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models.files import missing_tensors_problem
 from aici_cli.models.llama import LlamaShape, RotaryEmbedding, build_on_meta
 from aici_cli.models.quantize import module_name, quantize_model, set_module
 from aici_cli.models.transformers_build import attention_implementation, fill_buffers, meta_buffers
-from aici_cli.vocabulary.errors import ModelError
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
               "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}

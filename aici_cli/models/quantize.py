@@ -33,10 +33,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models import gguf_blocks
 from aici_cli.models.aligned import aligned
 from aici_cli.models.packed_weights import BUFFERS, packed_file, read_packed, write_packed
-from aici_cli.vocabulary.errors import ModelError
 
 GROUP = gguf_blocks.BLOCK  # int4 group size: one GGUF block
 MODES = ("none", "int8", "int4")

@@ -14,11 +14,11 @@ import os
 import re
 from pathlib import Path
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models import sources
 from aici_cli.models.conversion_cache import cache_target, converted_gguf, slug
 from aici_cli.models.hub import hub_model
 from aici_cli.models.sources import DEFAULT_MODEL, ModelSource, source_of_gguf
-from aici_cli.vocabulary.errors import ModelError
 
 _ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
              "(org/name), or a short name ('aici-batch models' lists them)")

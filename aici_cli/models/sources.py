@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aici_cli.core.errors import ModelError
 from aici_cli.models.one_line import one_line
 from aici_cli.models.progress import current_progress
-from aici_cli.vocabulary.errors import ModelError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 

@@ -25,8 +25,8 @@ def run(model: Any, tokenizer: Any, prompts: list[Messages], schemas: list[dict[
         batch_size: int, max_tokens: int, *, fast_forward: bool = True,
         controller: str | None = None, logprobs: int | None = None) -> PeerRun:
     """One `run_batch` over all prompts; counts come from its summary, texts from results."""
-    from aici_cli.runner import run_batch
-    from aici_cli.vocabulary.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.core.config import EngineConfig, JobDefaults, RunConfig
+    from aici_cli.run.batch import run_batch
 
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="aici-peers-") as tmp:

@@ -32,8 +32,8 @@ from aici_cli.control.grammar.schema_rewrite import (
     json_options,
 )
 from aici_cli.control.schema_check import check_json_schema
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import GrammarError
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import GrammarError
 
 
 @dataclass

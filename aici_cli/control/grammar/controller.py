@@ -14,7 +14,7 @@ from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.grammar.compiler import CompiledGrammar
 from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose
 from aici_cli.control.grammar.limits import is_limit_error, tidy_error
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 
 class GrammarController(ControllerBase):

@@ -15,8 +15,8 @@ from pathlib import Path
 import wasmtime
 from wasmtime.component import Component
 
-from aici_cli.cache_paths import cache_dir
-from aici_cli.file_lock import exclusive_lock
+from aici_cli.core.cache_paths import cache_dir
+from aici_cli.core.file_lock import exclusive_lock
 
 
 def default_cache_dir() -> Path:

@@ -32,7 +32,7 @@ from aici_cli.control.wasm.signatures import (
 )
 from aici_cli.control.wasm.values import Lowering
 from aici_cli.control.wasm.wasm_engine import EpochTicker, SharedWasmEngine, shared_wasm_engine
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 
 class ControllerComponent:

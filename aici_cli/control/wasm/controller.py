@@ -42,7 +42,7 @@ from aici_cli.control.wasm.component import ControllerComponent
 from aici_cli.control.wasm.faults import clip
 from aici_cli.control.wasm.instance import GuestInstance
 from aici_cli.control.wasm.services import TokenizerServices
-from aici_cli.vocabulary.errors import ControllerError, GrammarError
+from aici_cli.core.errors import ControllerError, GrammarError
 
 # Most tokens one chain of splices may force before the guest lets the model sample. Far
 # past any context window this engine runs; it bounds the host memory and the quadratic

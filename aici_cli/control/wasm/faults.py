@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from aici_cli.control.wasm.limits import GuestLimits, size_text
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 
 class Fault(Exception):

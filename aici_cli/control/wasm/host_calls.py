@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from aici_cli.control.wasm.services import HostServices
-    from aici_cli.vocabulary.errors import ControllerError
+    from aici_cli.core.errors import ControllerError
 
 _U32_MAX = 0xFFFF_FFFF
 

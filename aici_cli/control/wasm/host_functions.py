@@ -23,7 +23,7 @@ from wasmtime.component import Linker, Variant
 from aici_cli.control.wasm.faults import Fault
 from aici_cli.control.wasm.host_calls import HostCalls, current, to_u32
 from aici_cli.control.wasm.signatures import STORAGE_INTERFACE, Contract
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 
 def make_linker(wasm_engine: wasmtime.Engine, contract: Contract, tokens_matching_tagged: bool,

@@ -53,7 +53,7 @@ from aici_cli.control.wasm.host_calls import HostCalls, current, to_u32
 from aici_cli.control.wasm.quotas import GuestQuotas
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.control.wasm.values import split_result, step_record, to_action
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 if TYPE_CHECKING:
     from aici_cli.control.wasm.limits import GuestLimits

@@ -16,7 +16,7 @@ from typing import Any
 
 from aici_cli.control.wasm.faults import Fault, clip
 from aici_cli.control.wasm.limits import GuestLimits, size_text
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.errors import ControllerError
 
 
 class GuestQuotas:

@@ -33,8 +33,8 @@ from aici_cli.control.actions import (
 )
 from aici_cli.control.wasm.faults import clip
 from aici_cli.control.wasm.services import HostServices
-from aici_cli.vocabulary.constraint import Constraint
-from aici_cli.vocabulary.errors import ControllerError
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import ControllerError
 
 
 @dataclass(frozen=True)

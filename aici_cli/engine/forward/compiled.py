@@ -1,0 +1,216 @@
+"""The compiled one-token decode step (`--compile`), gpt-fast's recipe on the row cache.
+
+A step where every row feeds one sampled token is most of a run's passes, and in eager
+PyTorch it pays a dispatch per op: ~15 ops per layer, 30 layers. Here that step runs
+`torch.compile`d (decode_layer.py: on CPU one graph for all layers, on CUDA one per layer
+replayed as CUDA graphs; q/k/v and gate/up stacked into one matrix each), called with
+static shapes:
+
+- rows: on CUDA the cache rows 0..B-1 for the smallest bucket B in `BUCKETS` (or the batch
+  size) that holds the step's span; on CPU one graph for the run, of every row of the
+  cache, or, where the run's first compiled step knows no line can come any more (a
+  one-line input, the last lines of a small file), of the smallest bucket that holds the
+  rows still busy: a single stream computes one row, not the batch size's (at batch size
+  8, 78 against 29 ms a step, int4, 2 AVX2 cores). Rows sitting the step out ride along
+  as idle rows;
+- keys: each row attends over the whole cache capacity with a mask by position (slot s
+  is visible to a row at position p iff s <= p), so its length does not change a shape.
+  The capacity is a dynamic dimension from the first compile on CPU (it doubles as lines
+  grow: no recompile then).
+
+An idle row's query is at position 0 and it writes back the key its slot 0 already holds,
+so it changes nothing; its logits are dropped. Each row writes only its own row, so no
+two writes meet. The embedding, the rotary table, the final norm and the output
+projection (over the span's rows only) stay eager: one op each.
+
+Only Llama-shaped decoder layers are compiled (Llama, Mistral and Qwen2 without a
+sliding window: norm, attention with RoPE, norm, MLP, both residual); other models, and
+the ragged prefill and fast-forward passes, run eagerly as before (passes.py). Compiled
+kernels are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`, by default under the
+system temp directory), so a second run pays tracing, not code generation. On CUDA the
+same functions run in `reduce-overhead` mode (CUDA graphs).
+
+`--deterministic` never uses this path: its passes are batch-invariant by construction
+(invariant.py), which compiled kernels are not shown to be.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from aici_cli.engine.forward.cache import RowCache
+from aici_cli.engine.forward.decode_layer import LayerGraphs, layer_graphs
+
+# Row-count buckets of the compiled step: each is compiled once, on first use.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+# Model types whose decoder layer is the Llama layer (with or without projection biases).
+_LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2"})
+
+
+def unsupported(model: Any) -> str | None:
+    """Why the compiled step cannot run `model` (None: it can)."""
+    config = model.config
+    if getattr(config, "model_type", None) not in _LLAMA_SHAPED:
+        return f"model type {getattr(config, 'model_type', None)!r} is not Llama-shaped"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or not hasattr(model.model, "rotary_emb"):
+        return "no decoder layers where a Llama model has them"
+    return None
+
+
+def compiler_problem(device: torch.device) -> str | None:
+    """Why inductor cannot build kernels here (None: it can): CPU code needs a C++
+    compiler; CUDA code needs Triton."""
+    if device.type == "cpu":
+        return None if shutil.which("g++") or shutil.which("c++") else "no C++ compiler"
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed"
+        return None
+    return f"device {device.type!r}"
+
+
+class CompiledDecode:
+    """The compiled one-token step over a model and its row cache."""
+
+    def __init__(self, model: Any, cache: RowCache, rows: int, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.rows = rows
+        self.device = device
+        self._graphs: LayerGraphs | None = None
+        self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
+        self.steps = 0
+        self._marked_capacity = 0
+        self._cpu_rows: int | None = None  # the CPU graph's rows, fixed at its first call
+
+    @property
+    def graphs(self) -> LayerGraphs:
+        """The model's decode layers and graphs, made at the first compiled step: a run
+        that stays eager never stacks the layers' projections (~0.1 s at start-up)."""
+        if self._graphs is None:
+            self._graphs = layer_graphs(self.model, self.device)
+        return self._graphs
+
+    def bucket(self, span_end: int, rows_bound: int = 0) -> int:
+        """The rows 0..B-1 a step whose span ends at row `span_end` (exclusive) runs on;
+        `rows_bound`: the rows the run can still occupy (0: unknown).
+
+        On CUDA the smallest bucket that holds the span. On CPU one graph of all layers
+        recompiles in seconds (~10 s warm on a Xeon, ~25 s on an AVX2 EPYC), so a run
+        keeps the graph of its first compiled step: of every row, or of the smallest
+        bucket that holds `rows_bound` where that is known. A run's tail of fewer rows
+        rides along in it; a span past it (a fork's branch) takes the graph of every row
+        from then on."""
+        if self.device.type == "cuda":
+            return _smallest_bucket(span_end, self.rows)
+        rows = self._cpu_rows
+        if rows is None:
+            rows = _smallest_bucket(max(span_end, rows_bound), self.rows) if rows_bound \
+                else self.rows
+        return rows if span_end <= rows else self.rows
+
+    def run(self, first_row: int, lengths: list[int], tokens: list[int | None],
+            rows_bound: int = 0) -> torch.Tensor:
+        """Rows `first_row + i` feed `tokens[i]` (None: sits out) at position `lengths[i]`.
+        The cache must already hold a capacity past every fed position. Returns the
+        next-token logits [len(tokens), V] (a sitting-out row's are to be ignored)."""
+        b = len(tokens)
+        rows = self.bucket(first_row + b, rows_bound)
+        if self.device.type != "cuda":
+            self._cpu_rows = rows
+        ids = [0] * rows
+        pos = [0] * rows
+        valid = [False] * rows
+        for i, (length, tok) in enumerate(zip(lengths, tokens)):
+            if tok is not None:
+                ids[first_row + i], pos[first_row + i] = tok, length
+                valid[first_row + i] = True
+        dev = self.device
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        valid_t = torch.tensor(valid, dtype=torch.bool, device=dev)
+        started = time.perf_counter() if rows not in self.compile_s else None
+        inner = self.model.model
+        h = inner.embed_tokens(ids_t)  # [B, hidden]
+        cos, sin = inner.rotary_emb(h[:, None], pos_t[:, None])  # [B, 1, D] each
+        capacity = self.cache.capacity
+        mask = (torch.arange(capacity, device=dev)[None, :] <= pos_t[:, None])[:, None, None]
+        if dev.type == "cuda":
+            self._static_cache_addresses()
+        h = self.graphs.forward(h, cos, sin, self.cache.keys, self.cache.values, pos_t,
+                                valid_t, mask)
+        span = h[first_row : first_row + b]
+        logits = self.model.lm_head(inner.norm(span))
+        if started is not None:
+            self.compile_s[rows] = time.perf_counter() - started
+        self.steps += 1
+        return logits
+
+    def _static_cache_addresses(self) -> None:
+        """CUDA graphs replay fixed addresses: the cache buffers, written in place, are
+        marked static (again after a capacity growth replaced them)."""
+        if self._marked_capacity == self.cache.capacity:
+            return
+        for buf in (*self.cache.keys, *self.cache.values):
+            torch._dynamo.mark_static_address(buf)
+        self._marked_capacity = self.cache.capacity
+
+
+def _smallest_bucket(rows: int, cap: int) -> int:
+    return next((b for b in BUCKETS if rows <= b <= cap), cap)
+
+
+# `--compile auto` compiles once the work still ahead is at least this many one-token
+# steps (an upper bound: lines may end before max_tokens). Compiling costs ~5.5 s with a
+# warm inductor cache and ~48 s cold (default model, 2 CPU cores) and saves ~10 ms of a
+# batch-1 step (docs/speed.md): it pays after ~550 steps warm and ~4,800 cold, and which
+# one a run meets is not known ahead, so a shorter run stays eager.
+AUTO_MIN_STEPS = 2000
+
+
+class DecodeSteps:
+    """Which one-token steps run compiled: none (`off`, unsupported, deterministic), all
+    (`on`), or for `auto` every step from the first one that still has `AUTO_MIN_STEPS`
+    of work ahead. Built once per engine."""
+
+    def __init__(self, mode: str, model: Any, cache: RowCache, rows: int,
+                 device: torch.device, deterministic: bool) -> None:
+        self.mode = "off" if deterministic else mode
+        self.reason: str | None = None  # why `on`/`auto` runs eager
+        self.compiled: CompiledDecode | None = None
+        self._chosen = self.mode == "on"
+        if self.mode == "off":
+            return
+        self.reason = unsupported(model) or compiler_problem(device)
+        if self.reason is None:
+            self.compiled = CompiledDecode(model, cache, rows, device)
+
+    @property
+    def chosen(self) -> bool:
+        """One-token steps run compiled from now on (for `auto`: once it chose to)."""
+        return self.compiled is not None and self._chosen
+
+    def give_up(self, error: BaseException) -> None:
+        """Compiling failed: every later step runs eagerly, and `reason` says why."""
+        self.compiled = None
+        first = str(error).splitlines()[0] if str(error) else ""
+        self.reason = f"compiling failed: {type(error).__name__}: {first}"[:300]
+
+    def pick(self, steps_ahead: int) -> CompiledDecode | None:
+        """The compiled step for this one-token step, or None to run it eagerly;
+        `steps_ahead`: the run's estimate of the one-token steps still to come."""
+        if self.compiled is None:
+            return None
+        if not self._chosen and steps_ahead >= AUTO_MIN_STEPS:
+            self._chosen = True
+        return self.compiled if self._chosen else None
