@@ -3,19 +3,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from aici_cli.core.job import Job
+from aici_cli.core.sampling import OPTIONS, Sampling
 
 
 def job(index: int, prompt: str | None = None, **fields: Any) -> Job:
     """A line as the engine tests write it: id `j<index>`, no messages, greedy (temperature
     0, top_p 1), seeded by its index, at most 16 tokens. Any of these, or any other `Job`
-    field, as a keyword."""
+    field, as a keyword; a sampling option (`temperature`, `min_p`, ...: core/sampling.py)
+    too, as a keyword of its own, or all of them as `sampling`."""
+    options = {name: fields.pop(name) for name in list(fields) if name in OPTIONS}
+    sampling = fields.pop("sampling", Sampling(seed=index))
     values: dict[str, Any] = dict(
         index=index, id=f"j{index}", prompt=prompt, messages=None, max_tokens=16,
-        temperature=0.0, top_p=1.0, seed=index,
+        sampling=dataclasses.replace(sampling, **options),
     )
     values.update(fields)
     return Job(**values)

@@ -37,7 +37,7 @@ ROWS = {"type": "array", "items": {"type": "object", "properties": {"a": {"type"
 
 def jobs(max_tokens: int) -> list[Job]:
     return [Job(index=i + 1, id=str(i), prompt="Data:", messages=None, max_tokens=max_tokens,
-                temperature=0.0, top_p=1.0, seed=0, constraint=Constraint("json_schema", s))
+                constraint=Constraint("json_schema", s))
             for i, s in enumerate([STRING, NESTED, ROWS])]
 
 

@@ -90,3 +90,13 @@ def test_every_module_architecture_names_exists() -> None:
     missing = sorted(n for n in names
                      if not any(f == n or f.endswith("/" + n) for f in files))
     assert len(names) > 60 and missing == []
+
+
+def test_a_sampling_option_is_named_in_few_modules() -> None:
+    """One definition per per-line option: core/sampling.py declares each sampling option
+    (default, range, help, request name) and the CLI, the line formats, `made_with` and
+    lm-eval derive from it, so adding one touches the definition, the sampler and a test.
+    `min_p` stands for them all: at most two modules besides those two name it."""
+    naming = sorted(str(p.relative_to(PACKAGE)) for p in _sources() if "min_p" in p.read_text())
+    assert {"core/sampling.py", "engine/logits/sampling.py"} <= set(naming)
+    assert len(naming) <= 4, naming

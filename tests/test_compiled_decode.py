@@ -32,9 +32,8 @@ def lm32(tiny_model_dir: Path) -> LoadedModel:
 
 def _jobs(max_tokens: list[int]) -> list[Job]:
     prompts = ["the quick brown fox", "hello world, hello again and", "a b c"]
-    return [Job(index=i + 1, id=str(i), max_tokens=n, temperature=0.0, top_p=1.0, seed=0,
-                constraint=None, prompt=prompts[i % len(prompts)], messages=None, ignore_eos=True,
-                logprobs=0)
+    return [Job(index=i + 1, id=str(i), max_tokens=n, constraint=None,
+                prompt=prompts[i % len(prompts)], messages=None, ignore_eos=True, logprobs=0)
             for i, n in enumerate(max_tokens)]
 
 

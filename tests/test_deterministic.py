@@ -25,6 +25,7 @@ from aici_cli.core.config import EngineConfig
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import ModelError
 from aici_cli.core.job import Job
+from aici_cli.core.sampling import Sampling
 from aici_cli.engine import deterministic_check as invariance_check
 from aici_cli.engine.engine import Engine
 from aici_cli.engine.forward.deterministic import TILE_ROWS, invariant_linear
@@ -80,7 +81,8 @@ def jobs() -> list[Job]:
     for i, q in enumerate(questions):
         out.append(Job(
             index=i + 1, id=f"j{i}", prompt=PREFIX + q, messages=None, max_tokens=14,
-            temperature=0.0 if i % 3 else 0.9, top_p=1.0 if i % 2 else 0.8, seed=i,
+            sampling=Sampling(temperature=0.0 if i % 3 else 0.9, top_p=1.0 if i % 2 else 0.8,
+                              seed=i),
             constraint=constraints[i % 3], logprobs=0, n=2 if i == 4 else 1))
     return out
 

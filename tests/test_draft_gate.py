@@ -24,8 +24,7 @@ from aici_cli.models.load import LoadedModel, load_model
 
 
 def _gen(prompt: list[int], output: list[int]) -> Generation:
-    job = Job(index=1, id="g", prompt="", messages=None, max_tokens=1000, temperature=0.0,
-              top_p=1.0, seed=0, constraint=None)
+    job = Job(index=1, id="g", prompt="", messages=None, max_tokens=1000, constraint=None)
     gen = Generation(job, list(prompt), None, torch.Generator(), started=0.0)
     gen.length = len(prompt) + len(output)
     gen.output = list(output)
@@ -93,8 +92,8 @@ def test_compiled_steps_draft_only_where_drafts_pay_and_keep_the_tokens(
     """A compiled run with drafts on gives the tokens of the run without drafts (fp32),
     and its multi-token passes are bounded by the gate: each is an accepted draft, one of
     the optimistic first tries, or a retry after RETRY_AFTER tokens."""
-    jobs = [Job(index=1, id="s", max_tokens=120, temperature=0.0, top_p=1.0, seed=0,
-                constraint=None, prompt="a b c d e f", messages=None, ignore_eos=True)]
+    jobs = [Job(index=1, id="s", max_tokens=120, constraint=None, prompt="a b c d e f",
+                messages=None, ignore_eos=True)]
 
     def run(drafts: int) -> tuple[list[Any], Engine]:
         engine = Engine(lm32, EngineConfig(batch_size=1, compile="on", draft_tokens=drafts))

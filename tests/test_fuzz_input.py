@@ -285,9 +285,9 @@ def _check_items(lines: list[bytes | str], items: list[Job | BadLine]) -> None:
 def _check_job_in_range(job: Job) -> None:
     """A line that parsed carries values the engine can run, never an extreme one."""
     assert 1 <= job.max_tokens <= 10**6
-    assert 0.0 <= job.temperature <= 10.0 and math.isfinite(job.temperature)
-    assert 0.0 < job.top_p <= 1.0
-    assert 0 <= job.seed <= 2**63 - 1
+    assert 0.0 <= job.sampling.temperature <= 10.0 and math.isfinite(job.sampling.temperature)
+    assert 0.0 < job.sampling.top_p <= 1.0
+    assert 0 <= job.sampling.seed <= 2**63 - 1
     assert (job.prompt is None) != (job.messages is None)
 
 

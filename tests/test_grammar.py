@@ -179,7 +179,7 @@ def test_finished_outputs_validate_on_jsonschemabench(lm: LoadedModel) -> None:
     schemas = bench_schemas("Github_trivial", 12) + bench_schemas("Glaiveai2K", 12)
     jobs = [
         Job(index=i + 1, id=name, prompt="JSON:", messages=None, max_tokens=96,
-            temperature=0.0, top_p=1.0, seed=0, constraint=Constraint("json_schema", s))
+            constraint=Constraint("json_schema", s))
         for i, (name, s) in enumerate(schemas)
     ]
     results: list[dict[str, Any]] = []

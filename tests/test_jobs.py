@@ -17,6 +17,7 @@ from aici_cli.core.config import JobDefaults
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import UsageError
 from aici_cli.core.job import BadLine, Job, error_result
+from aici_cli.core.sampling import Sampling
 from aici_cli.formats.jobs import open_input, read_jobs
 from aici_cli.run.result_writer import ResultWriter
 
@@ -243,9 +244,7 @@ def test_id_defaults_to_line_number_and_duplicates_are_allowed() -> None:
 def test_defaults_apply_when_line_is_silent() -> None:
     defaults = JobDefaults(
         max_tokens=32,
-        temperature=0.7,
-        top_p=0.9,
-        seed=11,
+        sampling=Sampling(temperature=0.7, top_p=0.9, seed=11),
         stop=("END",),
         constraint=Constraint("regex", "[a-z]+"),
     )
@@ -256,9 +255,7 @@ def test_defaults_apply_when_line_is_silent() -> None:
         prompt="hello",
         messages=None,
         max_tokens=32,
-        temperature=0.7,
-        top_p=0.9,
-        seed=11,
+        sampling=Sampling(temperature=0.7, top_p=0.9, seed=11),
         stop=("END",),
         constraint=Constraint("regex", "[a-z]+"),
         extra={},
@@ -268,9 +265,7 @@ def test_defaults_apply_when_line_is_silent() -> None:
 def test_line_values_override_defaults() -> None:
     defaults = JobDefaults(
         max_tokens=32,
-        temperature=0.7,
-        top_p=0.9,
-        seed=11,
+        sampling=Sampling(temperature=0.7, top_p=0.9, seed=11),
         stop=("END",),
         constraint=Constraint("regex", "[a-z]+"),
     )
@@ -289,8 +284,10 @@ def test_line_values_override_defaults() -> None:
     assert job.id == "mine"
     assert job.prompt is None
     assert job.messages == line["messages"]
-    assert (job.max_tokens, job.temperature, job.top_p, job.seed) == (5, 0.0, 1.0, 2**63 - 1)
-    assert isinstance(job.temperature, float) and isinstance(job.top_p, float)
+    sampling = job.sampling
+    assert (job.max_tokens, sampling.temperature, sampling.top_p, sampling.seed) == (
+        5, 0.0, 1.0, 2**63 - 1)
+    assert isinstance(sampling.temperature, float) and isinstance(sampling.top_p, float)
     assert job.stop == ()
     assert job.constraint == Constraint("choice", ["yes", "no"])
     assert job.extra == {"controller_arg": {"mode": "strict"}}
@@ -326,8 +323,8 @@ def test_json_schema_with_known_dialect_is_accepted() -> None:
 
 def test_integral_float_counts_as_integer() -> None:
     job = _job('{"prompt": "p", "max_tokens": 8.0, "seed": 3.0}')
-    assert (job.max_tokens, job.seed) == (8, 3)
-    assert isinstance(job.max_tokens, int) and isinstance(job.seed, int)
+    assert (job.max_tokens, job.sampling.seed) == (8, 3)
+    assert isinstance(job.max_tokens, int) and isinstance(job.sampling.seed, int)
 
 
 def test_string_controller_arg_is_carried() -> None:

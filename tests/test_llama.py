@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
+from aici_cli.core.sampling import Sampling
 from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel, load_model
 from aici_cli.models.llama import LlamaCausalLM, unsupported
@@ -56,7 +57,7 @@ def test_plain_pass_logits_equal_transformers(lm: LoadedModel, hf_lm: LoadedMode
 
 def _job(index: int, prompt: str, **kw: Any) -> Job:
     fields: dict[str, Any] = dict(index=index, id=str(index), prompt=prompt, messages=None,
-                                  max_tokens=10, temperature=0.0, top_p=1.0, seed=index)
+                                  max_tokens=10, sampling=Sampling(seed=index))
     return Job(**(fields | kw))
 
 

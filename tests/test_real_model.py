@@ -36,7 +36,6 @@ def chat_job(index: int, content: str, **kw: Any) -> Job:
     fields: dict[str, Any] = dict(
         index=index, id=str(index), prompt=None,
         messages=[{"role": "user", "content": content}], max_tokens=128,
-        temperature=0.0, top_p=1.0, seed=0,
     )
     fields.update(kw)
     return Job(**fields)

@@ -20,9 +20,10 @@ from factories import job_factory
 from aici_cli.cli.main import main
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.job import Job
+from aici_cli.core.sampling import Sampling
 from aici_cli.engine import model_runner
 from aici_cli.engine.logits.logit_rules import LogitRules, apply_rules
-from aici_cli.engine.logits.sampling import row_generator, sample
+from aici_cli.engine.logits.sampling import Draw, row_generator, sample
 from aici_cli.formats.jobs import load_schema
 from aici_cli.formats.openai_batch import COMPLETIONS
 from aici_cli.models import LoadedModel
@@ -91,15 +92,16 @@ def test_top_k_and_min_p_keep_only_their_tokens() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]])
 
     def drawn(**kw: Any) -> set[int]:
-        return {sample(logits, [4], [0], [1.0], [1.0], [row_generator(seed)], **kw)[0]
+        sampling = Sampling(temperature=1.0, **kw)
+        return {sample(logits, [4], [0], [Draw(sampling, row_generator(seed))])[0]
                 for seed in range(300)}
 
     assert drawn() == {0, 1, 2, 3, 4}
-    assert drawn(top_ks=[2], min_ps=[0.0]) == {3, 4}
-    assert drawn(top_ks=[1], min_ps=[0.0]) == {4}
+    assert drawn(top_k=2, min_p=0.0) == {3, 4}
+    assert drawn(top_k=1, min_p=0.0) == {4}
     # p(3) / p(4) = e^-1 ~ 0.37: kept at min_p 0.3, dropped at 0.5.
-    assert drawn(top_ks=[0], min_ps=[0.3]) == {3, 4}
-    assert drawn(top_ks=[0], min_ps=[0.5]) == {4}
+    assert drawn(top_k=0, min_p=0.3) == {3, 4}
+    assert drawn(top_k=0, min_p=0.5) == {4}
 
 
 # ----------------------------------------------------------- the engine, token by token
@@ -108,14 +110,15 @@ def hand_penalised(logits: torch.Tensor, prompt: list[int], output: list[int], j
                    eos: int) -> torch.Tensor:
     """The logits of the position after `output`, penalised with plain Python loops."""
     x = logits.clone()
-    for token, bias in j.logit_bias:
+    s = j.sampling
+    for token, bias in s.logit_bias:
         x[token] += bias
     for token in set(prompt) | set(output):
         value = float(x[token])
-        x[token] = value / j.repetition_penalty if value > 0 else value * j.repetition_penalty
+        x[token] = value / s.repetition_penalty if value > 0 else value * s.repetition_penalty
     for token in set(output):
-        x[token] -= j.frequency_penalty * output.count(token) + j.presence_penalty
-    if len(output) < j.min_tokens:
+        x[token] -= s.frequency_penalty * output.count(token) + s.presence_penalty
+    if len(output) < s.min_tokens:
         x[eos] = NEG_INF
     return x
 

@@ -187,9 +187,11 @@ def test_next_attempt_samples_with_the_next_seed() -> None:
     failed = {"relaxed": ["x"], "valid": False, "finish_reason": "stop"}
     retry = next_attempt(job(1, {}, seed=7), failed, retries=2)
     assert retry is not None
-    assert (retry.attempt, retry.seed, retry.temperature) == (1, 8, RETRY_TEMPERATURE)
+    assert (retry.attempt, retry.sampling.seed, retry.sampling.temperature) == (
+        1, 8, RETRY_TEMPERATURE)
     hot = next_attempt(job(1, {}, seed=7, temperature=1.3, attempt=1), failed, retries=2)
-    assert hot is not None and (hot.attempt, hot.seed, hot.temperature) == (2, 8, 1.3)
+    assert hot is not None
+    assert (hot.attempt, hot.sampling.seed, hot.sampling.temperature) == (2, 8, 1.3)
     assert next_attempt(job(1, {}, attempt=2), failed, retries=2) is None  # spent
     assert next_attempt(job(1, {}), {**failed, "valid": True}, retries=2) is None
     assert next_attempt(job(1, {}), {"valid": False, "finish_reason": "stop"}, 2) is None

@@ -495,8 +495,7 @@ def test_a_line_cut_inside_a_call_reports_the_whole_calls(lm: LoadedModel) -> No
     controller = GrammarController(compiler.compile(constraint))
     fields = controller.report(cut)
     assert fields["calls"] == whole and fields["dropped_call"].startswith("<tool_call>")
-    job = Job(index=1, id="t", prompt="", messages=MESSAGES, max_tokens=80, temperature=0.0,
-              top_p=1.0, seed=0, constraint=constraint)
+    job = Job(index=1, id="t", prompt="", messages=MESSAGES, max_tokens=80, constraint=constraint)
     gen = Generation(job, [], controller, torch.Generator(), started=0.0)
     gen.output = lm.tokenizer(cut, add_special_tokens=False)["input_ids"]
     gen.finish_with("length")

@@ -8,6 +8,7 @@ Light: click and the vocabulary only (Ray is looked for, not imported, and only 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -15,13 +16,12 @@ from aici_cli.cli.errors import FatalError
 from aici_cli.core.config import EngineConfig, JobDefaults, RayOptions, RunConfig
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import UsageError
+from aici_cli.core.sampling import Sampling
 
 
 def run_config(input: str | None, output: str, model: str | None, device: str, dtype: str,
                quantize: str, model_impl: str, compile_mode: str, batch_size: int,
-               max_tokens: int, temperature: float, top_p: float, seed: int, top_k: int,
-               min_p: float, frequency_penalty: float, presence_penalty: float,
-               repetition_penalty: float, min_tokens: int, ignore_eos: bool,
+               max_tokens: int, ignore_eos: bool,
                stop: tuple[str, ...], n: int, input_format: str,
                json_schema: str | None, regex: str | None, choices: str | None,
                grammar: str | None, score: bool, schema_fallback: str, schema_retries: int,
@@ -36,9 +36,11 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
                resume: bool, resume_mixed: bool, exit_zero_on_line_errors: bool,
                ray_address: str | None,
                workers: int | None, gpus_per_worker: float, cpus_per_worker: float,
-               progress_interval: float, quiet: bool) -> RunConfig:
-    """The run the options ask for (parameters by the names `cli_run_options` declares);
-    raises FatalError (or click.UsageError: INPUT) for options that cannot go together."""
+               progress_interval: float, quiet: bool, **sampling: Any) -> RunConfig:
+    """The run the options ask for (parameters by the names `cli_run_options` declares;
+    `sampling`: the sampling options, `--temperature` and the rest of core/sampling.py's
+    `RUN_OPTIONS`, by field name); raises FatalError (or click.UsageError: INPUT) for
+    options that cannot go together."""
     input = _input_or_stdin(input)
     ray = _ray_options(ray_address, workers, gpus_per_worker, cpus_per_worker, device)
     if ray is not None and (ordered or threads is not None):
@@ -54,14 +56,11 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
                             loop_guard=loop_guard, deterministic=deterministic,
                             schema_retries=schema_retries, max_branches=max_branches,
                             strict_json=not json_permissive),
-        defaults=JobDefaults(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             seed=seed, stop=tuple(stop),
+        defaults=JobDefaults(max_tokens=max_tokens, sampling=Sampling(**sampling),
+                             stop=tuple(stop),
                              constraint=_constraint(json_schema, regex, choices, grammar,
                                                     quiet), n=n,
-                             score=score, logprobs=logprobs, top_k=top_k, min_p=min_p,
-                             frequency_penalty=frequency_penalty,
-                             presence_penalty=presence_penalty,
-                             repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                             score=score, logprobs=logprobs,
                              ignore_eos=ignore_eos, schema_fallback=schema_fallback),
         input_format=input_format, stats_out=stats_out, quiet=quiet, controller=controller,
         controller_arg=controller_arg, controller_call_ms=controller_timeout_ms,

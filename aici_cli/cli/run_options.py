@@ -1,7 +1,8 @@
 """The `run` command's parameters: INPUT and its ~60 options, declared once, in the order
 `aici-batch run --help` lists them, and applied to the command as one decorator
 (`run_options`); `options_from_environment` lets each option also come from
-AICI_BATCH_<LONG_NAME>.
+AICI_BATCH_<LONG_NAME>. The sampling options (`--temperature` to `--min-tokens`) are made
+from their one declaration, core/sampling.py.
 
 Declaring them here keeps `cli/main.py` about what a run does; what each option means for the
 run is `cli_run_config.run_config`, which takes them by these names."""
@@ -13,7 +14,22 @@ from typing import Any, TypeVar
 
 import click
 
+from aici_cli.core.sampling import RUN_OPTIONS, Option
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _sampling_option(option: Option) -> Callable[[Any], Any]:
+    """The `run` option of a sampling option, made from its declaration (core/sampling.py):
+    its range is the option's type, its default is shown; a `cap` is checked with the
+    run's defaults as a line's value would be (jobs/defaults.py)."""
+    assert option.range is not None, f"{option.name}: a run option needs a range"
+    low, high = (None if end is None else option.kind(end)
+                 for end in (option.range.low, option.range.high))
+    number = click.IntRange if option.kind is int else click.FloatRange
+    return click.option(option.flag, type=number(low, high, min_open=option.range.low_open),
+                        default=option.default, show_default=True, help=option.help)
+
 
 # In --help order: a decorator stack applies bottom-up, so `run_options` applies these last
 # first, as `@click.option` lines written above the function in this order would be.
@@ -47,30 +63,7 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
     click.option("--batch-size", type=click.IntRange(1, 1024), default=8, show_default=True,
                  help="Sequences decoded together; finished rows are refilled at once."),
     click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True),
-    click.option("--temperature", type=click.FloatRange(0.0), default=0.0, show_default=True,
-                 help="0 is greedy."),
-    click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0,
-                 show_default=True),
-    click.option("--seed", type=click.IntRange(0), default=0, show_default=True,
-                 help="Default per-line sampling seed."),
-    click.option("--top-k", type=click.IntRange(-1), default=0, show_default=True,
-                 help="With a temperature, sample among the K most likely tokens; 0 or -1: off."),
-    click.option("--min-p", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
-                 help="With a temperature, drop tokens less likely than P times the most "
-                      "likely one; 0: off."),
-    click.option("--frequency-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0,
-                 show_default=True,
-                 help="Subtracted from a token's logit per time it occurs in the output."),
-    click.option("--presence-penalty", type=click.FloatRange(-2.0, 2.0), default=0.0,
-                 show_default=True,
-                 help="Subtracted from the logit of every token the output holds."),
-    click.option("--repetition-penalty", type=click.FloatRange(0.0, min_open=True), default=1.0,
-                 show_default=True,
-                 help="Divides positive logits and multiplies negative ones of the tokens in the "
-                      "prompt or output; 1: off."),
-    click.option("--min-tokens", type=click.IntRange(0), default=0, show_default=True,
-                 help="Tokens generated before end-of-sequence, a stop token id or a stop "
-                      "string may end a line."),
+    *(_sampling_option(option) for option in RUN_OPTIONS),
     click.option("--ignore-eos", is_flag=True,
                  help="Generate past end-of-sequence up to max_tokens (a constraint's end still "
                       "ends a line)."),

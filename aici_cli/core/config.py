@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aici_cli.core.constraint import Constraint
+from aici_cli.core.sampling import RUN_OPTIONS, Sampling
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,8 @@ MIB = 1024 * 1024
 # (the up-front check of the defaults, jobs/defaults.py; a resume's mismatch, made_with.py).
 FIELD_OPTIONS = {
     "json_schema": "--json-schema", "regex": "--regex", "choices": "--choices",
-    "stop": "--stop", "max_tokens": "--max-tokens", "temperature": "--temperature",
-    "top_p": "--top-p", "seed": "--seed", "top_k": "--top-k", "min_p": "--min-p",
-    "frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
-    "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens",
+    "stop": "--stop", "max_tokens": "--max-tokens",
+    **{option.name: option.flag for option in RUN_OPTIONS},
     "ignore_eos": "--ignore-eos", "n": "--n", "logprobs": "--logprobs", "score": "--score",
     "schema_fallback": "--schema-fallback", "grammar": "--grammar",
 }
@@ -74,22 +73,13 @@ class JobDefaults:
     """
 
     max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
+    sampling: Sampling = field(default_factory=Sampling)  # --temperature, --seed, ...
     stop: tuple[str, ...] = ()
     constraint: Constraint | None = None
     n: int = 1
     score: bool = False  # rank a line's choices by log-likelihood instead of generating
     logprobs: int | None = None  # top alternatives per token for every line; None: off
-    # Penalties, min_tokens, ignore_eos and the sampling filters (see jobs.types.Job).
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
     ignore_eos: bool = False
-    top_k: int = 0
-    min_p: float = 0.0
     schema_fallback: str = "off"  # "relax": relax JSON schemas the grammar engine refuses
     # A line's size in UTF-8 bytes, without its line ending; checked before decoding.
     max_line_bytes: int = 8 * MIB

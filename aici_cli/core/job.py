@@ -7,6 +7,7 @@ from typing import Any
 
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.line_stats import ZERO_STATS
+from aici_cli.core.sampling import Sampling
 
 
 @dataclass(frozen=True)
@@ -18,9 +19,8 @@ class Job:
     prompt: str | None
     messages: list[dict[str, Any]] | None
     max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
+    # How each token is chosen: temperature, filters, seed, penalties (core/sampling.py).
+    sampling: Sampling = field(default_factory=Sampling)
     stop: tuple[str, ...] = ()
     constraint: Constraint | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -29,24 +29,8 @@ class Job:
     answer: str | None = None  # the expected text (an evaluation's gold answer)
     logprobs: int | None = None  # None: no logprobs; k: each token's and its top k
     tools: list[dict[str, Any]] | None = None  # shown to the model with `messages`
-    # Logit rules applied before the constraint's mask (engine/penalties.py), vLLM's
-    # semantics; the defaults leave the logits untouched.
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1: off
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
-    min_tokens: int = 0  # end-of-sequence and stop_token_ids are held back until then
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False  # end-of-sequence does not end an unconstrained line
-    # Sampling filters of a line with a temperature (greedy lines ignore them).
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0  # 0: off
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether a rule of `engine/logits/logit_rules.py` changes this line's logits."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
     # "relax": a JSON schema the grammar engine refuses is relaxed until it compiles
     # (control/grammar/relax.py); "off": it is the line's error.
     schema_fallback: str = "off"

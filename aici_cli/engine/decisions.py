@@ -132,7 +132,8 @@ class Decisions:
         branches = [gen]
         for k, other in enumerate(others, 1):
             path = base + (k,)
-            branch = gen.split(other, branch_generator(gen.job.seed, gen.sample, path), path)
+            generator = branch_generator(gen.job.sampling.seed, gen.sample, path)
+            branch = gen.split(other, generator, path)
             branch.stats.controller_ms += replay_ms
             branches.append(branch)
         for k, branch in enumerate(branches):

@@ -139,7 +139,7 @@ def engine_lines() -> list[Any]:
     from aici_cli.core.job import Job
 
     return [Job(index=i + 1, id=str(i), prompt=PREFIX + q, messages=None, max_tokens=6,
-                temperature=0.0, top_p=1.0, seed=0, logprobs=0)
+                logprobs=0)
             for i, q in enumerate(QUESTIONS)]
 
 

@@ -34,7 +34,7 @@ T = TypeVar("T")
 def token_ids_problem(job: Job, vocab_size: int) -> str | None:
     """What is wrong with the token ids a line names (`logit_bias`, `stop_token_ids`) for
     this model, or None: each must be below the vocabulary size (as vLLM checks)."""
-    for field, ids in (("logit_bias", [t for t, _ in job.logit_bias]),
+    for field, ids in (("logit_bias", [t for t, _ in job.sampling.logit_bias]),
                        ("stop_token_ids", sorted(job.stop_token_ids))):
         outside = [t for t in ids if t >= vocab_size]
         if outside:

@@ -115,12 +115,10 @@ def _verdict(verdict: MaskVerdict, out_of_memory: list[int]) -> MaskVerdict:
 
 def _sample(logits: torch.Tensor, greedy: list[int], real: list[int],
             draws: Sequence[Draw | None]) -> list[int]:
-    """One token for each row in `real` (greedy, or seeded temperature with min-p, top-k
-    and top-p)."""
+    """One token for each row in `real` (greedy, or seeded at its temperature, through the
+    filters its line sets)."""
     chosen = [d for d in (draws[k] for k in real) if d is not None]
-    return sample(logits, greedy, real, [d.temperature for d in chosen],
-                  [d.top_p for d in chosen], [d.generator for d in chosen],
-                  top_ks=[d.top_k for d in chosen], min_ps=[d.min_p for d in chosen])
+    return sample(logits, greedy, real, chosen)
 
 
 def checked_draft_picks(out: PassOutput, rules: Sequence[LogitRules | None],

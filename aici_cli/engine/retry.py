@@ -30,9 +30,10 @@ def next_attempt(job: Job, result: dict[str, Any], retries: int) -> Job | None:
     if (not result.get("relaxed") or result.get("valid") is not False
             or result["finish_reason"] == "error" or job.attempt >= retries or job.n > 1):
         return None
-    temperature = job.temperature if job.temperature >= MIN_TEMPERATURE else RETRY_TEMPERATURE
-    return dataclasses.replace(job, attempt=job.attempt + 1, seed=(job.seed + 1) % _SEEDS,
-                               temperature=temperature)
+    s = job.sampling
+    temperature = s.temperature if s.temperature >= MIN_TEMPERATURE else RETRY_TEMPERATURE
+    sampling = dataclasses.replace(s, seed=(s.seed + 1) % _SEEDS, temperature=temperature)
+    return dataclasses.replace(job, attempt=job.attempt + 1, sampling=sampling)
 
 
 def with_attempts(result: dict[str, Any], earlier: list[dict[str, Any]]) -> dict[str, Any]:

@@ -306,7 +306,7 @@ def propose_drafts(gens: Sequence[Generation | None], k: int, eos: Collection[in
     for i, gen in enumerate(gens):
         if (gen is None or gen.length == 0 or gen.scored is not None
                 or gen.finish is not None
-                or gen.job.temperature >= MIN_TEMPERATURE
+                or gen.job.sampling.temperature >= MIN_TEMPERATURE
                 or not gen.draft.worth(len(gen.output), compiled)):
             continue
         n = min(k, gen.job.max_tokens - len(gen.output))
@@ -358,9 +358,7 @@ def _plan(gens: list[Generation | None], span: list[int], copies: list[tuple[int
             closing.add(k)
         if g.logprobs is not None and g.scored is None:
             logprobs.add(k)
-        job = g.job
-        draws.append(None if read_only else
-                     Draw(job.temperature, job.top_p, job.top_k, job.min_p, g.generator))
+        draws.append(None if read_only else Draw(g.job.sampling, g.generator))
         masks.append(g.controller if g.finish is None else None)
         r = g.rules if not read_only else None
         if r is not None:

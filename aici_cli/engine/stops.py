@@ -47,12 +47,13 @@ class StopScan:
             at = self._stop_token(job, output)
             if at is not None:
                 return Stop("stop", keep=at)
-        if job.stop and len(output) > job.min_tokens:
+        min_tokens = job.sampling.min_tokens
+        if job.stop and len(output) > min_tokens:
             decode = tokenizer.decode
             text = decode(output, skip_special_tokens=True)
             if self.floor is None:  # no stop string may end within min_tokens' text
-                self.floor = len(decode(output[: job.min_tokens],
-                                        skip_special_tokens=True)) if job.min_tokens else 0
+                self.floor = len(decode(output[: min_tokens],
+                                        skip_special_tokens=True)) if min_tokens else 0
             hit = find_stop(text, job.stop, self.text_checked, self.floor)
             self.text_checked = len(text)
             if hit is not None:
@@ -66,7 +67,7 @@ class StopScan:
         on, sampled or fast-forwarded alike (it and what follows it are cut off, as vLLM
         leaves a stop token out of the text), or None."""
         ids = job.stop_token_ids
-        for at in range(max(self.ids_checked, job.min_tokens), len(output)):
+        for at in range(max(self.ids_checked, job.sampling.min_tokens), len(output)):
             if output[at] in ids:
                 return at
         self.ids_checked = len(output)

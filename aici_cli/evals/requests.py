@@ -19,13 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aici_cli.core.sampling import RUN_OPTIONS
+
 #: Where a line's given token ids travel in `Job.extra` (read by `token_intake`).
 PROMPT_IDS = "eval_prompt_ids"
 SEQUENCES = "eval_sequences"
 
-#: gen_kwargs read as the line field of the same meaning.
-_SAME_FIELDS = ("top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
-                "repetition_penalty", "min_tokens")
+#: gen_kwargs read as the line field of the same meaning: every sampling option a run sets
+#: (core/sampling.py) but temperature, which `do_sample` governs.
+_SAME_FIELDS = tuple(option.name for option in RUN_OPTIONS if option.name != "temperature")
 #: gen_kwargs that carry a constraint, and the input line field each becomes.
 CONSTRAINT_FIELDS = {"json_schema": "json_schema", "regex": "regex", "choice": "choices",
                      "choices": "choices", "grammar": "grammar"}

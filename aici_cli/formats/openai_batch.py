@@ -24,6 +24,7 @@ from typing import Any
 
 from aici_cli.core.job import TranslateError
 from aici_cli.core.json_text import show
+from aici_cli.core.sampling import OPTIONS
 from aici_cli.formats.jobs.parse import Translate
 from aici_cli.formats.request_constraints import BODY_FIELDS, BatchRequestError, constraint_fields
 from aici_cli.formats.schemas import load_schema
@@ -31,11 +32,10 @@ from aici_cli.formats.schemas import load_schema
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
-# OpenAI's and vLLM's sampling fields: the line fields of the same names (null: unset).
-_SAMPLING = ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty",
-             "min_tokens", "stop_token_ids", "ignore_eos", "top_k", "min_p")
-# Request body fields mapped onto aici-batch's line fields (same meaning).
-_SAME = ("temperature", "top_p", "seed", "n", *_SAMPLING)
+# Request body fields -> the line fields they become: the sampling options (each by its
+# request name, core/sampling.py), and those of the same name and meaning besides.
+_SAME = {**{option.request: option.name for option in OPTIONS.values()},
+         **{key: key for key in ("n", "stop_token_ids", "ignore_eos")}}
 # The same, for chat requests only.
 _TOOLS = ("tools", "tool_choice", "parallel_tool_calls")
 # Accepted and ignored whatever their value, as vLLM ignores them: they do not change
@@ -97,9 +97,11 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     """Map one request onto an aici-batch input line; raises BatchRequestError."""
     custom_id, url, body = _envelope(obj)
     line: dict[str, Any] = {"id": custom_id, **_prompt(body, url)}
-    for key in (*_SAME, *_TOOLS):
+    sources: dict[str, str] = {}
+    for key, name in [*_SAME.items(), *zip(_TOOLS, _TOOLS)]:
         if key in body and body[key] is not None:
-            line[key] = body[key]
+            line[name] = body[key]
+            sources[name] = f"body.{key}"
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None:
         line["max_tokens"] = limit
@@ -109,7 +111,7 @@ def to_line(obj: Any) -> tuple[dict[str, Any], Request]:
     line.update(_logprobs(body, url == CHAT))
     constraint, constraint_sources = constraint_fields(body)
     line.update(constraint)
-    sources = {key: f"body.{key}" for key in line if key != "id"}
+    sources.update({key: f"body.{key}" for key in line if key != "id" and key not in sources})
     if "max_completion_tokens" in body:
         sources["max_tokens"] = "body.max_completion_tokens"
     sources.update(constraint_sources)

@@ -52,10 +52,7 @@ def _full(config: RunConfig, controller: str | None) -> dict[str, Any]:
     constraint = d.constraint
     record: dict[str, Any] = {
         "quantize": "none", "json_schema": None, "regex": None, "choices": None, "grammar": None,
-        "stop": list(d.stop), "max_tokens": d.max_tokens, "temperature": d.temperature,
-        "top_p": d.top_p, "seed": d.seed, "top_k": d.top_k, "min_p": d.min_p,
-        "frequency_penalty": d.frequency_penalty, "presence_penalty": d.presence_penalty,
-        "repetition_penalty": d.repetition_penalty, "min_tokens": d.min_tokens,
+        "stop": list(d.stop), "max_tokens": d.max_tokens, **d.sampling.run_values(),
         "ignore_eos": d.ignore_eos, "n": d.n, "score": d.score, "logprobs": d.logprobs,
         "schema_fallback": d.schema_fallback, "json_permissive": not e.strict_json,
         "close_at_limit": e.close_at_limit, "loop_guard": e.loop_guard,

@@ -235,18 +235,18 @@ class RunTracer(EngineTracer):
             "gen_ai.operation.name": "chat" if job.messages is not None else "text_completion",
             "gen_ai.request.model": self.model,
             "gen_ai.request.max_tokens": job.max_tokens,
-            "gen_ai.request.temperature": job.temperature,
-            "gen_ai.request.top_p": job.top_p,
-            "gen_ai.request.seed": job.seed,
+            "gen_ai.request.temperature": job.sampling.temperature,
+            "gen_ai.request.top_p": job.sampling.top_p,
+            "gen_ai.request.seed": job.sampling.seed,
             "aici.line.index": job.index,
             "aici.line.id": job.id,
         }
-        if job.top_k > 0:
-            attributes["gen_ai.request.top_k"] = job.top_k
-        if job.frequency_penalty:
-            attributes["gen_ai.request.frequency_penalty"] = job.frequency_penalty
-        if job.presence_penalty:
-            attributes["gen_ai.request.presence_penalty"] = job.presence_penalty
+        if job.sampling.top_k > 0:
+            attributes["gen_ai.request.top_k"] = job.sampling.top_k
+        if job.sampling.frequency_penalty:
+            attributes["gen_ai.request.frequency_penalty"] = job.sampling.frequency_penalty
+        if job.sampling.presence_penalty:
+            attributes["gen_ai.request.presence_penalty"] = job.sampling.presence_penalty
         if job.stop:
             attributes["gen_ai.request.stop_sequences"] = list(job.stop)
         if job.n > 1:

@@ -49,13 +49,14 @@ class LogitRules:
     @classmethod
     def of(cls, job: Job, prompt: Sequence[int], eos: Collection[int]) -> LogitRules | None:
         """The rules of `job`'s generations, or None when it sets none."""
-        if not job.adjusts_logits:
+        s = job.sampling
+        if not s.adjusts_logits:
             return None
-        bias = np.array(job.logit_bias, dtype=np.float64).reshape(-1, 2)
-        prompt_set = frozenset(prompt) if job.repetition_penalty != 1.0 else frozenset()
-        return cls(job.repetition_penalty, job.frequency_penalty, job.presence_penalty,
+        bias = np.array(s.logit_bias, dtype=np.float64).reshape(-1, 2)
+        prompt_set = frozenset(prompt) if s.repetition_penalty != 1.0 else frozenset()
+        return cls(s.repetition_penalty, s.frequency_penalty, s.presence_penalty,
                    bias[:, 0].astype(np.int64), bias[:, 1].astype(np.float32),
-                   job.min_tokens, np.array(sorted(set(eos) | job.stop_token_ids), np.int64),
+                   s.min_tokens, np.array(sorted(set(eos) | job.stop_token_ids), np.int64),
                    np.array(sorted(prompt_set), np.int64), prompt_set)
 
     @property

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aici_cli.core.sampling import Sampling
+
 
 def row_generator(seed: int, sample: int = 0) -> torch.Generator:
     """The generator of sample `sample` of a line seeded `seed`: sample 0 uses the seed
@@ -36,13 +38,10 @@ def branch_generator(seed: int, sample: int, path: tuple[int, ...]) -> torch.Gen
 
 @dataclass(frozen=True)
 class Draw:
-    """How one row samples: its line's settings, and its own random stream (the one
-    piece of state the sampler advances)."""
+    """How one row samples: its line's sampling options, and its own random stream (the
+    one piece of state the sampler advances)."""
 
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
+    sampling: Sampling
     generator: torch.Generator
 
 
@@ -56,32 +55,25 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 MIN_TEMPERATURE = 1e-5
 
 
-def sample(
-    logits: torch.Tensor,
-    greedy: Sequence[int],
-    rows: Sequence[int],
-    temperatures: Sequence[float],
-    top_ps: Sequence[float],
-    generators: Sequence[torch.Generator],
-    top_ks: Sequence[int] | None = None,
-    min_ps: Sequence[float] | None = None,
-) -> list[int]:
+def sample(logits: torch.Tensor, greedy: Sequence[int], rows: Sequence[int],
+           draws: Sequence[Draw]) -> list[int]:
     """Pick one token for each of `rows` (indices into logits [b, V], already masked with
-    -inf, in any float dtype). Greedy rows take `greedy[row]` (the argmax the caller already
-    has); rows with a temperature are sampled in fp32. `top_ks` (0: off) and `min_ps`
-    (0: off) are per row like `temperatures`."""
+    -inf, in any float dtype), drawn as `draws` (one per row) say. Greedy rows take
+    `greedy[row]` (the argmax the caller already has); rows with a temperature are sampled
+    in fp32, each filter applied to the rows that set it."""
     out = [greedy[r] for r in rows]
-    hot = [i for i, t in enumerate(temperatures) if t >= MIN_TEMPERATURE]
+    hot = [i for i, d in enumerate(draws) if d.sampling.temperature >= MIN_TEMPERATURE]
     if not hot:
         return out
-    temps = torch.tensor([temperatures[i] for i in hot], dtype=torch.float32)[:, None]
+    options = [draws[i].sampling for i in hot]
+    temps = torch.tensor([s.temperature for s in options], dtype=torch.float32)[:, None]
     hot_logits = logits[[rows[i] for i in hot]].float().cpu() / temps  # [h, V]
-    if min_ps is not None and any(min_ps[i] > 0 for i in hot):
-        hot_logits = _min_p(hot_logits, torch.tensor([min_ps[i] for i in hot]))
-    if top_ks is not None and any(top_ks[i] > 0 for i in hot):
-        hot_logits = _top_k(hot_logits, [top_ks[i] for i in hot])
+    if any(s.min_p > 0 for s in options):
+        hot_logits = _min_p(hot_logits, torch.tensor([s.min_p for s in options]))
+    if any(s.top_k > 0 for s in options):
+        hot_logits = _top_k(hot_logits, [s.top_k for s in options])
     probs = torch.softmax(hot_logits, dim=-1)  # [h, V]
-    top_p = torch.tensor([top_ps[i] for i in hot], dtype=torch.float32)[:, None]
+    top_p = torch.tensor([s.top_p for s in options], dtype=torch.float32)[:, None]
     if bool((top_p < 1.0).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
@@ -89,7 +81,8 @@ def sample(
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     cdf = probs.cumsum(dim=-1)
-    u = torch.cat([torch.rand(1, generator=generators[i]) for i in hot])[:, None] * cdf[:, -1:]
+    u = torch.cat([torch.rand(1, generator=draws[i].generator) for i in hot])[:, None]
+    u = u * cdf[:, -1:]
     picked = torch.searchsorted(cdf, u, right=True).clamp(max=logits.shape[-1] - 1)[:, 0]
     # searchsorted can land on a zero-probability token only through float rounding at the
     # very end of the CDF; step back to the last token with mass.

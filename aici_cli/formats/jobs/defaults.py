@@ -67,11 +67,7 @@ def defaults_problem(defaults: JobDefaults, strict_json: bool,
 def _as_line(defaults: JobDefaults) -> dict[str, Any]:
     """An input line that sets every field the run's options give a default for."""
     line: dict[str, Any] = {
-        "prompt": "-", "max_tokens": defaults.max_tokens, "temperature": defaults.temperature,
-        "top_p": defaults.top_p, "seed": defaults.seed, "top_k": defaults.top_k,
-        "min_p": defaults.min_p, "frequency_penalty": defaults.frequency_penalty,
-        "presence_penalty": defaults.presence_penalty,
-        "repetition_penalty": defaults.repetition_penalty, "min_tokens": defaults.min_tokens,
+        "prompt": "-", "max_tokens": defaults.max_tokens, **defaults.sampling.run_values(),
         "ignore_eos": defaults.ignore_eos, "n": defaults.n,
         "schema_fallback": defaults.schema_fallback,
     }

@@ -25,6 +25,7 @@ from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import UsageError
 from aici_cli.core.job import BadLine, Job, TranslateError
 from aici_cli.core.json_text import json_type
+from aici_cli.core.sampling import line_sampling
 from aici_cli.formats.jobs.checks import (
     constraint_size_problem,
     decode_line,
@@ -206,7 +207,7 @@ def _fields_problem(obj: dict[str, Any], constraint: Constraint | None,
     if "top_logprobs" in obj and not obj.get("logprobs"):
         return "field 'top_logprobs' needs 'logprobs': true"
     max_tokens = int(obj.get("max_tokens", defaults.max_tokens))
-    min_tokens = int(obj.get("min_tokens", defaults.min_tokens))
+    min_tokens = int(obj.get("min_tokens", defaults.sampling.min_tokens))
     if min_tokens > max_tokens:
         return (f"field 'min_tokens' must be at most max_tokens ({max_tokens}), "
                 f"got {min_tokens}")
@@ -233,9 +234,7 @@ def _make_job(obj: dict[str, Any], index: int, id_: str | int | None,
         messages=[dict(m) for m in messages] if messages is not None else None,
         tools=obj.get("tools"),
         max_tokens=int(obj.get("max_tokens", defaults.max_tokens)),
-        temperature=float(obj.get("temperature", defaults.temperature)),
-        top_p=float(obj.get("top_p", defaults.top_p)),
-        seed=int(obj.get("seed", defaults.seed)),
+        sampling=line_sampling(obj, defaults.sampling),
         stop=tuple(obj["stop"]) if "stop" in obj else tuple(defaults.stop),
         constraint=constraint,
         extra=extra,
@@ -243,23 +242,10 @@ def _make_job(obj: dict[str, Any], index: int, id_: str | int | None,
         score=score,
         answer=obj.get("answer"),
         logprobs=logprobs,
-        frequency_penalty=float(obj.get("frequency_penalty", defaults.frequency_penalty)),
-        presence_penalty=float(obj.get("presence_penalty", defaults.presence_penalty)),
-        repetition_penalty=float(obj.get("repetition_penalty", defaults.repetition_penalty)),
-        logit_bias=_logit_bias(obj.get("logit_bias", {})),
-        min_tokens=int(obj.get("min_tokens", defaults.min_tokens)),
         stop_token_ids=frozenset(int(t) for t in obj.get("stop_token_ids", ())),
         ignore_eos=bool(obj.get("ignore_eos", defaults.ignore_eos)),
-        top_k=max(0, int(obj.get("top_k", defaults.top_k))),  # -1 is off too (vLLM)
-        min_p=float(obj.get("min_p", defaults.min_p)),
         schema_fallback=str(obj.get("schema_fallback", defaults.schema_fallback)),
     )
-
-
-def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
-    """(token id, bias) pairs, ids ascending; "7" and "007" are one id (the last wins, as
-    in vLLM)."""
-    return tuple(sorted({int(t): float(b) for t, b in bias.items()}.items()))
 
 
 def _validation_error(obj: dict[str, Any], index: int, id_: str | int | None) -> BadLine | None:
