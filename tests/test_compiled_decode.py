@@ -97,9 +97,11 @@ def test_buckets_cover_the_span_with_idle_rows() -> None:
     assert [step.bucket(1, 6), step.bucket(2), step.bucket(3, 3)] == [2, 2, 6]
 
 
-def test_auto_compiles_only_when_enough_work_is_ahead(lm32: LoadedModel,
+def test_auto_compiles_only_when_enough_work_is_ahead(lm32: LoadedModel, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled, "compiler_problem", lambda device: None)
+    # No packaged step here (with one ready, `auto` takes it at once: test_packaged_step.py).
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path))
     from aici_cli.engine.forward.cache import RowCache
 
     cache = RowCache(num_layers=2, rows=2, capacity=16)
@@ -137,6 +139,8 @@ def test_a_failed_compile_leaves_the_run_eager_and_unchanged(
         return call
 
     monkeypatch.setattr(compiled.torch, "compile", broken)
+    # This test is about torch.compile failing: no packaged step (packaged_step.py) runs.
+    monkeypatch.setattr(compiled.CompiledDecode, "_packaged", lambda *args: None)
     lengths = [4, 12, 6]
     eager, _ = _run(lm32, "off", lengths)
     fallback, engine = _run(lm32, "on", lengths)
@@ -148,11 +152,15 @@ def test_a_failed_compile_leaves_the_run_eager_and_unchanged(
 
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor needs a C++ compiler for CPU kernels")
-def test_one_cpu_graph_serves_every_row_count_and_a_growing_cache(tiny_model_dir: Path) -> None:
+def test_one_cpu_graph_serves_every_row_count_and_a_growing_cache(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU the compiled step is compiled once: rows finishing (a tail of fewer live
     rows) and the cache capacity doubling (lines longer than the initial capacity) do
-    not recompile it, and the tokens stay the eager ones (fp32)."""
+    not recompile it, and the tokens stay the eager ones (fp32). (torch.compile's graph:
+    the packaged step's own test is in test_packaged_step.py.)"""
     from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(compiled.CompiledDecode, "_packaged", lambda *args: None)
 
     lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32")  # graphs of its own
     # Line 1 (row 0) outlasts lines 2 and 3 (row 1): its tail runs alone in row 0. 70

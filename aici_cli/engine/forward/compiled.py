@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from aici_cli.engine.forward import packaged_step
 from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.decode_layer import LayerGraphs, layer_graphs
 
@@ -82,11 +83,17 @@ def compiler_problem(device: torch.device) -> str | None:
 class CompiledDecode:
     """The compiled one-token step over a model and its row cache."""
 
-    def __init__(self, model: Any, cache: RowCache, rows: int, device: torch.device) -> None:
+    def __init__(self, model: Any, cache: RowCache, rows: int, device: torch.device,
+                 build_packages: bool = False) -> None:
+        """`build_packages`: on CPU, a bucket without a packaged step builds one
+        (packaged_step.py, `--compile on`); else it compiles with `torch.compile`."""
         self.model = model
         self.cache = cache
         self.rows = rows
         self.device = device
+        self.build_packages = build_packages
+        self.package_problem: str | None = None  # why a package was not built or loaded
+        self._package_ready: dict[int, bool] = {}
         self._graphs: LayerGraphs | None = None
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
         self.steps = 0
@@ -147,6 +154,9 @@ class CompiledDecode:
         mask = (torch.arange(capacity, device=dev)[None, :] <= pos_t[:, None])[:, None, None]
         if dev.type == "cuda":
             self._static_cache_addresses()
+        elif started is not None:
+            self._packaged(rows, (h, cos, sin, self.cache.keys, self.cache.values, pos_t,
+                                  valid_t, mask))
         h = self.graphs.forward(h, cos, sin, self.cache.keys, self.cache.values, pos_t,
                                 valid_t, mask)
         span = h[first_row : first_row + b]
@@ -155,6 +165,36 @@ class CompiledDecode:
             self.compile_s[rows] = time.perf_counter() - started
         self.steps += 1
         return logits
+
+    def package_ready(self, span_end: int, rows_bound: int = 0) -> bool:
+        """Whether the bucket a step of this span would run on has a packaged step on
+        this machine (CPU; a file check, once per bucket)."""
+        if self.device.type == "cuda":
+            return False
+        rows = self.bucket(span_end, rows_bound)
+        if rows not in self._package_ready:
+            path = packaged_step.package_file(self.model, rows, self.cache.rows)
+            self._package_ready[rows] = path.is_file()
+        return self._package_ready[rows]
+
+    def _packaged(self, rows: int, example: tuple[Any, ...]) -> None:
+        """Give the graphs the packaged step for `rows` rows: loaded where one was built,
+        else built now if this step builds packages. Where neither works, the bucket
+        compiles with `torch.compile` (`package_problem` says why)."""
+        graphs = self.graphs
+        if rows in graphs.packaged:
+            return
+        path = packaged_step.package_file(self.model, rows, self.cache.rows)
+        try:
+            step = packaged_step.load(path, graphs.layers)
+            if step is None and self.build_packages:
+                step = packaged_step.build(path, graphs.layers, example)
+        except Exception as e:  # a toolchain or export problem: torch.compile instead
+            first = str(e).splitlines()[0] if str(e) else ""
+            self.package_problem = f"{type(e).__name__}: {first}"[:300]
+            return
+        if step is not None:
+            graphs.packaged[rows] = step
 
     def _static_cache_addresses(self) -> None:
         """CUDA graphs replay fixed addresses: the cache buffers, written in place, are
@@ -193,7 +233,8 @@ class DecodeSteps:
             return
         self.reason = unsupported(model) or compiler_problem(device)
         if self.reason is None:
-            self.compiled = CompiledDecode(model, cache, rows, device)
+            self.compiled = CompiledDecode(model, cache, rows, device,
+                                           build_packages=self.mode == "on")
 
     @property
     def chosen(self) -> bool:
@@ -206,11 +247,16 @@ class DecodeSteps:
         first = str(error).splitlines()[0] if str(error) else ""
         self.reason = f"compiling failed: {type(error).__name__}: {first}"[:300]
 
-    def pick(self, steps_ahead: int) -> CompiledDecode | None:
+    def pick(self, steps_ahead: int, span_end: int = 0,
+             rows_bound: int = 0) -> CompiledDecode | None:
         """The compiled step for this one-token step, or None to run it eagerly;
-        `steps_ahead`: the run's estimate of the one-token steps still to come."""
+        `steps_ahead`: the run's estimate of the one-token steps still to come;
+        `span_end`, `rows_bound`: the step's rows (`CompiledDecode.bucket`). For `auto`, a
+        packaged step ready for the step's bucket is chosen at once: it costs nothing to
+        start (packaged_step.py)."""
         if self.compiled is None:
             return None
-        if not self._chosen and steps_ahead >= AUTO_MIN_STEPS:
+        if not self._chosen and (steps_ahead >= AUTO_MIN_STEPS or
+                                 self.compiled.package_ready(span_end, rows_bound)):
             self._chosen = True
         return self.compiled if self._chosen else None

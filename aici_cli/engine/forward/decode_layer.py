@@ -121,12 +121,17 @@ class LayerGraphs:
                       for layer in self.layers]
         self._compiled: dict[int, StepFn] = {}  # CUDA: per signature
         self._whole: StepFn | None = None  # CPU: all layers
+        # CPU: the packaged step per row count (packaged_step.py), used before `_whole`.
+        self.packaged: dict[int, StepFn] = {}
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
                 valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Every layer for B rows of one token each (shapes as in `layer_step`)."""
         if self.device.type != "cuda":
+            packaged = self.packaged.get(h.shape[0])
+            if packaged is not None:
+                return packaged(self.layers, h, cos, sin, keys, values, pos, valid, mask)
             if self._whole is None:
                 self._whole = torch.compile(_own_code(all_layers_step, f"{id(self):x}"),
                                             fullgraph=True, options=_CPU_OPTIONS)

@@ -113,7 +113,8 @@ class ModelPass:
                    steps_ahead: int, rows_bound: int) -> torch.Tensor | None:
         """The compiled step's logits [b, V] for a pass where every row feeds at most one
         token, or None to run it eagerly (not compiled, or out of memory)."""
-        step = self.decode.pick(steps_ahead if self.decode.compiled else 0)
+        step = self.decode.pick(steps_ahead if self.decode.compiled else 0,
+                                first_row + len(chunks), rows_bound)
         if step is None or not self.cache.keys:  # buffers exist after the first eager pass
             return None
         compiling = step.bucket(first_row + len(chunks), rows_bound) not in step.compile_s
