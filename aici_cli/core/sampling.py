@@ -15,7 +15,8 @@ the OpenAI batch mapping (formats/openai_batch.py), `made_with` (run/made_with.p
 lm-eval's gen_kwargs (evals/requests.py). The input-line schema
 (schemas/input-line.schema.json, a published file) holds each range as `Option.schema`
 gives it, which tests/test_sampling_definition.py checks. Adding an option is a field
-here, its use in the sampler (engine/logits/sampling.py) and a test.
+here, its use in the sampler (engine/logits/sampling.py), its entry in that schema (with
+a description for its readers) and a test.
 
 Torch-free, like the rest of core.
 """
@@ -123,6 +124,10 @@ class Sampling:
     min_p: float = _option(
         0.0, Range(0.0, 1.0), "With a temperature, drop tokens less likely than P times the "
         "most likely one; 0: off.")
+    typical_p: float = _option(
+        1.0, Range(0.0, 1.0, low_open=True), "With a temperature, sample among the tokens "
+        "whose surprisal is nearest the entropy, the fewest that hold P of the mass (locally "
+        "typical sampling); 1: off.")
     # Logit rules, applied before a constraint's mask (engine/logits/logit_rules.py).
     frequency_penalty: float = _option(
         0.0, Range(-2.0, 2.0), "Subtracted from a token's logit per time it occurs in the output.")

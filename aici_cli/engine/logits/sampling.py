@@ -1,5 +1,6 @@
 """Token sampling: greedy at temperature 0; otherwise temperature, then min-p, top-k and
-top-p (vLLM's order), each filter only where a row sets it.
+top-p (vLLM's order, with transformers' typical-p, which vLLM lacks, before top-p), each
+filter only where a row sets it.
 
 Each row draws its uniform number from its own `torch.Generator`, seeded from the line,
 so a line's output does not depend on which other lines share its batch. The draw is
@@ -72,6 +73,8 @@ def sample(logits: torch.Tensor, greedy: Sequence[int], rows: Sequence[int],
         hot_logits = _min_p(hot_logits, torch.tensor([s.min_p for s in options]))
     if any(s.top_k > 0 for s in options):
         hot_logits = _top_k(hot_logits, [s.top_k for s in options])
+    if any(s.typical_p < 1.0 for s in options):
+        hot_logits = _typical(hot_logits, torch.tensor([s.typical_p for s in options]))
     probs = torch.softmax(hot_logits, dim=-1)  # [h, V]
     top_p = torch.tensor([s.top_p for s in options], dtype=torch.float32)[:, None]
     if bool((top_p < 1.0).any()):
@@ -110,3 +113,18 @@ def _top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     values = logits.topk(max(ks), dim=-1).values  # [h, kmax], descending
     kth = values.gather(-1, torch.tensor([max(k, 1) - 1 for k in ks])[:, None])
     return logits.masked_fill(on & (logits < kth), float("-inf"))
+
+
+def _typical(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022), as transformers' TypicalLogitsWarper:
+    keep the tokens whose surprisal is nearest the row's entropy, the fewest that hold `mass`
+    [h] of the probability (the nearest always stays). A row at 1 is left as it is: its
+    cumulative sum can reach 1 early by rounding and would drop its least likely tokens."""
+    log_p = torch.log_softmax(logits, dim=-1)
+    entropy = -(log_p * log_p.exp()).nansum(dim=-1, keepdim=True)  # 0 * -inf is no mass
+    distance, order = (-log_p - entropy).abs().sort(dim=-1)
+    held = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (held < mass[:, None]).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    dropped = distance > distance.gather(-1, last)
+    dropped = dropped.scatter(-1, order, dropped)
+    return logits.masked_fill(dropped & (mass < 1.0)[:, None], float("-inf"))
