@@ -45,8 +45,8 @@ def main() -> int:
               for q in args.quantize.split(",")}
 
     def jobs(bs: int, n: int) -> list[Job]:
-        return [Job(index=i + 1, id=str(i), max_tokens=n, temperature=0.0, top_p=1.0,
-                    seed=0, constraint=None, prompt=None, ignore_eos=True,
+        return [Job(index=i + 1, id=str(i), max_tokens=n,
+                    constraint=None, prompt=None, ignore_eos=True,
                     messages=[{"role": "user", "content": f"Tell a story, number {i}."}])
                 for i in range(bs)]
 

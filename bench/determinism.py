@@ -43,8 +43,8 @@ def glaive_jobs(n: int, max_tokens: int, logprobs: int | None = 0,
     for i, f in enumerate(files):
         schema = json.loads(f.read_text())
         ask = short_request(f.stem)
-        jobs.append(Job(index=i + 1, id=f.stem, max_tokens=max_tokens, temperature=0.0,
-                        top_p=1.0, seed=0, constraint=Constraint("json_schema", schema),
+        jobs.append(Job(index=i + 1, id=f.stem, max_tokens=max_tokens,
+                        constraint=Constraint("json_schema", schema),
                         prompt=None, messages=[{"role": "user", "content": ask}],
                         logprobs=logprobs))
     return jobs

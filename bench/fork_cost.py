@@ -54,6 +54,7 @@ def run_lines(lm: Any, component: Any, lines: list[dict[str, Any]],
               batch_size: int) -> tuple[float, list[dict[str, Any]], Any]:
     from aici_cli.core.config import EngineConfig, RunConfig
     from aici_cli.core.job import Job
+    from aici_cli.core.sampling import Sampling
     from aici_cli.engine.engine import Engine
     from aici_cli.run.backends.build import wasm_factory
 
@@ -62,7 +63,8 @@ def run_lines(lm: Any, component: Any, lines: list[dict[str, Any]],
     engine.set_controller_factory(wasm_factory(RunConfig(input="-", engine=config),
                                                engine, [], component))
     jobs = [Job(index=i + 1, id=str(i + 1), prompt=None, messages=line["messages"],
-                max_tokens=8, temperature=0.8, top_p=1.0, seed=i, n=line.get("n", 1),
+                max_tokens=8, sampling=Sampling(temperature=0.8, seed=i),
+                n=line.get("n", 1),
                 extra={"controller_arg": line["controller_arg"]})
             for i, line in enumerate(lines)]
     results: list[dict[str, Any]] = []

@@ -66,8 +66,8 @@ def main() -> int:
             config = EngineConfig(batch_size=bs, draft_tokens=0, compile=args.compile)
 
             def jobs(n: int, messages: list[Any] = messages) -> list[Job]:
-                return [Job(index=i + 1, id=str(i), max_tokens=n, temperature=0.0, top_p=1.0,
-                            seed=0, constraint=None, prompt=None, messages=m, ignore_eos=True)
+                return [Job(index=i + 1, id=str(i), max_tokens=n,
+                            constraint=None, prompt=None, messages=m, ignore_eos=True)
                         for i, m in enumerate(messages)]
 
             if args.compile == "on":

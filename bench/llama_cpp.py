@@ -90,14 +90,14 @@ def ours(task: dict[str, Any]) -> dict[str, Any]:
 
     def jobs(max_tokens: int) -> list[Job]:
         if task["kind"] == "stream":
-            return [Job(index=1, id="s", max_tokens=max_tokens, temperature=0.0, top_p=1.0,
-                        seed=0, constraint=None, prompt=None, ignore_eos=True,
+            return [Job(index=1, id="s", max_tokens=max_tokens,
+                        constraint=None, prompt=None, ignore_eos=True,
                         messages=[{"role": "user", "content": STREAM_PROMPT}])]
         out = []
         for i, path in enumerate(dev_half(task["schemas"])):
             schema = json.loads(path.read_text())
-            out.append(Job(index=i + 1, id=path.stem, max_tokens=max_tokens, temperature=0.0,
-                           top_p=1.0, seed=0, constraint=Constraint("json_schema", schema),
+            out.append(Job(index=i + 1, id=path.stem, max_tokens=max_tokens,
+                           constraint=Constraint("json_schema", schema),
                            prompt=None, messages=[{"role": "user",
                                                    "content": schema_ask(schema)}]))
         return out

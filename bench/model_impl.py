@@ -29,10 +29,11 @@ def decode_rate(lm: Any, batch: int, max_tokens: int) -> float:
     """Generated tokens per second of `batch` greedy lines of `max_tokens` each."""
     from aici_cli.core.config import EngineConfig
     from aici_cli.core.job import Job
+    from aici_cli.core.sampling import Sampling
     from aici_cli.engine.engine import Engine
 
-    jobs = [Job(index=i, id=str(i), prompt=None, max_tokens=max_tokens, temperature=0.0,
-                top_p=1.0, seed=i, ignore_eos=True,
+    jobs = [Job(index=i, id=str(i), prompt=None, max_tokens=max_tokens,
+                sampling=Sampling(temperature=0.0, top_p=1.0, seed=i), ignore_eos=True,
                 messages=[{"role": "user", "content": f"{PROMPT} ({i})"}])
             for i in range(batch)]
     results: list[dict[str, Any]] = []

@@ -17,7 +17,8 @@ from typing import Any
 
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
-from aici_cli.engine import engine as loop
+from aici_cli.core.sampling import Sampling
+from aici_cli.engine import model_runner as loop  # where the step applies the rules
 from aici_cli.engine.engine import Engine
 from aici_cli.models import load_model
 
@@ -68,8 +69,8 @@ def main() -> int:
         passes = 0
         for _ in range(args.repeats):
             jobs = [Job(index=i + 1, id=str(i + 1), prompt=PROMPTS[i % len(PROMPTS)],
-                        messages=None, max_tokens=args.max_tokens, temperature=0.0, top_p=1.0,
-                        seed=i, **fields)
+                        messages=None, max_tokens=args.max_tokens,
+                        sampling=Sampling(temperature=0.0, top_p=1.0, seed=i, **fields))
                     for i in range(args.batch_size)]
             engine = Engine(lm, EngineConfig(batch_size=args.batch_size))
             loop.rules_before_masks = timed(rules_fn, spent)  # type: ignore[assignment]

@@ -66,8 +66,8 @@ def json_compliance(lm: Any, schemas: list[Path], max_tokens: int) -> dict[str, 
         schema = json.loads(path.read_text())
         loaded.append(schema)
         ask = f"Produce a JSON object matching this JSON Schema: {json.dumps(schema)}"
-        jobs.append(Job(index=i + 1, id=path.stem, max_tokens=max_tokens, temperature=0.0,
-                        top_p=1.0, seed=0, constraint=Constraint("json_schema", schema),
+        jobs.append(Job(index=i + 1, id=path.stem, max_tokens=max_tokens,
+                        constraint=Constraint("json_schema", schema),
                         prompt=None, messages=[{"role": "user", "content": ask}]))
     results: list[dict[str, Any]] = []
     started = time.perf_counter()

@@ -42,7 +42,7 @@ def main() -> int:
     topics = ["the sea", "a city at night", "how bread is made", "a chess opening",
               "the history of maps", "a walk in the rain", "how a compiler works"]
     jobs = [
-        Job(index=i + 1, id=str(i), prompt=None, temperature=0.0, top_p=1.0, seed=0,
+        Job(index=i + 1, id=str(i), prompt=None,
             messages=[{"role": "user", "content": f"Write about {topics[i % len(topics)]}."}],
             max_tokens=rng.randint(4, args.max_tokens))
         for i in range(args.lines)

@@ -72,8 +72,8 @@ def main() -> int:
                 schema = json.loads(files[i % len(files)].read_text())
                 ask = f"Produce a JSON object matching this JSON Schema: {json.dumps(schema)}"
                 jobs.append(Job(
-                    index=i + 1, id=str(i), max_tokens=args.max_tokens, temperature=0.0,
-                    top_p=1.0, seed=0, constraint=Constraint("json_schema", schema),
+                    index=i + 1, id=str(i), max_tokens=args.max_tokens,
+                    constraint=Constraint("json_schema", schema),
                     prompt=None if chat else ask + "\nJSON: ",
                     messages=[{"role": "user", "content": ask}] if chat else None,
                 ))

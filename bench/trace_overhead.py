@@ -61,14 +61,14 @@ def traced_hook_costs(tmp: Path) -> dict[str, float]:
 
     from aici_cli.core.config import RunConfig
     from aici_cli.core.line_stats import StepTimes
+    from aici_cli.core.sampling import Sampling
     from aici_cli.engine.clock import StepClock
     from aici_cli.run.tracing import open_tracing
 
     tracer = open_tracing(RunConfig(input="-", trace=str(tmp / "hooks.jsonl")))
     assert tracer is not None
-    jobs = [SimpleNamespace(index=i, id=str(i), messages=None, max_tokens=8, temperature=0.0,
-                            top_p=1.0, seed=0, top_k=0, frequency_penalty=0.0,
-                            presence_penalty=0.0, stop=(), n=1, constraint=None)
+    jobs = [SimpleNamespace(index=i, id=str(i), messages=None, max_tokens=8,
+                            sampling=Sampling(), stop=(), n=1, constraint=None)
             for i in range(8)]
     gens: list[Any] = [SimpleNamespace(job=j, sample=0, started=time.perf_counter(),
                                        controller=None) for j in jobs]
