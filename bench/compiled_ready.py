@@ -59,6 +59,7 @@ def run(kind: str, job: Path, tmp: Path, extra: list[str]) -> dict[str, Any]:
 
 def ready_time(extra: list[str]) -> dict[str, float]:
     """The packaged step's ready time in this process, over a loaded default model."""
+    sys.path.insert(0, str(REPO))  # this checkout's aici_cli, as the runs above import
     import torch
 
     from aici_cli.engine.forward import packaged_step
