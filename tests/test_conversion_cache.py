@@ -26,8 +26,9 @@ from rich.console import Console
 from tiny_model import write_tiny_gguf
 
 from aici_cli.cli.main import main
-from aici_cli.models import conversion_cache, gguf_convert, gguf_identity, sources
+from aici_cli.models import gguf_convert, gguf_identity, sources
 from aici_cli.models.cache_entries import cache_entries
+from aici_cli.models.entry_record import SOURCE_FILE
 from aici_cli.models.progress import LoadProgress, reporting_to
 from aici_cli.models.resolve import resolve_model
 from aici_cli.models.sources import ModelSource
@@ -101,7 +102,7 @@ def test_a_second_checkout_reuses_the_first_checkouts_conversion(tiny_gguf: Path
 
     assert entries(cache) == [entry]
     assert (cache / "models" / entry / "model.safetensors").stat().st_mtime_ns == made
-    record = json.loads((cache / "models" / entry / conversion_cache.SOURCE_FILE).read_text())
+    record = json.loads((cache / "models" / entry / SOURCE_FILE).read_text())
     assert record["sha256"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert record["files"] == [str(first.resolve()), str(second.resolve()),
                                str(renamed.resolve())]
@@ -164,7 +165,7 @@ def test_a_packaged_file_is_known_by_its_packages_record_without_reading_it(
 
     assert converted[0] == converted[1]
     assert len(stub_conversion) == 1
-    record = json.loads((converted[0] / conversion_cache.SOURCE_FILE).read_text())
+    record = json.loads((converted[0] / SOURCE_FILE).read_text())
     assert record["origin"] == "tiny-weights 1.0"
     assert record["sha256"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
 
@@ -284,8 +285,8 @@ def test_an_entry_for_another_transformers_version_is_unused(
     tiny_gguf: Path, cache: Path, stub_conversion: list[Path]
 ) -> None:
     entry = resolve_model(str(tiny_gguf))
-    record = json.loads((entry / conversion_cache.SOURCE_FILE).read_text())
-    (entry / conversion_cache.SOURCE_FILE).write_text(json.dumps({**record,
+    record = json.loads((entry / SOURCE_FILE).read_text())
+    (entry / SOURCE_FILE).write_text(json.dumps({**record,
                                                                   "transformers": "4.0.0"}))
 
     [found] = cache_entries()

@@ -1,8 +1,8 @@
 """A conversion's quantised layers kept in their kernels' layout (`packed_weights`): the
-first load keeps exactly the buffers it computed, a later load reads them instead of
-packing again and gives the same logits bit for bit, and a kept file that is damaged or
-does not fit is computed and written again. A user's own model directory is never
-written into."""
+first load keeps exactly what its layers were built from, a later load reads them instead
+of packing again and gives the same logits bit for bit, in every dtype from one file, and
+a kept file that is damaged or does not fit is computed and written again. A user's own
+model directory is never written into."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ from aici_cli.models import quantize
 from aici_cli.models.aligned import without_padding
 from aici_cli.models.conversion_cache import converted_gguf
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.packed_weights import BUFFERS, packed_file, read_packed
+from aici_cli.models.packed_weights import (
+    KEPT,
+    LAYOUT_VERSION,
+    int4_layout,
+    packed_file,
+    read_packed,
+)
 
 PROMPTS = ["the quick brown fox jumps over", "a b c d e f g", "hello world, hello"]
 
@@ -43,21 +49,29 @@ def _kept(entry: Path) -> Path:
     return files[0]
 
 
-def _quantized_buffers(lm: LoadedModel) -> dict[str, torch.Tensor]:
-    out = {}
+def _assert_kept_builds_the_layers(kept: dict[str, torch.Tensor], lm: LoadedModel) -> None:
+    """Every quantised layer of `lm` is what its kept tensors build: the same packed
+    codes, and its scales those kept rounded to the run's dtype."""
+    names = set()
     for name, module in lm.model.named_modules():
-        kind = {quantize.Int4Linear: "int4", quantize.Int8Linear: "int8"}.get(type(module))
-        if kind is not None:
-            out |= {f"{name}.{b}": getattr(module, b) for b in BUFFERS[kind]}
-    return out
+        if isinstance(module, quantize.Int4Linear):
+            assert torch.equal(kept[f"{name}.packed"], module.packed)
+            want = quantize.scale_zero(kept[f"{name}.d"], kept[f"{name}.m"], lm.dtype)
+            assert torch.equal(want, module.scale_zero)
+            names |= {f"{name}.{k}" for k in KEPT["int4"]}
+        elif isinstance(module, quantize.Int8Linear):
+            assert torch.equal(kept[f"{name}.codes"], module.codes)
+            assert torch.equal(kept[f"{name}.scale"].to(lm.dtype), module.scale)
+            names |= {f"{name}.{k}" for k in KEPT["int8"]}
+    assert names == set(kept)
 
 
 def _no_packing(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("packed again although the layers were kept")
 
-    monkeypatch.setattr(quantize, "_int4", refuse)
-    monkeypatch.setattr(quantize, "_int8", refuse)
+    monkeypatch.setattr(quantize, "_int4_parts", refuse)
+    monkeypatch.setattr(quantize, "_int8_parts", refuse)
 
 
 @pytest.mark.parametrize(("quant", "mode", "dtype"), [
@@ -71,19 +85,27 @@ def test_kept_layers_give_the_packed_layers_logits_bit_for_bit(
     assert not list(entry.glob("aici-packed-*"))
     first = load_model(str(gguf), "cpu", dtype, mode)
     file = _kept(entry)
-    assert file == packed_file(entry, mode, first.dtype, torch.device("cpu"))
-    kept, computed = without_padding(load_file(str(file))), _quantized_buffers(first)
-    assert kept.keys() == computed.keys() and len(computed) == 2 * (2 * 7 + 1)
-    assert all(torch.equal(kept[k], computed[k]) for k in kept)
+    assert file == packed_file(entry, mode, torch.device("cpu"))
+    kept = without_padding(load_file(str(file)))
+    assert len(kept) == (3 * 14 + 2 if mode == "int4" else 2 * 15)
+    _assert_kept_builds_the_layers(kept, first)
     written = file.stat().st_mtime_ns
 
     _no_packing(monkeypatch)
     second = load_model(str(gguf), "cpu", dtype, mode)
     assert torch.equal(_logits(first), _logits(second))
     assert file.stat().st_mtime_ns == written  # read, not written again
+    other = "float32" if dtype == "bfloat16" else "bfloat16"
+    third = load_model(str(gguf), "cpu", other, mode)  # the same file serves every dtype
+    _assert_kept_builds_the_layers(kept, third)
+    assert _kept(entry) == file and file.stat().st_mtime_ns == written
 
 
-@pytest.mark.parametrize("damage", ["truncated", "a layer missing", "another dtype"])
+VERSION = {"aici:layout": LAYOUT_VERSION}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "a layer missing", "another dtype",
+                                    "another layout version"])
 def test_a_kept_file_that_does_not_fit_is_computed_and_written_again(
         tiny_model_dir: Path, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
         damage: str) -> None:
@@ -97,10 +119,12 @@ def test_a_kept_file_that_does_not_fit_is_computed_and_written_again(
         file.write_bytes(file.read_bytes()[:1000])
     elif damage == "a layer missing":
         save_file({k: v for k, v in kept.items() if ".layers.1.mlp.up_proj." not in k},
-                  str(file))
-    else:
+                  str(file), metadata=VERSION)
+    elif damage == "another dtype":
         save_file({k: v.double() if v.is_floating_point() else v for k, v in kept.items()},
-                  str(file))
+                  str(file), metadata=VERSION)
+    else:
+        save_file(kept, str(file), metadata={"aici:layout": "1"})
     got = _logits(load_model(str(gguf), "cpu", "float32", "int4"))
     assert torch.equal(want, got)
     again = read_packed(file, torch.device("cpu"))
@@ -114,24 +138,21 @@ def test_a_kept_file_that_does_not_fit_is_computed_and_written_again(
 def test_a_users_model_directory_is_never_written_into(tiny_model_dir: Path,
                                                        cache: Path) -> None:
     before = sorted(p.name for p in tiny_model_dir.iterdir())
-    assert packed_file(tiny_model_dir, "int4", torch.float32, torch.device("cpu")) is None
+    assert packed_file(tiny_model_dir, "int4", torch.device("cpu")) is None
     load_model(str(tiny_model_dir), "cpu", "float32", "int4")
     assert sorted(p.name for p in tiny_model_dir.iterdir()) == before
 
 
-def test_the_kept_file_is_named_by_what_its_layout_depends_on(
-        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kept_file_is_named_by_what_its_layout_depends_on(cache: Path) -> None:
+    """int8 layers are a plain matrix and a scale per row on every machine: one file. An
+    int4 file is named by its kernel layout, a digest of the packing on this machine."""
     entry = cache / "models" / "tiny-abc"
-    cpu = torch.device("cpu")
-    names = {packed_file(entry, "int4", torch.float32, cpu),
-             packed_file(entry, "int8", torch.float32, cpu),
-             packed_file(entry, "int4", torch.bfloat16, cpu),
-             packed_file(entry, "int4", torch.float32, torch.device("cuda"))}
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "ANOTHER-ISA")
-    names.add(packed_file(entry, "int4", torch.float32, cpu))
-    monkeypatch.setattr(torch, "__version__", "0.0.0")
-    names.add(packed_file(entry, "int4", torch.float32, cpu))
-    assert len(names) == 6 and None not in names
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert packed_file(entry, "int8", cpu) == packed_file(entry, "int8", cuda) \
+        == entry / "aici-packed-int8.safetensors"
+    int4 = packed_file(entry, "int4", cpu)
+    assert int4 == entry / f"aici-packed-int4-{int4_layout('cpu')}.safetensors"
+    assert int4_layout("cpu").startswith("cpu-") and len(int4_layout("cpu")) == 4 + 12
 
 
 def test_a_cache_that_cannot_be_written_costs_only_the_packing(

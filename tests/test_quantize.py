@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,10 @@ from hypothesis import strategies as st
 from tiny_model import write_tiny_gguf
 
 from aici_cli.models import gguf_blocks
+from aici_cli.models.aligned import PAD_PREFIX
 from aici_cli.models.conversion_cache import converted_gguf
-from aici_cli.models.gguf_quantized import QUANTIZED_FILE
+from aici_cli.models.entry_record import BASE_FILE
+from aici_cli.models.gguf_matrices import MATRICES_KEY
 from aici_cli.models.load import load_model
 from aici_cli.models.quantize import (
     Int4Linear,
@@ -128,16 +131,24 @@ def test_a_4_bit_gguf_loads_its_own_blocks_as_int4(tiny_model_dir: Path, tmp_pat
                                                    cache: Path, quant: str) -> None:
     gguf = write_tiny_gguf(tiny_model_dir, tmp_path / f"tiny-{quant}.gguf", quant)
     entry = converted_gguf(gguf, "tiny")
-    # Stored in the dtype runs use, with the GGUF's blocks beside it.
+    # The matrices stay in the GGUF, where the conversion says they lie; the embedding is
+    # kept as its own Q8_0 blocks; only the norms are stored dense, in the dtype runs use.
     from safetensors import safe_open
 
-    with safe_open(str(entry / "model.safetensors"), framework="pt") as f:
-        names = list(f.keys())  # safe_open is not iterable
-        assert {f.get_tensor(k).dtype for k in names} == {torch.bfloat16}
-    with safe_open(str(entry / QUANTIZED_FILE), framework="numpy") as f:
-        keys = list(f.keys())
-        assert sum(k.endswith(":q4") for k in keys) == 14  # every decoder linear, q/k too
-        assert [k for k in keys if k.endswith(":q8")] == ["model.embed_tokens.weight:q8"]
+    with safe_open(str(entry / BASE_FILE), framework="pt") as f:
+        where = json.loads(f.metadata()[MATRICES_KEY])
+        names = [k for k in f.keys() if not k.startswith(PAD_PREFIX)]  # noqa: SIM118
+        stored = {k: f.get_tensor(k) for k in names}
+    assert sorted(w["type"] for w in where.values()) == sorted(["Q8_0"] + [quant] * 14)
+    assert where["model.embed_tokens.weight"]["type"] == "Q8_0"
+    norms = {k: v for k, v in stored.items() if ":" not in k}
+    assert norms and all(k.endswith("norm.weight") for k in norms)
+    assert {v.dtype for v in norms.values()} == {torch.bfloat16}
+    assert sorted(k for k in stored if ":" in k and not k.endswith(":rows")) == \
+        ["model.embed_tokens.weight:q8", "model.embed_tokens.weight:q8_d"]
+    # llama.cpp's q/k row interleaving, undone as transformers undoes it
+    assert sorted(k.split(".")[-2] for k in stored if k.endswith(":rows")) == \
+        ["k_proj", "k_proj", "q_proj", "q_proj"]
     assert available_blocks(entry) == {"q4", "q8"}
     assert resolve_mode("auto", entry, torch.bfloat16) == "int4"
     assert resolve_mode("auto", entry, torch.float32) == "none"
@@ -180,20 +191,46 @@ def test_run_takes_quantize_and_refuses_it_with_deterministic(tiny_model_dir: Pa
         "Error: --deterministic runs unquantised weights: drop --quantize int4"]
 
 
-def test_a_float32_quantized_run_looks_up_the_files_narrower_embedding(
+def test_a_quantized_run_looks_up_the_ggufs_embedding_blocks_as_a_bf16_table(
         tiny_model_dir: Path, tmp_path: Path, cache: Path) -> None:
-    """Quantised, the embedding is only looked up: a float32 run keeps the conversion's
-    bf16 table as stored and widens the rows it reads, to the same logits bit for bit as
-    a float32 copy of the table."""
-    from aici_cli.models.mapped_load import WideningEmbedding
+    """Quantised, the embedding is only looked up: the conversion keeps the GGUF's Q8_0
+    blocks and a lookup dequantises the rows it reads, rounded to bf16 then widened, to
+    the same logits bit for bit as the bf16 table an unquantised run reads."""
+    from aici_cli.models.block_embedding import BlockEmbedding
 
     gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "Q4_1")
-    lm = load_model(str(gguf), "cpu", "float32", "int4")
+    table = load_model(str(gguf), "cpu", "bfloat16", "none").model.get_input_embeddings()
+    for dtype in ("float32", "bfloat16"):
+        lm = load_model(str(gguf), "cpu", dtype, "int4")
+        embed = lm.model.get_input_embeddings()
+        assert isinstance(embed, BlockEmbedding) and embed.codes.dtype == torch.int8
+        ids = torch.arange(embed.num_embeddings)
+        assert torch.equal(embed(ids), table.weight.to(lm.dtype))
+        blocks = _logits(lm, PROMPTS)
+        lm.model.model.embed_tokens = torch.nn.Embedding.from_pretrained(
+            table.weight.detach().to(lm.dtype), freeze=True)
+        assert torch.equal(blocks, _logits(lm, PROMPTS))
+
+
+def test_a_float32_quantized_run_looks_up_the_files_narrower_embedding(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A model directory's embedding stored narrower than the run (bf16 in a float32
+    run) is kept as stored and widens the rows it reads, to the same logits bit for bit
+    as a float32 copy of the table."""
+    from safetensors.torch import load_file, save_file
+
+    from aici_cli.models.mapped_load import WideningEmbedding
+
+    model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "bf16"))
+    weights = model_dir / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+    lm = load_model(str(model_dir), "cpu", "float32", "int4")
     embed = lm.model.get_input_embeddings()
     assert isinstance(embed, WideningEmbedding) and embed.weight.dtype == torch.bfloat16
     narrow = _logits(lm, PROMPTS)
     wide = torch.nn.Embedding.from_pretrained(embed.weight.detach().float(), freeze=True)
     lm.model.model.embed_tokens = wide
     assert torch.equal(narrow, _logits(lm, PROMPTS))
-    bf16 = load_model(str(gguf), "cpu", "bfloat16", "int4")  # the run's own dtype: as is
+    bf16 = load_model(str(model_dir), "cpu", "bfloat16", "int4")  # the run's own dtype: as is
     assert type(bf16.model.get_input_embeddings()) is torch.nn.Embedding

@@ -15,9 +15,15 @@ from aici_cli.cli.errors import FatalError
 @click.command("models")
 @click.option("--json", "as_json", is_flag=True, help="Print the list as JSON instead.")
 @click.option("--prune", is_flag=True,
-              help="Remove the converted models nothing uses any more (older copies made "
-                   "per path, conversions for another transformers version, of files that "
-                   "are gone or changed, or left by a conversion that died), saying why.")
+              help="Remove what nothing uses, saying why: converted models no run looks up "
+                   "any more (older copies made per path, conversions for another "
+                   "transformers version or converter, of files that are gone or changed, "
+                   "or left by a conversion that died), and in the others the files other "
+                   "modes than the default built on their first run (the unquantised copy "
+                   "of --quantize none and --dtype float32 runs, --quantize int8's layers, "
+                   "int4 layers in another CPU's kernel layout). The default mode is every "
+                   "choice left at auto; its runs note the files they read. A mode pruned "
+                   "away builds its file again when it next runs.")
 @click.option("--dry-run", is_flag=True,
               help="With --prune: list what would be removed, and remove nothing.")
 def models_command(as_json: bool, prune: bool, dry_run: bool) -> None:
@@ -53,22 +59,32 @@ def _prune(as_json: bool, dry_run: bool) -> None:
     """`aici-batch models --prune [--dry-run]`."""
     from aici_cli.models.cache_entries import prune
 
-    removed = prune(dry_run=dry_run)
-    freed = sum(e.size_bytes for e in removed)
+    entries, files = prune(dry_run=dry_run)
+    freed = sum(e.size_bytes for e in entries) + sum(f.size_bytes for _, f in files)
     if as_json:
         click.echo(json.dumps({
             "dry_run": dry_run, "bytes": freed,
             "entries": [{"name": e.path.name, "path": str(e.path), "size_bytes": e.size_bytes,
-                         "unused": e.unused} for e in removed],
+                         "unused": e.unused} for e in entries],
+            "files": [{"entry": e.path.name, "name": f.path.name, "path": str(f.path),
+                       "size_bytes": f.size_bytes, "unused": f.unused} for e, f in files],
         }, indent=2))
         return
     verb = "would remove" if dry_run else "removed"
-    width = max((len(e.path.name) for e in removed), default=0)
-    for e in removed:
-        click.echo(f"{verb} {e.path.name:<{width}}  {_size(e.size_bytes):>8}  ({e.unused})")
-    total = f"{len(removed)} {'entry' if len(removed) == 1 else 'entries'}, {_size(freed)}"
-    click.echo(f"{'would free' if dry_run else 'freed'} {total}" if removed
-               else "nothing to prune: every converted model is in use")
+    rows = [(e.path.name, e.size_bytes, e.unused) for e in entries]
+    rows += [(f"{e.path.name}/{f.path.name}", f.size_bytes, f.unused) for e, f in files]
+    width = max((len(name) for name, _, _ in rows), default=0)
+    for name, size, why in rows:
+        click.echo(f"{verb} {name:<{width}}  {_size(size):>8}  ({why})")
+    counts = [_count(len(entries), "entry", "entries"), _count(len(files), "file", "files")]
+    total = " and ".join(c for c in counts if c) + f", {_size(freed)}"
+    click.echo(f"{'would free' if dry_run else 'freed'} {total}" if rows
+               else "nothing to prune: every converted model, and every file in them, "
+                    "is in use")
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}" if n else ""
 
 
 def _size(n: int) -> str:
@@ -100,12 +116,15 @@ def _models_text(listing: dict[str, Any]) -> list[str]:
             serves += f"  unused: {m['unused']}"
         elif m["origin"] and m["origin"] != "file":
             serves += f"  from {m['origin']}"
+        if m["other_modes"]:
+            serves += (f"  ({_size(sum(f['size_bytes'] for f in m['other_modes']))} "
+                       "of it other modes' files)")
         lines.append(f"  {m['name']:<{width}}  {_size(m['size_bytes']):>8}{serves}")
     if not converted["models"]:
         lines.append("  none")
-    elif any(m["unused"] for m in converted["models"]):
-        lines.append("  (`aici-batch models --prune` removes the unused ones; "
-                     "--dry-run lists them first)")
+    elif any(m["unused"] or m["other_modes"] for m in converted["models"]):
+        lines.append("  (`aici-batch models --prune` removes the unused ones and other modes' "
+                     "files; --dry-run lists them first)")
 
     hub = listing["hub"]
     lines += ["", f"Hugging Face hub cache {hub['cache_dir']} (--model ORG/NAME[@REVISION]):"]

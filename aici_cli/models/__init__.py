@@ -17,11 +17,15 @@ Modules, one concept each; those marked * import torch, the others do not:
     listing.py           every model --model can name (`aici-batch models`)
     conversion_cache.py  aici-batch's cache directory and the GGUF conversions in it
     gguf_identity.py     a GGUF's content digest: the conversion cache's key
+    entry_record.py      an entry's file names and its record of what it came from
     cache_entries.py     the conversion cache's entries, unused ones, pruning
+    entry_files.py       the files each mode adds to an entry; which prune removes
     progress.py          where the slow once-only steps report (notes, a bar, nothing)
-    gguf_convert.py *    checking a GGUF file and converting it to bf16 safetensors
+    gguf_convert.py *    checking a GGUF file and converting it; the unquantised copy
+    gguf_tensors.py *    a conversion's tensors: stored once, matrices left in the GGUF
+    gguf_matrices.py *   those matrices read from the GGUF when a mode builds its layers
     gguf_blocks.py       a GGUF's Q4_0/Q4_1/Q8_0 blocks as codes and scales (numpy)
-    gguf_quantized.py    those blocks kept beside a conversion, by parameter name
+    block_embedding.py * an embedding kept as the GGUF's blocks, rows read as looked up
     quantize.py *        int8/int4 linear layers on PyTorch's kernels (--quantize)
     packed_weights.py *  a conversion's quantised layers kept in their kernels' layout
     llama.py *           Llama-architecture models without transformers' model classes

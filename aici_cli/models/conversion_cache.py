@@ -1,18 +1,23 @@
 """aici-batch's cache directory, and the GGUF conversions kept in it.
 
 Loading a GGUF through transformers costs ~20 s (dequantisation), so a GGUF is converted
-once into a bfloat16 safetensors directory (with its 4- and 8-bit matrices kept as
-they are, `gguf_quantized`) under `cache_dir()/models/`; later loads of that
-directory take ~1 s. An entry is keyed by the GGUF's content (`gguf_identity`), so one
-copy serves every path the same file has (each virtual environment's copy of a packaged
-model, each CI checkout). The conversion writes into a temporary sibling directory and
-renames it into place, so a cache directory that exists is always complete; a lock per
-key makes a second run that needs the same conversion wait for the first and use its
-copy (without locks, both convert and the first rename wins). A run killed
-mid-conversion leaves only its hidden temporary directory, which later conversions
-remove once it is stale. Each entry records what it holds and the files it was converted
-from (`SOURCE_FILE`); `unused_entries` finds those nothing points to any more, for
-`aici-batch models --prune`.
+once into a directory under `cache_dir()/models/`: its config and tokenizer, and
+`BASE_FILE`, the tensors no run quantises (norms, the embedding) with a record of where in
+the GGUF each matrix lies (`gguf_tensors`). What a run needs beyond that is built from
+the GGUF on its first use and kept beside it: a quantised run's layers in their kernels'
+layout (`packed_weights`), an unquantised run's dense copy (`DENSE_FILE`,
+`ensure_dense`); `entry_files` says which prune removes. Later loads of the directory
+take ~1 s.
+
+An entry is keyed by the GGUF's content (`gguf_identity`), so one copy serves every path
+the same file has (each virtual environment's copy of a packaged model, each CI
+checkout). The conversion writes into a temporary sibling directory and renames it into
+place, so a cache directory that exists is always complete; a lock per key makes a
+second run that needs the same conversion wait for the first and use its copy (without
+locks, both convert and the first rename wins). A run killed mid-conversion leaves only
+its hidden temporary directory, which later conversions remove once it is stale. Each
+entry records what it holds and the files it was converted from (`SOURCE_FILE`);
+`cache_entries` finds those nothing points to any more, for `aici-batch models --prune`.
 
 Torch-free: the conversion itself (`gguf_convert`) is imported only on a cache miss.
 """
@@ -21,31 +26,34 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import os
 import re
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from aici_cli.core.cache_paths import cache_dir
 from aici_cli.core.errors import ModelError
 from aici_cli.core.file_lock import exclusive_lock
 from aici_cli.models import sources
+from aici_cli.models.entry_record import (
+    BASE_FILE,
+    DENSE_FILE,
+    digests_file,
+    read_source,
+    source_gguf,
+    write_source,
+)
 from aici_cli.models.gguf_identity import GgufIdentity, gguf_identity
 from aici_cli.models.one_line import one_line
 from aici_cli.models.progress import current_progress
 from aici_cli.models.quiet import quiet_transformers
 
 # Bump when the conversion's output changes, so existing cache entries are not reused.
-_CONVERTER_VERSION = "3"  # 2: bfloat16, and the GGUF's own quantised blocks; 3: tensors
-# at 64-byte boundaries of their files (`aligned`)
-
-# Each entry's record of the GGUF content it holds and the files it was converted from.
-SOURCE_FILE = "aici-batch-source.json"
+_CONVERTER_VERSION = "4"  # 2: bfloat16, and the GGUF's own quantised blocks; 3: tensors
+# at 64-byte boundaries of their files (`aligned`); 4: no dense copy of the GGUF's
+# matrices, built per mode on first use
 
 # A conversion's temporary directory untouched for this long belongs to a run that died:
 # a live conversion writes its files within a minute for the default model (a few
@@ -56,12 +64,6 @@ STALE_TMP_SECONDS = 3600.0
 def models_dir() -> Path:
     """Where converted models live: `cache_dir()/models`."""
     return cache_dir() / "models"
-
-
-def digests_file() -> Path:
-    """The remembered GGUF digests (`gguf_identity`); beside `models/`, which holds
-    entries only."""
-    return cache_dir() / "gguf-digests.json"
 
 
 @contextlib.contextmanager
@@ -160,6 +162,13 @@ def _convert(gguf: Path, name: str, target: Path, identity: GgufIdentity) -> Non
     # Imports torch and transformers' model classes (seconds): a cache hit needs neither.
     from aici_cli.models import gguf_convert
 
+    with gguf_convert.shared_reads():  # the file parsed once, for the check too
+        _convert_checked(gguf, name, target, identity)
+
+
+def _convert_checked(gguf: Path, name: str, target: Path, identity: GgufIdentity) -> None:
+    from aici_cli.models import gguf_convert
+
     # Before the temporary directory: a damaged file costs nothing to refuse.
     problem = gguf_convert.gguf_problem(gguf)
     if problem is not None:
@@ -195,17 +204,15 @@ def _remember_source(entry: Path, gguf: Path, identity: GgufIdentity) -> None:
     it is."""
     if _is_recorded(entry, gguf, identity):
         return
-    record = read_source(entry) or {}
-    files = [f for f in record.get("files", []) if isinstance(f, str)]
+    old = read_source(entry) or {}
+    files = [f for f in old.get("files", []) if isinstance(f, str)]
     converter, transformers_version = converter_versions()
     record = {"sha256": identity.sha256, "origin": identity.origin,
               "converter": converter, "transformers": transformers_version,
               "files": [*files, str(gguf)] if str(gguf) not in files else files}
-    with contextlib.suppress(OSError):
-        fd, tmp = tempfile.mkstemp(dir=entry, prefix=".source-", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, entry / SOURCE_FILE)
+    if "default_files" in old:  # `entry_files`' note, kept
+        record["default_files"] = old["default_files"]
+    write_source(entry, record)
 
 
 def _is_recorded(entry: Path, gguf: Path, identity: GgufIdentity) -> bool:
@@ -213,14 +220,38 @@ def _is_recorded(entry: Path, gguf: Path, identity: GgufIdentity) -> bool:
     return record.get("sha256") == identity.sha256 and str(gguf) in record.get("files", [])
 
 
-def read_source(entry: Path) -> dict[str, Any] | None:
-    """An entry's record of what it was converted from, or None (an entry made before
-    conversions were keyed by content has none)."""
-    try:
-        value = json.loads((entry / SOURCE_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
+def entry_key(entry: Path) -> str:
+    """The key an entry's directory name ends with (`<name>-<key>`)."""
+    return entry.name.rsplit("-", 1)[-1]
+
+
+def ensure_dense(entry: Path) -> None:
+    """Make the entry's `DENSE_FILE` (every weight in bfloat16: what a run that quantises
+    nothing maps) where a conversion of this version lacks it. Once per entry, on the
+    first such run, under the entry's lock: another run that needs it waits and uses it."""
+    if not (entry / BASE_FILE).is_file() or (entry / DENSE_FILE).is_file():
+        return  # not such a conversion (a model directory, a stub), or already made
+    progress = current_progress()
+    with entry_lock(entry_key(entry), on_wait=lambda: progress.note(
+            f"waiting for another run writing the unquantised copy of {entry.name}")):
+        if (entry / DENSE_FILE).is_file():
+            return
+        gguf = source_gguf(entry)
+        if gguf is None:
+            raise ModelError(f"cannot load {entry} unquantised: none of the GGUF files it was "
+                             "converted from still holds its content (run it from the .gguf "
+                             "file, or delete the directory to convert again)")
+        from aici_cli.models import gguf_convert  # torch and transformers: on a miss only
+
+        progress.note(f"writing the unquantised copy of {gguf.name} in {entry} (once, for "
+                      "runs that quantise nothing)")
+        try:
+            with quiet_transformers():
+                gguf_convert.write_dense(gguf, entry / DENSE_FILE)
+        except ModelError:
+            raise
+        except Exception as exc:
+            raise ModelError(f"cannot convert {gguf}: {one_line(exc)}") from exc
 
 
 def _install(tmp: Path, target: Path) -> None:

@@ -1,4 +1,5 @@
-"""Reading a GGUF file: checking it is whole, and converting it to a safetensors model.
+"""Reading a GGUF file: checking it is whole, converting it (its config, tokenizer and
+the tensors no run quantises), and the dense copy a run that quantises nothing reads.
 
 Imports torch; `conversion_cache` imports this module only when a conversion is due.
 """
@@ -6,6 +7,8 @@ Imports torch; `conversion_cache` imports this module only when a conversion is 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import os
 from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
@@ -14,16 +17,14 @@ from typing import Any
 import torch
 
 from aici_cli.core.errors import ModelError
-from aici_cli.models.gguf_quantized import write_blocks
+from aici_cli.models.entry_record import DENSE_FILE
+from aici_cli.models.gguf_matrices import STORED_DTYPE, GgufMatrices
 from aici_cli.models.one_line import one_line
 from aici_cli.models.progress import LoadProgress, current_progress
 
 # Fewest bytes a GGUF file spends per weight: its smallest quantisations (IQ1_S) take
 # about 1.56 bits. A config promising more weights than that fits in the file is wrong.
 _MIN_GGUF_BYTES_PER_WEIGHT = 0.19
-
-# The dtype of a conversion's dense copy.
-STORED_DTYPE = torch.bfloat16
 
 
 def gguf_problem(gguf: Path) -> str | None:
@@ -56,64 +57,142 @@ def gguf_problem(gguf: Path) -> str | None:
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise `gguf` into a bfloat16 safetensors model plus tokenizer in `out_dir`,
-    and keep its 4- and 8-bit matrices as they are beside it (`gguf_quantized`).
+    """Convert `gguf` into `out_dir`: its config and tokenizer, and the tensors no run
+    quantises, with where the GGUF holds each matrix (`gguf_tensors`). No matrix is
+    dequantised here where the default mode quantises (a run builds what its mode reads
+    on first use: `packed_weights`, `conversion_cache.ensure_dense`); a GGUF without 4-
+    or 8-bit blocks, which the default mode runs unquantised, gets its dense copy here.
 
-    `from_pretrained(gguf_file=...)` would need `accelerate`, which is not a dependency,
-    so the model is built from the GGUF's config and filled with transformers' own
-    dequantised tensors. Stored in bfloat16, the dtype runs compute in (CUDA, CPUs with
-    native bf16): half the disk, load memory and load time of float32 (269 MB against
-    538 MB for the default model). A float32 run widens them exactly.
+    The config and tokenizer are transformers' own conversion of the file's metadata,
+    each GGUF parsed once for all of them (`shared_reads`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    folder, file = str(gguf.parent), gguf.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
-    _check_gguf_config(gguf, config)
-    # Only now: a file refused above gets its one-line error without this notice.
-    progress = current_progress()
-    progress.note(f"converting {gguf.name} to safetensors in {out_dir.parent} (once)")
-    model = AutoModelForCausalLM.from_config(config, dtype=STORED_DTYPE)
-    with _tensor_steps(progress, f"converting {gguf.name}"):
-        parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model,
-                                      torch_dtype=STORED_DTYPE)
-    result = model.load_state_dict(parsed["tensors"], strict=False)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-        missing = [k for k in result.missing_keys if k != "lm_head.weight"]
-    else:
-        missing = list(result.missing_keys)
-    if missing:
-        raise ModelError(f"cannot convert {gguf}: GGUF lacks tensors {missing[:3]}")
-    model.save_pretrained(out_dir)
-    _realign(out_dir / "model.safetensors")
-    write_blocks(gguf, model, parsed["tensors"], out_dir)
-    del parsed
+    from aici_cli.models.gguf_tensors import write_base
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file, local_files_only=True)
-    if not tokenizer.chat_template:
-        template = _gguf_string_field(gguf, "tokenizer.chat_template")
-        if template:
-            tokenizer.chat_template = template
+    folder, file = str(gguf.parent), gguf.name
+    with shared_reads():
+        config = AutoConfig.from_pretrained(folder, gguf_file=file, local_files_only=True)
+        model = _on_meta(config)
+        _check_gguf_config(gguf, model)
+        # Only now: a file refused above gets its one-line error without this notice.
+        progress = current_progress()
+        progress.note(f"converting {gguf.name} to safetensors in {out_dir.parent} (once)")
+        _save_config(model, out_dir)
+        parsed_config = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+        write_base(gguf, model, parsed_config, out_dir, progress)
+        if not GgufMatrices(out_dir).block_kinds():
+            # No 4- or 8-bit blocks: the default mode runs it unquantised (`resolve_mode`).
+            write_dense(gguf, out_dir / DENSE_FILE)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file,
+                                                  local_files_only=True)
+        if not tokenizer.chat_template:
+            template = _gguf_string_field(gguf, "tokenizer.chat_template")
+            if template:
+                tokenizer.chat_template = template
     tokenizer.save_pretrained(out_dir)
 
 
-def _realign(file: Path) -> None:
-    """Rewrite transformers' safetensors file with every tensor at a 64-byte boundary
-    (`aligned`), so that a run maps its weights with no copy; ~0.3 s once per conversion."""
-    from safetensors import safe_open
+def write_dense(gguf: Path, file: Path) -> None:
+    """Write `file`: every weight of `gguf` in bfloat16, as transformers' loader
+    dequantises it (what conversions stored before matrices stayed in the GGUF: a
+    float32 run computes on exactly these values). For runs that quantise nothing;
+    written beside `file` and renamed into place."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from aici_cli.models.aligned import save_aligned
 
-    # The tensors read are views of the file's map: written beside it, then renamed over.
-    aligned_file = file.with_name(f".{file.name}.aligned")
-    with safe_open(str(file), framework="pt") as f:
-        metadata = f.metadata()
-        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-        save_aligned(tensors, aligned_file, metadata)
-    del tensors
-    os.replace(aligned_file, file)
+    folder, name = str(gguf.parent), gguf.name
+    with shared_reads():
+        config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        model = _on_meta(config)
+        with _tensor_steps(current_progress(), f"converting {gguf.name}"):
+            parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model,
+                                          torch_dtype=STORED_DTYPE)
+    state = set(model.state_dict())
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tensors = {k: v for k, v in parsed["tensors"].items() if k in state
+               and not (tied and k == "lm_head.weight")}  # as save_pretrained drops it
+    missing = sorted(state - set(tensors) - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise ModelError(f"cannot convert {gguf}: GGUF lacks tensors {missing[:3]}")
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        save_aligned(tensors, tmp, {"format": "pt"})
+        os.replace(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _on_meta(config: Any) -> Any:
+    """The model of `config` on the meta device (its names and module types, no memory),
+    in the dtype a conversion stores."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=STORED_DTYPE)
+
+
+def _save_config(model: Any, out_dir: Path) -> None:
+    """config.json and generation_config.json, as `save_pretrained` writes them (its
+    weights aside)."""
+    model.config.dtype = str(STORED_DTYPE).removeprefix("torch.")
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out_dir)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def shared_reads() -> Iterator[None]:
+    """Within: each GGUF file is parsed once, and each of gguf's tensor-name maps built
+    once, for transformers' config, tokenizer and tensor mapping and this package's
+    reads.
+
+    transformers' config and its tokenizer each parse the whole file (~3.6 s for the
+    default model, most of it its vocabulary), and its tensor mapping builds the same
+    name map once per module of the model (~10 s): memoised here by replacing, for the
+    length of the block, the names it imports when called. Where a later transformers
+    imports them otherwise, nothing is shared and the conversion is only slower.
+    Re-entrant."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    if getattr(gguf.GGUFReader, "aici_shared", False):
+        yield
+        return
+    originals = (gguf.GGUFReader, gguf.get_tensor_name_map, gguf_utils.load_gguf_checkpoint)
+    reader_class: Any = originals[0]
+    name_map, load = originals[1], originals[2]
+    readers: dict[tuple[str, str], Any] = {}
+    metadata: dict[str, Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    def checkpoint(path: Any, return_tensors: bool = False, model_to_load: Any = None,
+                   torch_dtype: Any = None) -> Any:
+        if return_tensors:
+            return load(path, return_tensors, model_to_load, torch_dtype)
+        key = str(Path(path).resolve())
+        if key not in metadata:
+            metadata[key] = load(path, False)
+        return copy.deepcopy(metadata[key])  # callers edit what they get
+
+    reader.aici_shared = True  # type: ignore[attr-defined]
+    gguf.GGUFReader = reader  # type: ignore[assignment,misc]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    gguf_utils.load_gguf_checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader_class  # type: ignore[misc]
+        gguf.get_tensor_name_map, gguf_utils.load_gguf_checkpoint = name_map, load
 
 
 @contextlib.contextmanager
@@ -141,18 +220,15 @@ def _tensor_steps(progress: LoadProgress, description: str) -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
-def _check_gguf_config(gguf: Path, config: Any) -> None:
-    """Refuse a config that promises more weights than the file can hold.
+def _check_gguf_config(gguf: Path, model: Any) -> None:
+    """Refuse a config that promises more weights than the file can hold; `model`: built
+    from it on the meta device.
 
     A GGUF whose metadata lack the model's dimensions gets transformers' defaults for its
     architecture (7B parameters for llama): building that model would take ~28 GB before
     any tensor is read. Counting on the meta device allocates nothing.
     """
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(config)
-    weights = sum(p.numel() for p in shell.parameters())
+    weights = sum(p.numel() for p in model.parameters())
     size = gguf.stat().st_size
     if weights * _MIN_GGUF_BYTES_PER_WEIGHT > size:
         raise ModelError(

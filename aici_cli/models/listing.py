@@ -22,8 +22,8 @@ def available_models() -> dict[str, Any]:
     Nothing is converted, assembled or downloaded: short names report whether their
     package is installed and whether a converted copy is cached; then the conversion
     cache's entries (each with its size, the short name it serves, if any, what it was
-    converted from, and why nothing uses it where nothing does: `--prune` removes those)
-    and the hub cache's model repos.
+    converted from, why nothing uses it where nothing does, and the files of modes other
+    than the default in it: `--prune` removes those) and the hub cache's model repos.
     """
     names = []
     used_by: dict[str, str] = {}  # conversion cache entry -> the short name it serves
@@ -48,7 +48,9 @@ def available_models() -> dict[str, Any]:
         })
     converted = [{"name": e.path.name, "path": str(e.path), "size_bytes": e.size_bytes,
                   "short_name": used_by.get(e.path.name), "origin": e.origin,
-                  "files": e.files, "unused": e.unused}
+                  "files": e.files, "unused": e.unused,
+                  "other_modes": [{"name": f.path.name, "size_bytes": f.size_bytes,
+                                   "unused": f.unused} for f in e.extra]}
                  for e in cache_entries() if not e.path.name.startswith(".")]
     return {
         "default": DEFAULT_MODEL,

@@ -17,8 +17,10 @@ import torch
 from aici_cli.core.errors import ModelError
 from aici_cli.models.aligned import align_model
 from aici_cli.models.chat import MODEL_NAME_ATTR
-from aici_cli.models.conversion_cache import cache_hint
+from aici_cli.models.conversion_cache import cache_hint, ensure_dense
 from aici_cli.models.device import DTYPES, pick_device, pick_dtype
+from aici_cli.models.entry_files import is_mode_file, note_default_files
+from aici_cli.models.entry_record import BASE_FILE, DENSE_FILE
 from aici_cli.models.files import (
     missing_tensors_problem,
     model_files_problem,
@@ -28,6 +30,7 @@ from aici_cli.models.hub_tokenizer import read_hub_tokenizer
 from aici_cli.models.kernel_probe import KernelChoice, choose_kernels
 from aici_cli.models.llama import unsupported
 from aici_cli.models.one_line import one_line
+from aici_cli.models.packed_weights import packed_file
 from aici_cli.models.progress import current_progress
 from aici_cli.models.quantize import resolve_mode
 from aici_cli.models.quiet import quiet_transformers
@@ -79,8 +82,12 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     mode = resolve_mode(quantize, path, torch_dtype)
     kernels = _probed(path, torch_device, dtype, quantize, torch_dtype, mode)
     torch_dtype, mode = DTYPES[kernels.dtype], kernels.quantize
+    if mode == "none":
+        ensure_dense(path)  # a conversion's unquantised copy, made on its first such run
     own = implementation != "transformers" and _own_llama(path)
     model = _load_weights(path, torch_dtype, mode, torch_device, own)
+    if device == dtype == quantize == implementation == "auto":
+        _note_default_files(path, mode, torch_device)
     hub = implementation != "transformers" and tokenizer != "transformers"
     tok = _load_tokenizer(path, model.config if own else None, hub)
     model.eval()
@@ -125,11 +132,19 @@ def _probed(path: Path, device: torch.device, dtype_spec: str, quantize_spec: st
     return choice
 
 
+def _note_default_files(path: Path, mode: str, device: torch.device) -> None:
+    """Note, in a conversion-cache entry, the mode files a run with every choice at auto
+    reads (`entry_files`: prune keeps them); nothing for a model directory."""
+    file = path / DENSE_FILE if mode == "none" else packed_file(path, mode, device)
+    names = [file.name] if file is not None and is_mode_file(path, file.name) else []
+    note_default_files(path, names)
+
+
 def _own_llama(path: Path) -> bool:
-    """Whether the model at `path` is built as `models/llama.py`: one safetensors file and
-    a config.json of that architecture (anything else, unreadable files included, goes
-    through transformers, whose errors `files` rewords)."""
-    if not (path / "model.safetensors").is_file():
+    """Whether the model at `path` is built as `models/llama.py`: one safetensors file (or
+    a conversion's) and a config.json of that architecture (anything else, unreadable
+    files included, goes through transformers, whose errors `files` rewords)."""
+    if not (path / DENSE_FILE).is_file() and not (path / BASE_FILE).is_file():
         return False
     try:
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))

@@ -23,7 +23,10 @@ from typing import Any
 import torch
 
 from aici_cli.core.errors import ModelError
+from aici_cli.models.block_embedding import BlockEmbedding
+from aici_cli.models.entry_record import BASE_FILE, DENSE_FILE
 from aici_cli.models.files import missing_tensors_problem
+from aici_cli.models.gguf_matrices import GgufMatrices
 from aici_cli.models.llama import LlamaShape, RotaryEmbedding, build_on_meta
 from aici_cli.models.quantize import module_name, quantize_model, set_module
 from aici_cli.models.transformers_build import attention_implementation, fill_buffers, meta_buffers
@@ -70,8 +73,11 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
     """The model at `path` with its linear layers in `mode` (none, int8 or int4), the
     rest in `dtype` on `device`; `own`: built as `models/llama.py`'s model (the caller has
     checked `llama.unsupported`). A tensor the files lack is an error, as in
-    `load._load_weights`."""
-    weights = path / "model.safetensors"
+    `load._load_weights`. Quantised, a conversion's matrices come from its GGUF (or the
+    layers kept from it) and its other tensors from `BASE_FILE`; unquantised, and for a
+    model directory, every tensor from model.safetensors."""
+    matrices = GgufMatrices.of(path) if mode != "none" else None
+    weights = path / (BASE_FILE if matrices is not None else DENSE_FILE)
     if not weights.is_file():
         raise ModelError(f"cannot quantize the model at {path}: it has no single "
                          "model.safetensors file (sharded or .bin weights: use --quantize none)")
@@ -82,22 +88,29 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
         return _to(dense.tensor(name), dtype, device)
 
     # Quantised, the linears need their real shapes only: their dense weights stay the map
-    # (the quantizer reads them a slice at a time). Unquantised, every tensor in `dtype`.
-    linears = [(n, m) for n, m in model.named_modules() if mode != "none"
-               and isinstance(m, torch.nn.Linear) and f"{n}.weight" in dense.entries]
-    for name, module in linears:
-        module.weight = torch.nn.Parameter(dense.tensor(f"{name}.weight"), requires_grad=False)
-        if module.bias is not None:
+    # (the quantizer reads them a slice at a time), or the GGUF's. Unquantised, every
+    # tensor in `dtype`.
+    for name, module in _linears(model) if mode != "none" else []:
+        if f"{name}.weight" in dense.entries:
+            module.weight = torch.nn.Parameter(dense.tensor(f"{name}.weight"),
+                                               requires_grad=False)
+        if module.bias is not None and f"{name}.bias" in dense.entries:
             module.bias = torch.nn.Parameter(dense_weight(f"{name}.bias"), requires_grad=False)
-    narrow = _narrow_embedding(model, dense, dtype, device) if mode != "none" else None
+    blocks = _embedding_blocks(model, dense) if matrices is not None else None
+    narrow = _narrow_embedding(model, dense, dtype, device) \
+        if mode != "none" and blocks is None else None
     _assign_rest(model, dense, dtype, device, keep=narrow)
     # Buffers the file lacks are computed as transformers computes them (before the
     # linears are quantised: its init must see the modules it knows).
     unfilled = [] if own else fill_buffers(model, meta_buffers(model), device)
     # Before quantising: a weight the file lacks would fail there with torch's words.
-    _refuse_missing(path, [n for n, t in model.named_parameters() if t.is_meta] + unfilled)
-    quantize_model(model, mode, path, dtype, device)
-    if narrow is not None:
+    _refuse_missing(path, [n for n, t in model.named_parameters() if t.is_meta
+                           and not _from_gguf(model, n, matrices, blocks)] + unfilled)
+    quantize_model(model, mode, path, dtype, device, matrices)
+    if blocks is not None:
+        set_module(model, blocks.removesuffix(".weight"),
+                   _block_embedding(dense, blocks, dtype, device))
+    elif narrow is not None:
         _widen_on_lookup(model, narrow, dtype)
     if own:
         _rebuild_rotary(model, device)
@@ -105,6 +118,52 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
                            if t.is_meta])
     model.generation_config = _generation_config(model, path, own)
     return model
+
+
+def _linears(model: Any) -> list[tuple[str, torch.nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _from_gguf(model: Any, name: str, matrices: GgufMatrices | None,
+               blocks: str | None) -> bool:
+    """Whether the parameter `name`, absent from the dense file, comes from the GGUF: a
+    linear layer's matrix (the tied output projection's is the embedding's), or the
+    embedding kept as `blocks`."""
+    if matrices is None:
+        return False
+    if name == blocks:
+        return True
+    linear = {f"{n}.weight": m for n, m in _linears(model)}.get(name)
+    if linear is None:
+        return False
+    if name in matrices:
+        return True
+    embed = module_name(model, model.get_input_embeddings())
+    tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+    return bool(tied) and linear is model.get_output_embeddings() \
+        and f"{embed}.weight" in matrices
+
+
+def _embedding_blocks(model: Any, dense: MappedSafetensors) -> str | None:
+    """The input embedding's weight name where the conversion kept it as the GGUF's
+    blocks (`gguf_tensors`) and the model looks it up plainly."""
+    embed = model.get_input_embeddings()
+    name = module_name(model, embed)
+    if name is None or type(embed) is not torch.nn.Embedding or embed.max_norm is not None:
+        return None
+    weight = f"{name}.weight"
+    stored = any(f"{weight}:{kind}" in dense.entries for kind in ("q8", "q4"))
+    return weight if stored and weight not in dense.entries else None
+
+
+def _block_embedding(dense: MappedSafetensors, weight: str, dtype: torch.dtype,
+                     device: torch.device) -> BlockEmbedding:
+    """The embedding over its blocks, mapped from the file (a lookup pages in the rows
+    it reads)."""
+    kind = "q8" if f"{weight}:q8" in dense.entries else "q4"
+    m = dense.tensor(f"{weight}:q4_m").to(device) if kind == "q4" else None
+    return BlockEmbedding(dense.tensor(f"{weight}:{kind}").to(device),
+                          dense.tensor(f"{weight}:{kind}_d").to(device), m, dtype)
 
 
 def _refuse_missing(path: Path, names: list[str]) -> None:

@@ -12,7 +12,12 @@ hand-written kernel:
 
 In both modes the output projection (`lm_head`, the largest matrix: 49,152 x 576 in the
 default model) is int8: the GGUF keeps it in 8 bits too (Q8_0), and 4 bits there cost
-more quality than anywhere else. Embeddings stay dense (a lookup reads a few rows).
+more quality than anywhere else. Embeddings are not quantised (a lookup reads a few rows):
+a GGUF's stays in its own blocks, its rows widened as read (`block_embedding`).
+
+A conversion's matrices are built from its GGUF (`gguf_matrices`) on a mode's first run
+and kept in the kernels' layout (`packed_weights`); a model directory's are quantised
+from its dense weights at each load.
 
 torchao was measured as the alternative: 0.18.0 takes 6.6 s to import here (against the
 run's whole start-up budget of 1.5 s) and its CPU int4 layout refuses torch 2.13.
@@ -24,19 +29,23 @@ bf16 10.7 ms, int8 4.0 ms, int4 2.2 ms (see docs/speed.md).
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from aici_cli.core.errors import ModelError
 from aici_cli.models import gguf_blocks
 from aici_cli.models.aligned import aligned
-from aici_cli.models.packed_weights import BUFFERS, packed_file, read_packed, write_packed
+from aici_cli.models.gguf_matrices import GgufMatrices
+from aici_cli.models.packed_weights import (
+    KEPT,
+    pack_int4_cpu,
+    packed_file,
+    read_packed,
+    write_packed,
+)
 
 GROUP = gguf_blocks.BLOCK  # int4 group size: one GGUF block
 MODES = ("none", "int8", "int4")
@@ -58,18 +67,10 @@ class Int4Linear(torch.nn.Module):
         super().__init__()
         n, k = codes.shape
         self.in_features, self.out_features = k, n
-        device = codes.device
-        # weight = q d + m = (q - 8) d + (m + 8 d): the kernels' zero is m + 8 d.
-        zero = m.float() + 8 * d.float()
-        scale_zero = torch.stack([d.float().t(), zero.t()], dim=-1).to(dtype).contiguous()
-        self.register_buffer("scale_zero", scale_zero)
-        if device.type == "cuda":
+        if codes.device.type == "cuda":
             self.inner_k_tiles = _cuda_inner_k_tiles(k)
-            pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, self.inner_k_tiles)
-        else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
-        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero(d, m, dtype))
+        self.register_buffer("packed", pack_int4(codes))
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -90,6 +91,13 @@ class Int4Linear(torch.nn.Module):
         layer.register_buffer("bias", bias)
         return layer
 
+    @classmethod
+    def from_parts(cls, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                   bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        """A layer over codes already in the kernel's layout (`pack_int4`) and the scales
+        they were packed with (kept: `packed_weights`)."""
+        return cls.from_buffers(packed, scale_zero(d, m, dtype), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
@@ -101,6 +109,23 @@ class Int4Linear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+
+def scale_zero(d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' [K/32, N, 2] scales and zeros in `dtype` for weight = q d + m, [N, K/32]
+    each: weight = (q - 8) d + (m + 8 d), so the kernels' zero is m + 8 d."""
+    zero = m.float() + 8 * d.float()
+    return torch.stack([d.float().t(), zero.t()], dim=-1).to(dtype).contiguous()
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes in 0..15 (any integer dtype) in the int4 kernel's layout for their
+    device (`packed_weights` says what it depends on)."""
+    if codes.device.type == "cuda":
+        pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(
+            pairs, _cuda_inner_k_tiles(codes.shape[1]))
+    return pack_int4_cpu(codes)
 
 
 class Int8Linear(torch.nn.Module):
@@ -159,18 +184,10 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def available_blocks(path: Path) -> set[str]:
-    """The block formats a converted GGUF keeps beside its bf16 copy ({"q4", "q8"} or a
-    part of it; empty for a model that came as float weights)."""
-    from aici_cli.models.gguf_quantized import QUANTIZED_FILE
-
-    file = path / QUANTIZED_FILE
-    if not file.is_file():
-        return set()
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="pt") as f:
-        keys = list(f.keys())  # safe_open is not iterable
-    return {key.rsplit(":", 1)[1] for key in keys if key.endswith((":q4", ":q8"))}
+    """The block formats of the GGUF matrices a conversion reads ({"q4", "q8"} or a part
+    of it; empty for a model that came as float weights)."""
+    matrices = GgufMatrices.of(path)
+    return matrices.block_kinds() if matrices is not None else set()
 
 
 def resolve_mode(spec: str, path: Path, dtype: torch.dtype) -> str:
@@ -189,21 +206,19 @@ def resolve_mode(spec: str, path: Path, dtype: torch.dtype) -> str:
 
 
 def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
-                   device: torch.device | None = None) -> int:
+                   device: torch.device | None = None,
+                   source: GgufMatrices | None = None) -> int:
     """Replace the linear layers of `model` in place, onto `device` (default: where each
-    one is): the decoder layers' in `mode`, the output projection in int8. Matrices the
-    conversion kept as GGUF blocks load from them; the others are quantised from their
-    dense weights. A conversion-cache entry keeps the layers in their kernels' layout
-    (`packed_weights`): a later run reads them instead. Returns the number of layers
-    replaced."""
+    one is): the decoder layers' in `mode`, the output projection in int8. A matrix
+    `source` holds (a conversion's GGUF) is built from there; the others are quantised
+    from their dense weights. A conversion-cache entry keeps the layers in their kernels'
+    layout (`packed_weights`): a later run reads them instead. Returns the number of
+    layers replaced."""
     if mode == "none":
         return 0
-    from aici_cli.models.gguf_quantized import QUANTIZED_FILE
-
-    blocks = _BlockFile(path / QUANTIZED_FILE)
-    keep = packed_file(path, mode, dtype, device) if device is not None else None
+    keep = packed_file(path, mode, device) if device is not None else None
     kept = read_packed(keep, device) if keep is not None and device is not None else {}
-    buffers: dict[str, torch.Tensor] = {}
+    to_keep: dict[str, torch.Tensor] = {}
     computed = 0
     output = model.get_output_embeddings()
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
@@ -214,63 +229,72 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
             continue
         weight_name = f"{name}.weight"
         if module is output and tied and embed_name is not None:
-            weight_name = f"{embed_name}.weight"  # the tied projection's blocks are there
-        bias = module.bias.detach() if module.bias is not None else None
+            weight_name = f"{embed_name}.weight"  # the tied projection's matrix is there
         kind = "int8" if module is output or module.in_features % GROUP else mode
         at = device if device is not None else module.weight.device
-        if bias is not None:
-            bias = bias.to(at)
-        new = _from_kept(kept, name, kind, module, bias, dtype)
-        if new is None:
+        parts = _kept_parts(kept, name, kind, module)
+        if parts is None:
             computed += 1
-            new = (_int4(module, blocks, weight_name, bias, dtype, at) if kind == "int4"
-                   else _int8(module, blocks, weight_name, bias, dtype, at))
-        buffers |= {f"{name}.{b}": getattr(new, b) for b in BUFFERS[kind]}
+            from_gguf = source if source is not None and weight_name in source else None
+            parts = _int4_parts(module, from_gguf, weight_name, at) if kind == "int4" \
+                else _int8_parts(module, from_gguf, weight_name, at)
+        to_keep |= {f"{name}.{k}": v for k, v in parts.items()}
+        bias = module.bias.detach().to(at) if module.bias is not None else None
+        new: torch.nn.Module = (
+            Int4Linear.from_parts(parts["packed"], parts["d"], parts["m"], bias, dtype)
+            if kind == "int4" else Int8Linear(parts["codes"], parts["scale"], bias, dtype))
         set_module(model, name, new)
         replaced += 1
     if keep is not None and computed:
-        write_packed(keep, buffers)
+        write_packed(keep, to_keep)
     return replaced
 
 
-def _from_kept(kept: dict[str, torch.Tensor], name: str, kind: str, module: torch.nn.Linear,
-               bias: torch.Tensor | None, dtype: torch.dtype) -> torch.nn.Module | None:
-    """The layer `name` from the buffers `packed_weights` kept, or None where they are
-    missing or do not fit its shape and dtype."""
-    n, k = module.out_features, module.in_features
-    if kind == "int4":
-        packed, sz = kept.get(f"{name}.packed"), kept.get(f"{name}.scale_zero")
-        if packed is None or sz is None or sz.shape != (k // GROUP, n, 2) or sz.dtype != dtype \
-                or packed.numel() * packed.element_size() * 2 != n * k:  # 4 bits a weight
-            return None
-        return Int4Linear.from_buffers(packed, sz, bias)
-    codes, scale = kept.get(f"{name}.codes"), kept.get(f"{name}.scale")
-    if codes is None or scale is None or codes.shape != (n, k) or codes.dtype != torch.int8 \
-            or scale.shape != (n,) or scale.dtype != dtype:
+def _kept_parts(kept: dict[str, torch.Tensor], name: str, kind: str,
+                module: torch.nn.Linear) -> dict[str, torch.Tensor] | None:
+    """The layer `name`'s kept tensors (`packed_weights.KEPT`), or None where they are
+    missing or do not fit its shape."""
+    parts = {k: kept.get(f"{name}.{k}") for k in KEPT[kind]}
+    if any(v is None for v in parts.values()):
         return None
-    return Int8Linear.from_buffers(codes, scale, bias)
+    found: dict[str, torch.Tensor] = {k: v for k, v in parts.items() if v is not None}
+    n, k = module.out_features, module.in_features
+    floats = (torch.float16, torch.float32)
+    if kind == "int4":
+        packed, d, m = found["packed"], found["d"], found["m"]
+        fits = packed.numel() * packed.element_size() * 2 == n * k \
+            and d.shape == m.shape == (n, k // GROUP) and d.dtype in floats \
+            and m.dtype in floats  # 4 bits a weight
+    else:
+        codes, scale = found["codes"], found["scale"]
+        fits = codes.shape == (n, k) and codes.dtype == torch.int8 \
+            and scale.shape == (n,) and scale.dtype == torch.float32
+    return found if fits else None
 
 
-def _int4(module: torch.nn.Linear, blocks: _BlockFile, name: str,
-          bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Int4Linear:
-    q4 = blocks.int4(name)
+def _int4_parts(module: torch.nn.Linear, source: GgufMatrices | None, name: str,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """An int4 layer's kept tensors: the GGUF's 4-bit codes and scales as they are, else
+    the matrix's dense values (the GGUF's rounded to bfloat16, as a dense copy holds
+    them) quantised here."""
+    q4 = source.int4(name) if source is not None else None
     if q4 is not None:
-        codes_np, d_np, m_np = q4
-        unpacked = torch.from_numpy(gguf_blocks.unpack_codes(codes_np).astype(np.int32))
-        return Int4Linear(unpacked.to(device), torch.from_numpy(d_np).to(device),
-                          torch.from_numpy(m_np).to(device), bias, dtype)
-    codes, d, m = quantize_int4(module.weight.detach().to(device))
-    return Int4Linear(codes, d, m, bias, dtype)
+        codes, d, m = (t.to(device) for t in q4)
+    else:
+        dense = source.dense(name) if source is not None else module.weight.detach()
+        codes, d, m = quantize_int4(dense.to(device))
+    return {"packed": pack_int4(codes), "d": d, "m": m}
 
 
-def _int8(module: torch.nn.Linear, blocks: _BlockFile, name: str,
-          bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> Int8Linear:
+def _int8_parts(module: torch.nn.Linear, source: GgufMatrices | None, name: str,
+                device: torch.device) -> dict[str, torch.Tensor]:
     # The GGUF's 8-bit blocks have one scale per 32 inputs, the kernel one per channel:
     # requantised from the exact block values (their bf16 copy would round them first),
     # a slice of rows at a time so the float copy never exists whole (113 MB for the
     # default model's output projection).
-    rows = blocks.row_source(name)
-    if rows is None:
+    if source is not None:
+        rows = source.row_source(name)
+    else:
         weight = module.weight.detach()
 
         def rows(lo: int, hi: int) -> torch.Tensor:
@@ -282,73 +306,11 @@ def _int8(module: torch.nn.Linear, blocks: _BlockFile, name: str,
     for lo in range(0, n, _ROWS_AT_ONCE):
         hi = min(n, lo + _ROWS_AT_ONCE)
         codes[lo:hi], scale[lo:hi] = quantize_int8(rows(lo, hi).cpu())
-    return Int8Linear(codes.to(device), scale.to(device), bias, dtype)
+    return {"codes": codes.to(device), "scale": scale.to(device)}
 
 
 # Rows requantised at once: bounds the float copies to a few MB.
 _ROWS_AT_ONCE = 2048
-
-
-class _BlockFile:
-    """The conversion's GGUF blocks (`gguf_quantized`), read lazily by parameter name.
-
-    Read with plain reads, one tensor at a time, rather than through a memory map: the
-    mapped pages of the whole 97 MB file would count in the process's peak RSS."""
-
-    _NP = {"U8": np.uint8, "I8": np.int8, "F16": np.float16, "F32": np.float32}
-
-    def __init__(self, file: Path) -> None:
-        self._entries: dict[str, Any] = {}
-        self._file = file
-        if file.is_file():
-            with file.open("rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-            header.pop("__metadata__", None)
-            self._entries, self._start = header, 8 + length
-
-    def _get(self, key: str) -> np.ndarray | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        lo, hi = entry["data_offsets"]
-        with self._file.open("rb") as f:
-            f.seek(self._start + lo)
-            data = bytearray(hi - lo)  # writable: torch.from_numpy warns on read-only
-            f.readinto(data)
-        return np.frombuffer(data, dtype=self._NP[entry["dtype"]]).reshape(entry["shape"])
-
-    def int4(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        codes = self._get(f"{name}:q4")
-        if codes is None:
-            return None
-        d, m = self._get(f"{name}:q4_d"), self._get(f"{name}:q4_m")
-        assert d is not None and m is not None
-        return codes, d, m
-
-    def row_source(self, name: str) -> Any:
-        """A function (lo, hi) -> rows lo..hi-1 as [hi - lo, K] float32 from the name's
-        4- or 8-bit blocks, or None when it has none."""
-        q8 = self._get(f"{name}:q8")
-        if q8 is not None:
-            codes8, d8 = torch.from_numpy(q8), self._get(f"{name}:q8_d")
-            assert d8 is not None
-            scale8 = torch.from_numpy(d8)
-
-            def rows8(lo: int, hi: int) -> torch.Tensor:
-                d = scale8[lo:hi].float().repeat_interleave(GROUP, dim=1)
-                return codes8[lo:hi].float() * d
-            return rows8
-        q4 = self.int4(name)
-        if q4 is not None:
-            blocks = gguf_blocks.Int4Blocks(*q4)
-
-            def rows4(lo: int, hi: int) -> torch.Tensor:
-                part = gguf_blocks.Int4Blocks(blocks.codes[lo:hi], blocks.d[lo:hi],
-                                              blocks.m[lo:hi])
-                return torch.from_numpy(gguf_blocks.dequantize(part))
-            return rows4
-        return None
 
 
 def _cuda_inner_k_tiles(k: int) -> int:
