@@ -8,7 +8,10 @@ Within a step (times in `StepClock` marks, from the plan's start):
   1. the masks are filled in a worker thread, beside the forward pass: they depend only on
      tokens already known (llguidance and torch release the GIL); this is the one call
      into controllers, through `masks.MaskSource`;
-  2. one packed forward pass over the plan's span (passes.py);
+  2. one packed forward pass over the plan's span (passes.py); where every sampling row is
+     masked (and greedy, or the kernel exact), it stops at the final hidden states, and
+     rows whose masks allow few tokens are projected at those alone (the masked finish,
+     `logits/masked_finish.py`);
   3. the penalties, `logit_bias` and `min_tokens` hold of rows that set them, then the
      masks, in place (`logits/logit_rules.py`, `masks.py`);
   4. one token for every row that samples (not scored, closing, failed or deferred).
@@ -16,6 +19,7 @@ Within a step (times in `StepClock` marks, from the plan's start):
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +31,7 @@ from aici_cli.engine.clock import Now, StepClock
 from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.passes import ModelPass, PassOutput
 from aici_cli.engine.logits.logit_rules import LogitRules, draft_picks, rules_before_masks
+from aici_cli.engine.logits.masked_finish import MaskedFinish
 from aici_cli.engine.logits.masks import MaskVerdict, TokenMasks, apply_masks
 from aici_cli.engine.logits.sampling import Draw, log_softmax, sample
 from aici_cli.engine.plan import StepOutput, StepPlan
@@ -40,6 +45,8 @@ class ModelRunner:
         self.model_pass = ModelPass(lm, cache, config.deterministic, config.compile)
         self.masks = TokenMasks(config.batch_size, lm.vocab_size)
         self.masked_logprobs = config.logprobs_mode == "masked"
+        self.finish = MaskedFinish.for_model(lm.model, lm.vocab_size, torch.device(lm.device),
+                                             config.deterministic)
         self.now = now
         self.pool: ThreadPoolExecutor | None = None  # the mask worker, for one run
 
@@ -69,11 +76,16 @@ class ModelRunner:
         drafts = [list(d) for d in plan.drafts]  # a pass out of memory drops them
         masks = self.pool.submit(self.masks.fill, plan.span, plan.masks)  # beside the pass
         clock.mark("forward")
-        passed = self.model_pass.run(plan.first_row, plan.lengths, plan.chunks, drafts,
-                                     plan.offsets, plan.steps_ahead, plan.rows_bound)
+        hidden = self.finish is not None and self.finish.may_use(
+            plan.draws, plan.masks, plan.rules, plan.logprobs, plan.offsets, drafts)
+        step = (plan.first_row, plan.lengths, plan.chunks, drafts, plan.offsets,
+                plan.steps_ahead, plan.rows_bound)
+        passed = (self.model_pass.run(*step, project=False) if hidden
+                  else self.model_pass.run(*step))
         clock.mark("forwarded")
         verdict = _verdict(masks.result(), passed.out_of_memory)
         clock.mark("masks_ready")
+        passed = self._project(passed, verdict, plan.draws)  # counts in mask_ms
         logits = passed.next_token_logits(b)
         raw_logprobs = self._next_logprobs(logits, plan.logprobs, masked=False)
         logits = rules_before_masks(logits, plan.rules, plan.outputs,
@@ -92,6 +104,17 @@ class ModelRunner:
         return StepOutput(passed, clock, times, verdict.failed, verdict.deferred,
                           list(zip(real, picked)), next_logprobs, drafts, predicted,
                           self.model_pass.fits)
+
+    def _project(self, passed: PassOutput, verdict: MaskVerdict,
+                 draws: Sequence[Draw | None]) -> PassOutput:
+        """A pass that stopped at hidden states, projected now the masks are known: at the
+        allowed ids of the rows that sample, or whole (`MaskedFinish.project`)."""
+        if not passed.hidden or self.finish is None:
+            return passed
+        rows = [k for k, d in enumerate(draws) if d is not None
+                and k not in verdict.deferred and k not in verdict.failed]
+        logits = self.finish.project(passed.every, verdict.disallowed, rows)
+        return dataclasses.replace(passed, every=logits, hidden=False)
 
     def _next_logprobs(self, logits: torch.Tensor, rows: Collection[int],
                        masked: bool) -> dict[int, torch.Tensor]:

@@ -234,7 +234,10 @@ class LlamaBody(nn.Module):
 
 @dataclass
 class CausalOutput:
-    logits: torch.Tensor  # [B, kept positions, vocab]
+    # [B, kept positions, vocab]; with `project=False`, the final (normed) hidden states
+    # of those positions instead, [B, kept, hidden] (the engine's masked finish projects
+    # them itself: engine/logits/masked_finish.py).
+    logits: torch.Tensor
 
 
 class LlamaCausalLM(nn.Module):
@@ -266,10 +269,12 @@ class LlamaCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: Any = None, cache: Any = None, use_cache: bool = False,
-                logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> CausalOutput:
+                logits_to_keep: int | torch.Tensor = 0, project: bool = True,
+                **kwargs: Any) -> CausalOutput:
         """input_ids: [B, T]; position_ids default 0..T-1. `cache` (the engine's row cache)
         takes each layer's keys and values; without it attention is causal over the
-        input alone. `logits_to_keep`: the last n positions (0: all), or their indices."""
+        input alone. `logits_to_keep`: the last n positions (0: all), or their indices.
+        `project` False: the kept positions' final hidden states, not their logits."""
         body = self.model
         hidden = body.embed_tokens(input_ids)
         if position_ids is None:
@@ -280,7 +285,8 @@ class LlamaCausalLM(nn.Module):
         hidden = body.norm(hidden)
         keep = (slice(-logits_to_keep, None) if isinstance(logits_to_keep, int)
                 else logits_to_keep)
-        return CausalOutput(logits=self.lm_head(hidden[:, keep, :]))
+        kept = hidden[:, keep, :]
+        return CausalOutput(logits=self.lm_head(kept) if project else kept)
 
 
 def build_on_meta(config: LlamaShape) -> LlamaCausalLM:

@@ -127,10 +127,11 @@ class CompiledDecode:
         return rows if span_end <= rows else self.rows
 
     def run(self, first_row: int, lengths: list[int], tokens: list[int | None],
-            rows_bound: int = 0) -> torch.Tensor:
+            rows_bound: int = 0, project: bool = True) -> torch.Tensor:
         """Rows `first_row + i` feed `tokens[i]` (None: sits out) at position `lengths[i]`.
         The cache must already hold a capacity past every fed position. Returns the
-        next-token logits [len(tokens), V] (a sitting-out row's are to be ignored)."""
+        next-token logits [len(tokens), V] (a sitting-out row's are to be ignored), or with
+        `project` False the final hidden states [len(tokens), hidden] (masked finish)."""
         b = len(tokens)
         rows = self.bucket(first_row + b, rows_bound)
         if self.device.type != "cuda":
@@ -160,7 +161,8 @@ class CompiledDecode:
         h = self.graphs.forward(h, cos, sin, self.cache.keys, self.cache.values, pos_t,
                                 valid_t, mask)
         span = h[first_row : first_row + b]
-        logits = self.model.lm_head(inner.norm(span))
+        final = inner.norm(span)  # the projection runs eagerly, outside the graphs
+        logits = self.model.lm_head(final) if project else final
         if started is not None:
             self.compile_s[rows] = time.perf_counter() - started
         self.steps += 1

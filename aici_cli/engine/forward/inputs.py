@@ -191,10 +191,11 @@ def build_inputs(
     )
 
 
-def forward(model: Any, cache: Any, inputs: ForwardInputs) -> torch.Tensor:
+def forward(model: Any, cache: Any, inputs: ForwardInputs, project: bool = True) -> torch.Tensor:
     """One packed pass; returns the logits of the positions `inputs.last` names: [b, vocab]
     with the default `keep`, row i's last token in row i (rows that fed nothing get the
-    logits of token 0, to be ignored)."""
+    logits of token 0, to be ignored). `project` False (the project's own Llama module
+    only): their final hidden states [b, hidden] instead, for the masked finish."""
     cache.plan = inputs.plan
     with packed(inputs.plan):
         out = model(
@@ -204,5 +205,6 @@ def forward(model: Any, cache: Any, inputs: ForwardInputs) -> torch.Tensor:
             cache=cache,
             use_cache=True,
             logits_to_keep=inputs.last,
+            **({} if project else {"project": False}),
         )
     return out.logits[0]

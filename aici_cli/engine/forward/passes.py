@@ -34,12 +34,15 @@ class PassOutput:
     """`every`: logits for each row's next token (rows 0..b-1), then row i's extra
     positions from `extra_at[i]`: first those it asked to score (`scored[i]`, in that
     order), then one after each fed draft token but the last. In the model's dtype, cut to
-    the vocabulary. `out_of_memory`: positions of the rows that could not run even alone."""
+    the vocabulary. `out_of_memory`: positions of the rows that could not run even alone.
+    `hidden`: `every` holds the rows' final (normed) hidden states [b, hidden] instead of
+    logits (a pass run with `project` False), for the masked finish to project."""
 
     every: torch.Tensor
     extra_at: list[int]
     scored: Sequence[Sequence[int]]
     out_of_memory: list[int]
+    hidden: bool = False
 
     def next_token_logits(self, b: int) -> torch.Tensor:
         """[b, V], a view: masks apply in place and greedy argmax needs no fp32 copy (a
@@ -77,7 +80,7 @@ class ModelPass:
 
     def run(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
             drafts: list[list[int]], scored: Sequence[Sequence[int]] | None = None,
-            steps_ahead: int = 0, rows_bound: int = 0) -> PassOutput:
+            steps_ahead: int = 0, rows_bound: int = 0, project: bool = True) -> PassOutput:
         """Row `first_row + i`, whose cache holds `lengths[i]` tokens, feeds `chunks[i]`
         (empty: it sits the pass out) and its draft but its last token (a draft d is
         checked against the logits after d[0..-2]: its last token needs no pass of its
@@ -85,13 +88,15 @@ class ModelPass:
         needs too. Out of memory, `drafts` is cleared and the pass retried without.
         `steps_ahead`: a bound of the one-token steps still to come (whether compiling
         the decode step pays, compiled.py); `rows_bound`: of the rows the run can still
-        occupy (0: unknown, every row)."""
+        occupy (0: unknown, every row). `project` False (no drafts, no scored positions:
+        the masked finish's passes): the rows' final hidden states, not their logits."""
         b = len(chunks)
         scored = scored if scored is not None else [() for _ in chunks]
+        assert project or not (any(drafts) or any(scored)), "hidden states: next tokens only"
         if not any(drafts) and not any(scored) and all(len(c) <= 1 for c in chunks):
-            one = self._one_token(first_row, lengths, chunks, steps_ahead, rows_bound)
+            one = self._one_token(first_row, lengths, chunks, steps_ahead, rows_bound, project)
             if one is not None:
-                return PassOutput(self._vocab(one), [b] * b, scored, [])
+                return PassOutput(self._vocab(one, project), [b] * b, scored, [], not project)
         if any(drafts):
             fed = [[*c, *d[:-1]] for c, d in zip(chunks, drafts)]
             readouts = [_readout(len(c), s, len(d)) for c, s, d in zip(chunks, scored, drafts)]
@@ -106,11 +111,13 @@ class ModelPass:
                     raise
                 drafts[:] = [[] for _ in drafts]
         readouts = [_readout(len(c), s, 0) for c, s in zip(chunks, scored)]
-        logits, extra_at, out_of_memory = self._forward(first_row, lengths, chunks, readouts)
-        return PassOutput(self._vocab(logits), extra_at, scored, out_of_memory)
+        logits, extra_at, out_of_memory = self._forward(first_row, lengths, chunks, readouts,
+                                                        project)
+        return PassOutput(self._vocab(logits, project), extra_at, scored, out_of_memory,
+                          not project)
 
     def _one_token(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
-                   steps_ahead: int, rows_bound: int) -> torch.Tensor | None:
+                   steps_ahead: int, rows_bound: int, project: bool) -> torch.Tensor | None:
         """The compiled step's logits [b, V] for a pass where every row feeds at most one
         token, or None to run it eagerly (not compiled, or out of memory)."""
         step = self.decode.pick(steps_ahead if self.decode.compiled else 0,
@@ -121,7 +128,7 @@ class ModelPass:
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
             return step.run(first_row, list(lengths), [c[0] if c else None for c in chunks],
-                            rows_bound)
+                            rows_bound, project)
         except Exception as e:
             if is_out_of_memory(e):
                 return None
@@ -132,32 +139,37 @@ class ModelPass:
             self.decode.give_up(e)
             return None
 
-    def _vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Drop the padding columns some models carry past the tokenizer's vocabulary."""
+    def _vocab(self, logits: torch.Tensor, project: bool = True) -> torch.Tensor:
+        """Drop the padding columns some models carry past the tokenizer's vocabulary
+        (hidden states, `project` False, are kept whole)."""
         v = self.lm.vocab_size
-        return logits[:, :v] if logits.shape[-1] > v else logits
+        return logits[:, :v] if project and logits.shape[-1] > v else logits
 
     def _forward(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
-                 readouts: list[Readout | None]) -> tuple[torch.Tensor, list[int], list[int]]:
+                 readouts: list[Readout | None],
+                 project: bool = True) -> tuple[torch.Tensor, list[int], list[int]]:
         """One packed pass: the logits of each row's readout positions (next tokens [b, V],
-        then the extras from `extra_at`), and the rows that could not run even alone for
-        lack of memory (their logits are zeros)."""
+        then the extras from `extra_at`; hidden states [b, hidden] with `project` False),
+        and the rows that could not run even alone for lack of memory (their logits are
+        zeros)."""
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
             inputs = build_inputs(first_row, lengths, chunks, self.layout, self.lm.device,
                                   readouts, self.invariant)
-            return forward(self.lm.model, self.cache, inputs), inputs.extra_at, []
+            out = (forward(self.lm.model, self.cache, inputs) if project
+                   else forward(self.lm.model, self.cache, inputs, project=False))
+            return out, inputs.extra_at, []
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
         active = [k for k, c in enumerate(chunks) if c]
         if len(active) == 1:
-            return self._alone_out_of_memory(chunks, readouts, active)
+            return self._alone_out_of_memory(chunks, readouts, active, project)
         self.fits = max(1, min(self.fits or len(active), len(active) // 2))
         halves = active[: len(active) // 2], active[len(active) // 2 :]
         parts = [self._forward(first_row, lengths,
                                [c if k in half else [] for k, c in enumerate(chunks)],
-                               readouts)
+                               readouts, project)
                  for half in halves]
         # Both halves lay out every row's extras alike (a row that sits a half out gets
         # placeholders): take each row's logits from its own half.
@@ -170,14 +182,15 @@ class ModelPass:
         return logits, extra_at, parts[0][2] + parts[1][2]
 
     def _alone_out_of_memory(self, chunks: Sequence[Sequence[int]],
-                             readouts: Sequence[Readout | None],
-                             active: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+                             readouts: Sequence[Readout | None], active: list[int],
+                             project: bool = True) -> tuple[torch.Tensor, list[int], list[int]]:
         b = len(chunks)
         extra_at, total = [], b
         for r in readouts:
             extra_at.append(total)
             total += len(r.extras) if r is not None else 0
-        logits = torch.zeros(total, self.lm.vocab_size, dtype=self.lm.dtype,
+        width = self.lm.vocab_size if project else self.lm.model.config.hidden_size
+        logits = torch.zeros(total, width, dtype=self.lm.dtype,
                              device=self.lm.device)
         return logits, extra_at, active
 
