@@ -41,9 +41,11 @@ def copies(out: Path) -> tuple[Path, Path]:
     from safetensors.torch import load_file, save_file
 
     from aici_cli.models.aligned import without_padding
+    from aici_cli.models.conversion_cache import ensure_dense
     from aici_cli.models.resolve import resolve_with_name
 
     entry = resolve_with_name(None)[0]
+    ensure_dense(entry)  # the bf16 copy of every weight, made on the first run that reads it
     ours, theirs = out / "aligned", out / "safetensors-writer"
     for target in (ours, theirs):
         target.mkdir()

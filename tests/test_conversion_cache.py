@@ -170,9 +170,12 @@ def test_a_packaged_file_is_known_by_its_packages_record_without_reading_it(
     assert record["sha256"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
 
 
-def test_an_older_path_keyed_entry_is_adopted_not_converted_again(
+def test_an_older_path_keyed_entry_is_not_taken_over_and_prune_removes_it(
     tiny_gguf: Path, cache: Path, stub_conversion: list[Path]
 ) -> None:
+    """An entry an older aici-batch made for this very file (keyed by its path) holds a
+    dense copy of every weight, which a conversion no longer stores: it is converted
+    afresh, and the old one is unused."""
     import transformers
 
     stat = tiny_gguf.resolve().stat()
@@ -184,9 +187,11 @@ def test_an_older_path_keyed_entry_is_adopted_not_converted_again(
 
     target = resolve_model(str(tiny_gguf))
 
-    assert stub_conversion == []
-    assert json.loads((target / "config.json").read_text()) == {"old": True}
-    assert entries(cache) == [target.name] and target != old
+    assert stub_conversion == [tiny_gguf.resolve()]
+    assert json.loads((target / "config.json").read_text()) == {}
+    assert sorted(entries(cache)) == sorted([target.name, old.name])
+    unused = {e.path.name: e.unused for e in cache_entries()}
+    assert unused[target.name] is None and "older aici-batch" in str(unused[old.name])
 
 
 def test_runs_converting_at_once_convert_once(

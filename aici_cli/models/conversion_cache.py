@@ -131,30 +131,12 @@ def converted_gguf(gguf: Path, name: str, package: str | None = None) -> Path:
     progress = current_progress()
     with entry_lock(key, on_wait=lambda: progress.note(
             f"waiting for another run converting {gguf.name}")):
-        # The run we waited for made it, or an older aici-batch made it for this file.
-        found = _entry_with_key(key) or _adopt_path_keyed(gguf, name, target)
+        found = _entry_with_key(key)  # the run we waited for made it
         if found is None:
             _convert(gguf, name, target, identity)
             found = target
         _remember_source(found, gguf, identity)
     return found
-
-
-def _adopt_path_keyed(gguf: Path, name: str, target: Path) -> Path | None:
-    """`target`, renamed from the entry an older aici-batch made for this very file (its
-    key was the file's path, size and mtime), or None: upgrading costs no conversion.
-    The record is added by the caller."""
-    stat = gguf.stat()
-    old_key = "\0".join(["1", str(gguf), str(stat.st_size), str(stat.st_mtime_ns),
-                         converter_versions()[1]])
-    old = models_dir() / f"{name}-{hashlib.sha256(old_key.encode()).hexdigest()[:12]}"
-    if not (old / "config.json").is_file():
-        return None
-    try:
-        old.rename(target)
-    except OSError:
-        return None
-    return target
 
 
 def _convert(gguf: Path, name: str, target: Path, identity: GgufIdentity) -> None:
