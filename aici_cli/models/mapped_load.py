@@ -104,8 +104,9 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
     # linears are quantised: its init must see the modules it knows).
     unfilled = [] if own else fill_buffers(model, meta_buffers(model), device)
     # Before quantising: a weight the file lacks would fail there with torch's words.
+    from_gguf = _from_gguf(model, matrices, blocks)
     _refuse_missing(path, [n for n, t in model.named_parameters() if t.is_meta
-                           and not _from_gguf(model, n, matrices, blocks)] + unfilled)
+                           and n not in from_gguf] + unfilled)
     quantize_model(model, mode, path, dtype, device, matrices)
     if blocks is not None:
         set_module(model, blocks.removesuffix(".weight"),
@@ -124,24 +125,19 @@ def _linears(model: Any) -> list[tuple[str, torch.nn.Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
-def _from_gguf(model: Any, name: str, matrices: GgufMatrices | None,
-               blocks: str | None) -> bool:
-    """Whether the parameter `name`, absent from the dense file, comes from the GGUF: a
-    linear layer's matrix (the tied output projection's is the embedding's), or the
+def _from_gguf(model: Any, matrices: GgufMatrices | None, blocks: str | None) -> set[str]:
+    """The parameters, absent from the dense file, that come from the GGUF: the linear
+    layers' matrices it holds (the tied output projection's is the embedding's), and the
     embedding kept as `blocks`."""
     if matrices is None:
-        return False
-    if name == blocks:
-        return True
-    linear = {f"{n}.weight": m for n, m in _linears(model)}.get(name)
-    if linear is None:
-        return False
-    if name in matrices:
-        return True
+        return set()
+    found = {f"{n}.weight" for n, _ in _linears(model) if f"{n}.weight" in matrices}
     embed = module_name(model, model.get_input_embeddings())
+    output = module_name(model, model.get_output_embeddings())
     tied = getattr(model.config.get_text_config(), "tie_word_embeddings", False)
-    return bool(tied) and linear is model.get_output_embeddings() \
-        and f"{embed}.weight" in matrices
+    if tied and output is not None and f"{embed}.weight" in matrices:
+        found.add(f"{output}.weight")
+    return found | ({blocks} if blocks is not None else set())
 
 
 def _embedding_blocks(model: Any, dense: MappedSafetensors) -> str | None:

@@ -113,9 +113,15 @@ class Int4Linear(torch.nn.Module):
 
 def scale_zero(d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The kernels' [K/32, N, 2] scales and zeros in `dtype` for weight = q d + m, [N, K/32]
-    each: weight = (q - 8) d + (m + 8 d), so the kernels' zero is m + 8 d."""
-    zero = m.float() + 8 * d.float()
-    return torch.stack([d.float().t(), zero.t()], dim=-1).to(dtype).contiguous()
+    each: weight = (q - 8) d + (m + 8 d), so the kernels' zero is m + 8 d. Written into
+    the result in place: stacking, then converting, ran 60x slower on two busy threads
+    (~0.7 s of the default model's load)."""
+    scale = d.float()
+    zero = m.float() + 8 * scale
+    out = torch.empty(d.shape[1], d.shape[0], 2, dtype=dtype, device=d.device)
+    out[..., 0] = scale.t()
+    out[..., 1] = zero.t()
+    return out
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
