@@ -38,7 +38,7 @@ def main() -> int:
 
     from aici_cli.core.config import EngineConfig
     from aici_cli.core.job import Job
-    from aici_cli.engine.engine import Engine
+    from aici_cli.engine import Engine
     from aici_cli.models.load import load_model
 
     models = {q: load_model(args.model, args.device, args.dtype, q)

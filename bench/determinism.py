@@ -53,7 +53,7 @@ def glaive_jobs(n: int, max_tokens: int, logprobs: int | None = 0,
 def run(lm: Any, jobs: list[Any], **engine: Any) -> tuple[dict[str, Any], float, int]:
     """Results by id, wall seconds, tokens generated."""
     from aici_cli.core.config import EngineConfig
-    from aici_cli.engine.engine import Engine
+    from aici_cli.engine import Engine
 
     eng = Engine(lm, EngineConfig(**engine))
     eng.compiler  # noqa: B018 - build the tokenizer wrapper outside the timing

@@ -55,7 +55,7 @@ def run_lines(lm: Any, component: Any, lines: list[dict[str, Any]],
     from aici_cli.core.config import EngineConfig, RunConfig
     from aici_cli.core.job import Job
     from aici_cli.core.sampling import Sampling
-    from aici_cli.engine.engine import Engine
+    from aici_cli.engine import Engine
     from aici_cli.run.backends.build import wasm_factory
 
     config = EngineConfig(batch_size=batch_size)

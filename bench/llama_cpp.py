@@ -81,7 +81,7 @@ def ours(task: dict[str, Any]) -> dict[str, Any]:
     from aici_cli.core.config import EngineConfig
     from aici_cli.core.constraint import Constraint
     from aici_cli.core.job import Job
-    from aici_cli.engine.engine import Engine
+    from aici_cli.engine import Engine
     from aici_cli.models.load import load_model
 
     lm = load_model(task["gguf"], "cpu", "auto", task["quantize"])

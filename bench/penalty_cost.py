@@ -18,8 +18,8 @@ from typing import Any
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
 from aici_cli.core.sampling import Sampling
+from aici_cli.engine import Engine
 from aici_cli.engine import model_runner as loop  # where the step applies the rules
-from aici_cli.engine.engine import Engine
 from aici_cli.models import load_model
 
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -34,7 +34,7 @@ def main() -> int:
 
     from aici_cli.core.config import EngineConfig
     from aici_cli.core.job import Job
-    from aici_cli.engine.engine import Engine
+    from aici_cli.engine import Engine
     from aici_cli.models.load import load_model
 
     lm = load_model(args.model)

@@ -52,7 +52,7 @@ def main() -> int:
     from aici_cli.core.config import EngineConfig
     from aici_cli.core.constraint import Constraint
     from aici_cli.core.job import Job
-    from aici_cli.engine.engine import Engine
+    from aici_cli.engine import Engine
     from aici_cli.models.load import load_model
     from aici_cli.run.tally import step_summary
 

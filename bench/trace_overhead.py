@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))  # tiny_model.py, wat.py
 
 def hook_costs() -> dict[str, float]:
     """ns per call of each no-op hook (what the engine pays with tracing off)."""
-    from aici_cli.engine.trace_hooks import NO_TRACE
+    from aici_cli.engine import NO_TRACE
 
     n = 200_000
     gens: list[Any] = [None] * 8
@@ -62,7 +62,7 @@ def traced_hook_costs(tmp: Path) -> dict[str, float]:
     from aici_cli.core.config import RunConfig
     from aici_cli.core.line_stats import StepTimes
     from aici_cli.core.sampling import Sampling
-    from aici_cli.engine.clock import StepClock
+    from aici_cli.engine import StepClock
     from aici_cli.run.tracing import open_tracing
 
     tracer = open_tracing(RunConfig(input="-", trace=str(tmp / "hooks.jsonl")))

@@ -6,7 +6,7 @@ from typing import Any
 
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine
 from aici_cli.models import LoadedModel
 
 

@@ -19,7 +19,7 @@ def main(modes: list[dict[str, str]], lines: list[dict[str, Any]]) -> None:
     import torch
 
     from aici_cli.core.config import EngineConfig, JobDefaults
-    from aici_cli.engine.engine import Engine
+    from aici_cli.engine import Engine
     from aici_cli.formats.jobs import read_jobs
     from aici_cli.models.load import load_model
 

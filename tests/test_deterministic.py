@@ -26,8 +26,8 @@ from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import ModelError
 from aici_cli.core.job import Job
 from aici_cli.core.sampling import Sampling
+from aici_cli.engine import Engine
 from aici_cli.engine import deterministic_check as invariance_check
-from aici_cli.engine.engine import Engine
 from aici_cli.engine.forward.deterministic import TILE_ROWS, invariant_linear
 from aici_cli.models import LoadedModel, load_model
 

@@ -21,7 +21,7 @@ import pytest
 
 from aici_cli.core.config import EngineConfig, JobDefaults
 from aici_cli.core.job import Job
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine
 from aici_cli.formats.jobs import read_jobs
 
 pytestmark = pytest.mark.real_model

@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
+from aici_cli.engine import Engine, Generation
 from aici_cli.engine.draft import COMPILED_MIN_GAIN, EAGER_MIN_GAIN, MAX_BACKOFF, RETRY_AFTER
-from aici_cli.engine.engine import Engine
-from aici_cli.engine.generation import Generation
 from aici_cli.engine.scheduler import propose_drafts
 from aici_cli.engine.update import accept_draft
 from aici_cli.models.load import LoadedModel, load_model

@@ -15,8 +15,7 @@ from aici_cli.core.config import EngineConfig
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import ControllerError
 from aici_cli.core.job import BadLine, Job
-from aici_cli.engine.clock import StepClock
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine, StepClock
 from aici_cli.models import LoadedModel
 
 job = job_factory(prompt="Hello there", max_tokens=12)

@@ -24,7 +24,7 @@ from aici_cli.control.wasm import ControllerComponent, GuestLimits
 from aici_cli.core.config import EngineConfig, RunConfig
 from aici_cli.core.errors import ControllerError
 from aici_cli.core.job import Job
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine
 from aici_cli.models import LoadedModel
 from aici_cli.run.backends.build import wasm_factory
 

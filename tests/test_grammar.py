@@ -15,7 +15,7 @@ from aici_cli.core.config import EngineConfig
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import GrammarError
 from aici_cli.core.job import Job
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine
 from aici_cli.models import LoadedModel
 
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"

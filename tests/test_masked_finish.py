@@ -17,8 +17,7 @@ from aici_cli.core.config import EngineConfig
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.job import Job
 from aici_cli.core.sampling import Sampling
-from aici_cli.engine import model_runner
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine, model_runner
 from aici_cli.engine.forward import compiled
 from aici_cli.engine.logits.masked_finish import MaskedFinish
 from aici_cli.engine.logits.sampling import Draw, sample

@@ -19,7 +19,7 @@ from factories import job_factory
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.engine.rows import Prepared, RowTable
 from aici_cli.models import LoadedModel

@@ -16,7 +16,7 @@ import torch
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.job import Job
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine
 from aici_cli.engine.forward.attention import install
 from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.inputs import AttentionLayout, build_inputs, forward

@@ -19,7 +19,7 @@ from aici_cli.core.config import EngineConfig
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import GrammarError
 from aici_cli.core.job import Job
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine
 from aici_cli.engine.retry import RETRY_TEMPERATURE, next_attempt
 from aici_cli.formats.jobs import load_schema
 from aici_cli.models import LoadedModel

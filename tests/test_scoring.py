@@ -16,7 +16,7 @@ from aici_cli.cli.main import main
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.job import Job
-from aici_cli.engine.engine import Engine
+from aici_cli.engine import Engine
 from aici_cli.models import LoadedModel
 
 TOL = 1e-4

@@ -16,8 +16,7 @@ from factories import job_factory
 
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.constraint import Constraint
-from aici_cli.engine.engine import Engine
-from aici_cli.engine.generation import Generation
+from aici_cli.engine import Engine, Generation
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.models.load import LoadedModel
 

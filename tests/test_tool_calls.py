@@ -484,7 +484,7 @@ def test_a_line_cut_inside_a_call_reports_the_whole_calls(lm: LoadedModel) -> No
     """max_tokens cut the output inside its third call (closing off): the result keeps the
     two whole calls as `tool_calls`, names the dropped one, and stays `length`."""
     from aici_cli.core.job import Job
-    from aici_cli.engine.generation import Generation
+    from aici_cli.engine import Generation
     from aici_cli.engine.result_line import finished_text, generation_result
 
     compiler = GrammarCompiler(lm.tokenizer, lm.vocab_size, sorted(lm.eos_token_ids))
