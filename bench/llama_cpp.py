@@ -9,6 +9,11 @@ Rows (greedy, the default model's GGUF for both sides unless --gguf):
   schemas      the dev half of Glaiveai2K (odd positions of the sorted files, the first
                --schemas), --max-tokens tokens, JSON-schema constrained: tok/s and valid
                outputs, at batch 1 and 8, prompt-lookup drafts on and off
+  prefill      one --prefill-tokens prompt (default 1,500: the few-shot prompts of
+               evaluation jobs), one token out: seconds to the first token after the model
+               is loaded and warm (a short prompt first), and prompt tokens per second.
+               The prompt is plain text cut at that many tokens by the GGUF's tokenizer,
+               so both sides feed the same tokens
 
 Every configuration runs in a subprocess of its own (clean peak RSS, no shared caches).
 On a shared machine the load changes from minute to minute: `--rounds N` runs the
@@ -55,6 +60,22 @@ GLAIVE = next((p / "shared" / "data" / "jsonschemabench" / "Glaiveai2K" for p in
               REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K")
 THREADS = 1  # set from --threads
 STREAM_PROMPT = "Write a long story about a dragon who learns to read."
+# Prose without repeats that a prompt-lookup draft or a prefix cache could exploit.
+PREFILL_SEED = ("In the valley below the northern ridge, the river bends three times before "
+                "it reaches the old mill, and each bend has a name the villagers remember. ")
+
+
+def prefill_text(tokenizer: Any, tokens: int) -> str:
+    """Plain text of exactly `tokens` tokens under `tokenizer` (numbered sentences, so no
+    two stretches are the same), decoded back from the cut token ids."""
+    parts, i = [], 0
+    while True:
+        parts.append(f"{i}. {PREFILL_SEED}")
+        i += 1
+        if i % 16 == 0:
+            ids = tokenizer.encode("".join(parts), add_special_tokens=False)
+            if len(ids) > tokens:
+                return str(tokenizer.decode(ids[:tokens]))
 
 
 def dev_half(n: int) -> list[Path]:
@@ -102,6 +123,8 @@ def ours(task: dict[str, Any]) -> dict[str, Any]:
                                                    "content": schema_ask(schema)}]))
         return out
 
+    if task["kind"] == "prefill":
+        return _prefill(lm, config, task)
     compile_s = None
     if task["compile"] == "on":  # warm the buckets this workload uses, outside the timing
         # (long enough for one-token steps at a full batch and at its tail; from a second
@@ -120,6 +143,28 @@ def ours(task: dict[str, Any]) -> dict[str, Any]:
     return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
             "valid": _valid(results, task), "peak_rss_mib": round(peak_rss_mib()),
             "compile_s": compile_s, "quantize": lm.quantize}
+
+
+def _prefill(lm: Any, config: Any, task: dict[str, Any]) -> dict[str, Any]:
+    """Seconds from a loaded, warm engine to the first token of one long prompt."""
+    from aici_cli.core.job import Job
+    from aici_cli.engine import Engine
+
+    def job(text: str) -> Job:
+        return Job(index=1, id="p", prompt=text, messages=None, max_tokens=1,
+                   constraint=None, ignore_eos=True)
+
+    engine = Engine(lm, config)
+    engine.run([job("Hello there.")], lambda r: None)  # warm: first-pass costs, not prefill
+    text = prefill_text(lm.tokenizer, task["prefill_tokens"])
+    engine = Engine(lm, config)  # a fresh prefix cache: nothing of the prompt is cached
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    engine.run([job(text)], results.append)
+    wall = time.perf_counter() - started
+    fed = results[0]["stats"].get("prompt_tokens", task["prefill_tokens"])
+    return {"first_token_s": round(wall, 3), "prompt_tokens": fed,
+            "prompt_tok_s": round(fed / wall, 1), "quantize": lm.quantize}
 
 
 def first_token_s(quantize: str, gguf: str | None) -> float:
@@ -172,6 +217,16 @@ def peer(task: dict[str, Any]) -> dict[str, Any]:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              tokenize=False, add_generation_prompt=True)
 
+    if task["kind"] == "prefill":
+        llm.create_completion("Hello there.", max_tokens=1, temperature=0.0)  # warm
+        text = prefill_text(tokenizer, task["prefill_tokens"])
+        llm.reset()  # nothing of the prompt is cached
+        started = time.perf_counter()
+        out = llm.create_completion(text, max_tokens=1, temperature=0.0)
+        wall = time.perf_counter() - started
+        fed = out["usage"]["prompt_tokens"]
+        return {"first_token_s": round(wall, 3), "prompt_tokens": fed,
+                "prompt_tok_s": round(fed / wall, 1)}
     if task["kind"] == "stream":
         eos = llm.token_eos()
         started = time.perf_counter()
@@ -302,7 +357,8 @@ def main() -> int:
     ap.add_argument("--schemas", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--only", default="stream,schemas,start")
+    ap.add_argument("--only", default="stream,prefill,schemas,start")
+    ap.add_argument("--prefill-tokens", type=int, default=1500)
     ap.add_argument("--rounds", type=int, default=1,
                     help="one-stream rounds, configurations interleaved (medians reported)")
     ap.add_argument("--drafts", default="4,0", help="prompt-lookup draft settings to run")
@@ -352,6 +408,18 @@ def main() -> int:
                 row(name, task)
         if args.rounds > 1:
             rows.extend(_round_medians(rows[first:], len(stream), have_peer))
+    if "prefill" in only:
+        prefill = [(f"prefill {args.prefill_tokens} tok | ours {q}",
+                    {"side": "ours", "kind": "prefill", "quantize": q, "compile": "off",
+                     "batch": 1, "drafts": 0, "prefill_tokens": args.prefill_tokens})
+                   for q in quantizes]
+        if have_peer:
+            prefill.append((f"prefill {args.prefill_tokens} tok | llama-cpp-python",
+                            {"side": "peer", "kind": "prefill",
+                             "prefill_tokens": args.prefill_tokens}))
+        for _ in range(args.rounds):  # interleaved, as the one-stream rows
+            for name, task in prefill:
+                row(name, task)
     if "schemas" in only:
         for bs in (int(b) for b in args.batch_sizes.split(",")):
             for q in quantizes:
