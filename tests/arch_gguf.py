@@ -29,8 +29,9 @@ QUANTS = ("F16", "Q8_0")
 
 
 def write_arch_gguf(model_dir: Path, path: Path, quant: str) -> Path:
-    """The model at `model_dir` as a GGUF: matrices in `quant` (F16 or Q8_0), vectors in
-    F32 (as llama.cpp keeps norms and biases), the tokenizer as byte-level BPE."""
+    """The model at `model_dir` as a GGUF: matrices in `quant` (F16, Q8_0, a K-quant, or
+    Q4_K_M: `k_mix_type`), vectors in F32 (as llama.cpp keeps norms and biases), the
+    tokenizer as byte-level BPE."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
     from transformers import AutoModelForCausalLM
@@ -42,13 +43,17 @@ def write_arch_gguf(model_dir: Path, path: Path, quant: str) -> Path:
     writer.add_name("tiny-mistral" if cfg.model_type == "mistral" else f"tiny-{arch}")
     _write_metadata(writer, cfg)
     _write_tokenizer(writer, model_dir, arch, cfg.vocab_size)
-    qtype = GGMLQuantizationType[quant]
     for gguf_name, weight in gguf_tensors(model).items():
+        kind = k_mix_type(gguf_name) if quant == "Q4_K_M" else quant
         if weight.ndim == 1:
             writer.add_tensor(gguf_name, weight.astype(np.float32))
-        elif quant == "F16":
+        elif kind == "F16":
             writer.add_tensor(gguf_name, weight.astype(np.float16))
+        elif kind in K_QUANTS:
+            writer.add_tensor(gguf_name, quantize_k(weight, kind),
+                              raw_dtype=GGMLQuantizationType[kind])
         else:
+            qtype = GGMLQuantizationType[kind]
             writer.add_tensor(gguf_name, quantize(weight, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -190,3 +195,61 @@ def stored_weights(model: Any, quant: str) -> dict[str, torch.Tensor]:
             weight = weight.reshape(tensor.shape)
         out[name] = weight.to(torch.bfloat16).float()
     return out
+
+
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def k_mix_type(gguf_name: str) -> str:
+    """A matrix's type in a Q4_K_M file, as llama.cpp's mix gives it more bits where 4
+    cost most: the output projection and the down projections Q6_K, the rest Q4_K."""
+    return "Q6_K" if gguf_name == "output.weight" or "ffn_down" in gguf_name else "Q4_K"
+
+
+def quantize_k(weight: np.ndarray, kind: str) -> np.ndarray:
+    """[N, K] float (K a multiple of 256) as `kind` (Q4_K, Q5_K or Q6_K) blocks: [N,
+    K/256 * block bytes] uint8, laid out as `gguf.quants` dequantises them (gguf has no
+    K-quant quantiser). Each sub-block min/max (Q4_K/Q5_K) or absmax (Q6_K), its scale
+    in 6 or 8 bits of the super-block's f16 one: not llama.cpp's search for the best
+    scales, but valid blocks of realistic codes."""
+    n, k = weight.shape
+    w = weight.astype(np.float32).reshape(-1, 256)
+    f16 = np.float16
+    if kind == "Q6_K":
+        step = np.abs(w.reshape(-1, 16, 16)).max(-1) / 31  # [B, 16]
+        d = (step.max(-1, keepdims=True) / 127).astype(f16)  # [B, 1]
+        d32 = np.where(d == 0, 1, d.astype(np.float32))
+        sc = np.clip(np.round(step / d32), 1, 127).astype(np.int8)
+        unit = np.repeat(d32 * sc, 16, axis=1)
+        q = (np.clip(np.round(w / unit), -32, 31) + 32).astype(np.uint8)  # [B, 256]
+        halves = q.reshape(-1, 2, 4, 32)  # [B, half of 128, quarter, 32]
+        ql = (halves[:, :, 0:2] & 0x0F) | ((halves[:, :, 2:4] & 0x0F) << 4)  # [B, 2, 2, 32]
+        hi = halves >> 4
+        qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+        return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64),
+                               sc.view(np.uint8), d.view(np.uint8)], axis=1).reshape(n, -1)
+    top = 15 if kind == "Q4_K" else 31
+    sub = w.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)  # [B, 8]: w = q step - offset, offset = -lo >= 0
+    step = (sub.max(-1) - lo) / top
+    d = (step.max(-1, keepdims=True) / 63).astype(f16)
+    dmin = (-lo.min(-1, keepdims=True) / 63).astype(f16)
+    d32 = np.where(d == 0, 1, d.astype(np.float32))
+    m32 = np.where(dmin == 0, 1, dmin.astype(np.float32))
+    sc = np.clip(np.round(step / d32), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / m32), 0, 63).astype(np.uint8)
+    unit = (d.astype(np.float32) * sc)[..., None]
+    q = np.clip(np.round((sub + (dmin.astype(np.float32) * mn)[..., None])
+                         / np.where(unit == 0, 1, unit)), 0, top).astype(np.uint8)
+    # The inverse of gguf's Q4_K.get_scale_min: 6-bit scales and mins in 12 bytes.
+    scales = np.concatenate([
+        (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
+        (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=1).astype(np.uint8)
+    pairs = q.reshape(-1, 4, 2, 32)  # sub-blocks 2c (low nibble) and 2c + 1 (high)
+    qs = ((pairs[:, :, 0] & 0x0F) | ((pairs[:, :, 1] & 0x0F) << 4)).reshape(-1, 128)
+    parts = [d.view(np.uint8), dmin.view(np.uint8), scales]
+    if kind == "Q5_K":  # bit j of byte i: sub-block j's code i's fifth bit
+        bits = (q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]
+        parts.append(np.bitwise_or.reduce(bits, axis=1).astype(np.uint8))
+    return np.concatenate([*parts, qs], axis=1).reshape(n, -1)

@@ -5,12 +5,14 @@ Each matrix is read with plain reads of its bytes (no GGUF parsing: the conversi
 recorded its offset and type), a few rows of blocks at a time where it is requantised, in
 the row order transformers gives it. What a layer is built from, by the matrix's type:
 
-- Q4_0, Q4_1: its 4-bit codes and block scales as they are (int4), or its exact values
+- Q4_0, Q4_1, Q4_K: its 4-bit codes and scales as they are (int4), or its exact values
   (int8: requantised per output channel);
-- Q8_0: its exact values;
-- any other type (F16, the K-quants, ...): gguf's own dequantisation rounded to
-  bfloat16, the values transformers' conversion stores, so a layer built from it is the
-  one a dense copy would give.
+- Q5_K: its codes less their low bit where a group needs it (int4, `kquant`), or its
+  exact values (int8);
+- Q6_K, Q8_0: its exact values (a Q6_K matrix is int8 in int4 runs too: `int8_only`);
+- any other type (F16, Q5_0, ...): gguf's own dequantisation rounded to bfloat16, the
+  values transformers' conversion stores, so a layer built from it is the one a dense
+  copy would give.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 
 from aici_cli.core.errors import ModelError
-from aici_cli.models import gguf_blocks
+from aici_cli.models import gguf_blocks, kquant
 from aici_cli.models.entry_record import BASE_FILE, source_gguf
 
 MATRICES_KEY = "aici:matrices"  # the base file's metadata entry (`gguf_tensors`)
@@ -58,27 +60,39 @@ class GgufMatrices:
         return set(self._where)
 
     def block_kinds(self) -> set[str]:
-        """"q4" where a matrix is Q4_0/Q4_1, "q8" where one is Q8_0."""
+        """"q4" where a matrix is Q4_0/Q4_1/Q4_K/Q5_K (an int4 kernel's group each),
+        "q8" where one is Q8_0/Q6_K."""
         kinds = {entry["type"] for entry in self._where.values()}
-        return ({"q4"} if kinds & gguf_blocks.FOUR_BIT else set()) \
-            | ({"q8"} if kinds & gguf_blocks.EIGHT_BIT else set())
+        return ({"q4"} if kinds & (gguf_blocks.FOUR_BIT | kquant.TO_INT4) else set()) \
+            | ({"q8"} if kinds & (gguf_blocks.EIGHT_BIT | kquant.TO_INT8) else set())
+
+    def int8_only(self, name: str) -> bool:
+        """Whether the matrix is int8 in an int4 run as well: a Q6_K one, whose int4
+        requantisation is ~8x further from its values than int8's (docs/models.md)."""
+        return self._where[name]["type"] in kquant.TO_INT8
 
     def int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(codes [N, K] uint8 in 0..15, d, m [N, K/32] float16) of a Q4_0/Q4_1 matrix,
-        so that weight = codes * d + m; None for another type."""
-        entry = self._where[name]
-        if entry["type"] not in gguf_blocks.FOUR_BIT:
+        """(codes [N, K] uint8 in 0..15, d, m [N, K/32] float16, or float32 for a
+        K-quant) of a Q4_0/Q4_1/Q4_K/Q5_K matrix, so that weight = codes * d + m
+        (exactly but for Q5_K: `kquant`); None for another type."""
+        kind = self._where[name]["type"]
+        if kind in kquant.TO_INT4:
+            codes, d, m = kquant.int4_parts(self._raw(name), kind)
+            return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
+        if kind not in gguf_blocks.FOUR_BIT:
             return None
-        return int4_parts(self._raw(name), entry["type"])
+        return int4_parts(self._raw(name), kind)
 
     def dense(self, name: str) -> torch.Tensor:
         """The matrix as a dense copy holds it: [N, K] bfloat16."""
         return self._values(name, 0, self._where[name]["data_shape"][0]).to(STORED_DTYPE)
 
     def row_source(self, name: str) -> RowSource:
-        """Rows of the matrix as float32: the blocks' exact values, or for another type
-        the bfloat16 a dense copy holds (widened)."""
-        exact = gguf_blocks.is_block_type(self._where[name]["type"])
+        """Rows of the matrix as float32: the blocks' exact values (a K-quant's as gguf
+        dequantises them), or for another type the bfloat16 a dense copy holds
+        (widened)."""
+        kind = self._where[name]["type"]
+        exact = gguf_blocks.is_block_type(kind) or kind in kquant.TYPES
 
         def rows(lo: int, hi: int) -> torch.Tensor:
             values = self._values(name, lo, hi)

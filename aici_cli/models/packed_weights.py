@@ -19,10 +19,10 @@ What a file depends on, and so its name:
 - int8 (`_weight_int8pack_mm` takes a plain [N, K] int8 matrix and a scale per row):
   nothing but the codes, the same on every CPU and on CUDA: one file.
 
-Scales are kept as computed (an int4 layer's d and m, the GGUF's float16 or float32 where
-quantised here; an int8 layer's float32 scale), and rounded to the run's activation dtype
-as the layer is built, exactly as a freshly computed layer rounds them: one file serves
-bfloat16, float16 and float32 runs.
+Scales are kept as computed (an int4 layer's d and m, the GGUF's float16, or float32 for
+a K-quant's products and where quantised here; an int8 layer's float32 scale), and
+rounded to the run's activation dtype as the layer is built, exactly as a freshly
+computed layer rounds them: one file serves bfloat16, float16 and float32 runs.
 
 Only entries of the conversion cache get such a file: a model directory of the user's
 is never written into. A file that is unreadable, of another layout version, or does not
@@ -47,8 +47,9 @@ from aici_cli.models.conversion_cache import models_dir
 from aici_cli.models.entry_files import PACKED_PREFIX
 
 # Bump when what a layer keeps, or how it is computed, changes.
-LAYOUT_VERSION = "3"  # 2: tensors at 64-byte boundaries (`aligned`); 3: scales as
-# computed, one file per kernel layout (not per dtype and CPU capability)
+LAYOUT_VERSION = "4"  # 2: tensors at 64-byte boundaries (`aligned`); 3: scales as
+# computed, one file per kernel layout (not per dtype and CPU capability); 4: K-quant
+# matrices from their blocks (`kquant`), Q6_K ones int8 in int4 files
 _VERSION_KEY = "aici:layout"
 
 # What each kind of layer keeps, by the suffix of its name.

@@ -6,14 +6,18 @@ hand-written kernel:
 
 - int4: `_weight_int4pack_mm_for_cpu` (CUDA: `_weight_int4pack_mm`, tinygemm), group-32
   asymmetric: weight = (q - 8) * scale + zero per group of 32 inputs, q in 0..15. A GGUF
-  Q4_0/Q4_1 block is exactly such a group (`gguf_blocks`): its codes are used as they are.
+  Q4_0/Q4_1 block, or a Q4_K sub-block, is exactly such a group (`gguf_blocks`,
+  `kquant`): its codes are used as they are; a Q5_K sub-block loses at most its codes'
+  low bit (`kquant`).
 - int8: `_weight_int8pack_mm` (CPU), per output channel symmetric: weight = q * scale.
   On CUDA, where PyTorch has no such kernel, the int8 weights are widened per call.
 
 In both modes the output projection (`lm_head`, the largest matrix: 49,152 x 576 in the
 default model) is int8: the GGUF keeps it in 8 bits too (Q8_0), and 4 bits there cost
-more quality than anywhere else. Embeddings are not quantised (a lookup reads a few rows):
-a GGUF's stays in its own blocks, its rows widened as read (`block_embedding`).
+more quality than anywhere else. So is a GGUF's Q6_K matrix (the more-bits matrices of
+a Q4_K_M or Q5_K_M file): int4 would take ~8x its int8 error from it. Embeddings are
+not quantised (a lookup reads a few rows): a GGUF's stays in its own blocks, its rows
+widened as read (`block_embedding`).
 
 A conversion's matrices are built from its GGUF (`gguf_matrices`) on a mode's first run
 and kept in the kernels' layout (`packed_weights`); a model directory's are quantised
@@ -198,9 +202,9 @@ def available_blocks(path: Path) -> set[str]:
 
 def resolve_mode(spec: str, path: Path, dtype: torch.dtype) -> str:
     """The quantisation a run uses for `--quantize spec`. `auto`: a GGUF source runs at
-    its own precision where a kernel exists (its 4-bit matrices as int4, an all-8-bit one
-    as int8) in a 16-bit run; float32 runs (exactness checks) and float sources run
-    unquantised."""
+    its own precision where a kernel exists (its 4- and 5-bit matrices as int4, an
+    all-8-bit or Q6_K one as int8) in a 16-bit run; float32 runs (exactness checks)
+    and float sources run unquantised."""
     if spec in MODES:
         return spec
     if spec != "auto":
@@ -236,12 +240,13 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
         weight_name = f"{name}.weight"
         if module is output and tied and embed_name is not None:
             weight_name = f"{embed_name}.weight"  # the tied projection's matrix is there
-        kind = "int8" if module is output or module.in_features % GROUP else mode
+        from_gguf = source if source is not None and weight_name in source else None
+        kind = "int8" if module is output or module.in_features % GROUP or (
+            from_gguf is not None and from_gguf.int8_only(weight_name)) else mode
         at = device if device is not None else module.weight.device
         parts = _kept_parts(kept, name, kind, module)
         if parts is None:
             computed += 1
-            from_gguf = source if source is not None and weight_name in source else None
             parts = _int4_parts(module, from_gguf, weight_name, at) if kind == "int4" \
                 else _int8_parts(module, from_gguf, weight_name, at)
         to_keep |= {f"{name}.{k}": v for k, v in parts.items()}
@@ -280,9 +285,9 @@ def _kept_parts(kept: dict[str, torch.Tensor], name: str, kind: str,
 
 def _int4_parts(module: torch.nn.Linear, source: GgufMatrices | None, name: str,
                 device: torch.device) -> dict[str, torch.Tensor]:
-    """An int4 layer's kept tensors: the GGUF's 4-bit codes and scales as they are, else
-    the matrix's dense values (the GGUF's rounded to bfloat16, as a dense copy holds
-    them) quantised here."""
+    """An int4 layer's kept tensors: the GGUF's 4-bit codes and scales as they are (a
+    Q5_K's: `kquant`), else the matrix's dense values (the GGUF's rounded to bfloat16,
+    as a dense copy holds them) quantised here."""
     q4 = source.int4(name) if source is not None else None
     if q4 is not None:
         codes, d, m = (t.to(device) for t in q4)
