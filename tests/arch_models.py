@@ -31,84 +31,91 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "chat_template.jinja")
 
 
-def _llama(ids: dict[str, int]) -> Any:
+def _common(ids: dict[str, Any]) -> dict[str, Any]:
+    """The shared shapes, with the ids and any caller's overrides on top."""
+    return _COMMON | ids
+
+
+def _llama(ids: dict[str, Any]) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # Untied, unlike the suite's tiny Llama: the own module's other output layer.
-    return LlamaForCausalLM(LlamaConfig(**_COMMON, **ids, tie_word_embeddings=False))
+    return LlamaForCausalLM(LlamaConfig(**_common(ids), tie_word_embeddings=False))
 
 
-def _mistral(ids: dict[str, int]) -> Any:
+def _mistral(ids: dict[str, Any]) -> Any:
     from transformers import MistralConfig, MistralForCausalLM
 
     # No window, as Mistral 7B v0.2 and later (v0.1's: tests/test_architectures.py).
-    return MistralForCausalLM(MistralConfig(**_COMMON, **ids, sliding_window=None))
+    return MistralForCausalLM(MistralConfig(**_common(ids), sliding_window=None))
 
 
-def _qwen2(ids: dict[str, int]) -> Any:
+def _qwen2(ids: dict[str, Any]) -> Any:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     # q/k/v biases (Qwen 2's own), tied embeddings as the small Qwen models have.
-    return Qwen2ForCausalLM(Qwen2Config(**_COMMON, **ids, tie_word_embeddings=True))
+    return Qwen2ForCausalLM(Qwen2Config(**_common(ids), tie_word_embeddings=True))
 
 
-def _qwen3(ids: dict[str, int]) -> Any:
+def _qwen3(ids: dict[str, Any]) -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     # QK-norm, and its config's head_dim (128, as every Qwen 3 has: transformers' GGUF
     # reader assumes it), other than hidden / heads.
-    return Qwen3ForCausalLM(Qwen3Config(**_COMMON, **ids, tie_word_embeddings=True))
+    return Qwen3ForCausalLM(Qwen3Config(**_common(ids), tie_word_embeddings=True))
 
 
-def _gemma2(ids: dict[str, int]) -> Any:
+def _gemma2(ids: dict[str, Any]) -> Any:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     # Caps low enough that the tiny model's logits reach them (the defaults, 50 and 30,
     # would leave them untouched), alternating sliding and full layers.
     return Gemma2ForCausalLM(Gemma2Config(
-        **_COMMON, **ids, head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+        **_common(ids), head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
         attn_logit_softcapping=2.0, final_logit_softcapping=3.0))
 
 
-def _gemma3(ids: dict[str, int]) -> Any:
+def _gemma3(ids: dict[str, Any]) -> Any:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     # Text only; embedding scale, QK-norm, sliding and full layers with their own RoPE.
     return Gemma3ForCausalLM(Gemma3TextConfig(
-        **_COMMON, **ids, head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+        **_common(ids), head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
         layer_types=["sliding_attention", "full_attention"]))
 
 
-def _phi3(ids: dict[str, int]) -> Any:
+def _phi3(ids: dict[str, Any]) -> Any:
     from transformers import Phi3Config, Phi3ForCausalLM
 
     # Fused qkv_proj and gate_up_proj.
-    return Phi3ForCausalLM(Phi3Config(**_COMMON, **ids))
+    return Phi3ForCausalLM(Phi3Config(**_common(ids)))
 
 
-def _olmo2(ids: dict[str, int]) -> Any:
+def _olmo2(ids: dict[str, Any]) -> Any:
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
     # Norms after attention and MLP, QK-norm over all heads.
-    return Olmo2ForCausalLM(Olmo2Config(**_COMMON, **ids))
+    return Olmo2ForCausalLM(Olmo2Config(**_common(ids)))
 
 
-BUILDERS: dict[str, Callable[[dict[str, int]], Any]] = {
+BUILDERS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
     "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "olmo2": _olmo2,
 }
 
 
-def build_arch_model(arch: str, tokenizer_dir: Path, directory: Path) -> Path:
-    """`arch`'s tiny model with the tokenizer of `tokenizer_dir`, saved to `directory`.
-    The global torch RNG is left untouched."""
+def build_arch_model(arch: str, tokenizer_dir: Path, directory: Path,
+                     **fields: Any) -> Path:
+    """`arch`'s tiny model with the tokenizer of `tokenizer_dir`, saved to `directory`;
+    `fields` override the config's (e.g. `initializer_range`). The global torch RNG is
+    left untouched."""
     tok = json.loads((tokenizer_dir / "config.json").read_text())
     # The embedding padded past the tokenizer (as most models pad theirs, to a multiple of
     # 64): a GGUF's tokenizer rebuilt by transformers may add a token of its class's own
     # (Qwen 2's <|endoftext|>), which must still fall inside the model's vocabulary.
     vocab = -(-(tok["vocab_size"] + 1) // 64) * 64
-    ids = {"vocab_size": vocab, "bos_token_id": tok["bos_token_id"],
-           "eos_token_id": tok["eos_token_id"], "pad_token_id": tok["eos_token_id"]}
+    ids: dict[str, Any] = {"vocab_size": vocab, "bos_token_id": tok["bos_token_id"],
+           "eos_token_id": tok["eos_token_id"], "pad_token_id": tok["eos_token_id"], **fields}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = BUILDERS[arch](ids)

@@ -127,7 +127,7 @@ def test_any_llama_config_matches_transformers(tmp_path_factory: pytest.TempPath
 
 
 @pytest.mark.parametrize("change", [
-    {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+    {"architectures": ["MistralForCausalLM"]},  # not what model_type "llama" says
     {"hidden_act": "gelu"},
     {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
     {"rope_scaling": {"type": "linear", "factor": 2.0}},

@@ -1,11 +1,14 @@
-"""Llama-architecture causal LMs in plain PyTorch, without transformers' model classes.
+"""Llama-family causal LMs in plain PyTorch, without transformers' model classes: Llama,
+Mistral, Qwen 2 and Qwen 3 (`models/decoder_shape.py` says which configs, and the switches
+that tell them apart: projection biases, QK-norm, a sliding window).
 
 Importing `transformers.modeling_utils` costs ~1.8 s and ~130 MB of RSS on a 2-core CPU
 (torch.distributed.tensor, torch._dynamo, scipy and sympy come with it), more than the
 default model's whole first pass. A run on a model of this architecture builds this one
 instead (`models/direct_load.py`).
 
-It is transformers' `LlamaForCausalLM` op for op: the same module names and tensor
+It is transformers' `LlamaForCausalLM` (`MistralForCausalLM`, `Qwen2ForCausalLM`,
+`Qwen3ForCausalLM`) op for op: the same module names and tensor
 shapes (a checkpoint loads by name, the quantizer, the fused decode layer and the
 invariant linears find what they look for), the same RMSNorm, RoPE and residual order,
 the same SDPA call, so its logits are transformers' bit for bit
@@ -25,69 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ARCHITECTURE = "LlamaForCausalLM"
+from aici_cli.models.decoder_shape import DecoderShape, unsupported
 
-# config.json keys every supported model states (the rest have transformers' defaults).
-_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "vocab_size")
+__all__ = ["DecoderShape", "LlamaShape", "LlamaCausalLM", "build_on_meta", "unsupported"]
 
-
-def unsupported(raw: dict[str, Any]) -> str | None:
-    """Why the model whose config.json is `raw` is not built here (None: it is); such a
-    model loads through transformers instead."""
-    if raw.get("architectures") != [ARCHITECTURE] or raw.get("model_type") != "llama":
-        return f"architecture {raw.get('architectures')!r}"
-    missing = [key for key in _REQUIRED if not isinstance(raw.get(key), int)]
-    if missing:
-        return f"config.json lacks {', '.join(missing)}"
-    if raw.get("hidden_act", "silu") != "silu":
-        return f"activation {raw.get('hidden_act')!r}"
-    for rope in (raw.get("rope_parameters") or {}, raw.get("rope_scaling") or {}):
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            return f"RoPE type {kind!r}"
-    if raw.get("pretraining_tp", 1) != 1 or raw.get("quantization_config"):
-        return "pretraining_tp or quantization_config"
-    return None
-
-
-class LlamaShape:
-    """A Llama config.json as attributes: the fields the model reads, with transformers'
-    defaults, and every other key of the file as it is (`getattr(config, key)`)."""
-
-    model_type = "llama"
-    _attn_implementation = "sdpa"
-
-    def __init__(self, raw: dict[str, Any]) -> None:
-        self._raw = dict(raw)
-        self.hidden_size = int(raw["hidden_size"])
-        self.intermediate_size = int(raw["intermediate_size"])
-        self.num_hidden_layers = int(raw["num_hidden_layers"])
-        self.num_attention_heads = int(raw["num_attention_heads"])
-        self.num_key_value_heads = int(raw.get("num_key_value_heads")
-                                       or self.num_attention_heads)
-        self.head_dim = int(raw.get("head_dim") or self.hidden_size // self.num_attention_heads)
-        self.vocab_size = int(raw["vocab_size"])
-        self.rms_norm_eps = float(raw.get("rms_norm_eps", 1e-6))
-        rope = raw.get("rope_parameters") or {}
-        self.rope_theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        self.attention_bias = bool(raw.get("attention_bias", False))
-        self.mlp_bias = bool(raw.get("mlp_bias", False))
-        self.tie_word_embeddings = bool(raw.get("tie_word_embeddings", False))
-        self.max_position_embeddings = int(raw.get("max_position_embeddings", 2048))
-
-    def __getattr__(self, name: str) -> Any:  # only for names not set above
-        raw = self.__dict__.get("_raw", {})
-        if name in raw:
-            return raw[name]
-        raise AttributeError(name)
-
-    def get_text_config(self) -> LlamaShape:
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self._raw)
-
+# Every supported config (Llama, Mistral, Qwen 2, Qwen 3) as one shape; the old name stays.
+LlamaShape = DecoderShape
 
 Device = torch.device | str | None
 
@@ -109,7 +55,7 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Default RoPE: cos/sin [.., T, head_dim] for position ids [.., T], in x's dtype."""
 
-    def __init__(self, config: LlamaShape, device: Device = None) -> None:
+    def __init__(self, config: DecoderShape, device: Device = None) -> None:
         super().__init__()
         dim = config.head_dim
         if torch.device(device or "cpu").type == "meta":  # arange on meta imports dynamo
@@ -118,6 +64,8 @@ class RotaryEmbedding(nn.Module):
             steps = torch.arange(0, dim, 2, dtype=torch.float, device=device)
             inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        # transformers keeps a copy (for dynamic RoPE types; default RoPE never reads it).
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
         self.attention_scaling = 1.0
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor
@@ -151,48 +99,69 @@ def causal_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor, attention_mask: torch.Tensor | None,
                      scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Plain causal attention over one unpadded sequence per batch row, as transformers'
-    SDPA attention runs it on CPU with no mask. q: [B, H, T, D]; returns [B, T, H, D]."""
+    SDPA attention runs it on CPU with no mask. q: [B, H, T, D]; returns [B, T, H, D].
+    `sliding_window` w (Mistral): a query sees itself and the w - 1 keys before it, as
+    transformers' sliding-window mask says; a pass no longer than w is plain causal."""
     if attention_mask is not None:
         raise ValueError("this model takes no attention mask outside the engine's passes")
     groups = int(module.num_key_value_groups)  # type: ignore[arg-type]
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1,
+    length = query.shape[2]
+    window = kwargs.get("sliding_window")
+    mask = None
+    if window is not None and length > window:
+        at = torch.arange(length, device=query.device)
+        gap = at[:, None] - at[None, :]  # query index - key index
+        mask = (gap >= 0) & (gap < window)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                         is_causal=mask is None and length > 1,
                                          scale=scaling, enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LlamaShape, layer_idx: int, device: Device = None) -> None:
+    def __init__(self, config: DecoderShape, layer_idx: int, device: Device = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim ** -0.5
         self.is_causal = True
+        self.sliding_window = config.sliding_window  # every layer's (Mistral), or None
         heads, kv_heads, bias = (config.num_attention_heads, config.num_key_value_heads,
-                                 config.attention_bias)
+                                 config.qkv_bias)
         hidden, dim = config.hidden_size, self.head_dim
         self.q_proj = nn.Linear(hidden, heads * dim, bias=bias, device=device)
         self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=bias, device=device)
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=bias, device=device)
-        self.o_proj = nn.Linear(heads * dim, hidden, bias=bias, device=device)
+        self.o_proj = nn.Linear(heads * dim, hidden, bias=config.o_bias, device=device)
+        # Qwen 3: RMSNorm over each head's D before RoPE (one weight for all heads).
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(dim, config.rms_norm_eps, device)
+            self.k_norm = RMSNorm(dim, config.rms_norm_eps, device)
         self.attend: AttentionFn = causal_attention
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention_mask: Any, cache: Any) -> torch.Tensor:
         shape = hidden.shape[:-1]
         split = (*shape, -1, self.head_dim)
-        q = self.q_proj(hidden).view(split).transpose(1, 2)  # [B, heads, T, D]
-        k = self.k_proj(hidden).view(split).transpose(1, 2)
+        q = self.q_proj(hidden).view(split)  # [B, T, heads, D]
+        k = self.k_proj(hidden).view(split)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, D]
         v = self.v_proj(hidden).view(split).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out, _ = self.attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling)
+        out, _ = self.attend(self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling,
+                             sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(*shape, -1).contiguous())
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LlamaShape, device: Device = None) -> None:
+    def __init__(self, config: DecoderShape, device: Device = None) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.gate_proj = nn.Linear(hidden, inner, bias=bias, device=device)
@@ -205,7 +174,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaShape, layer_idx: int, device: Device = None) -> None:
+    def __init__(self, config: DecoderShape, layer_idx: int, device: Device = None) -> None:
         super().__init__()
         size, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = Attention(config, layer_idx, device)
@@ -223,7 +192,7 @@ class DecoderLayer(nn.Module):
 class LlamaBody(nn.Module):
     """transformers' `LlamaModel`: embedding, decoder layers, final norm."""
 
-    def __init__(self, config: LlamaShape, device: Device = None) -> None:
+    def __init__(self, config: DecoderShape, device: Device = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device)
         self.layers = nn.ModuleList(DecoderLayer(config, i, device)
@@ -243,7 +212,7 @@ class CausalOutput:
 class LlamaCausalLM(nn.Module):
     """The model: `model` (the body) and `lm_head`, as transformers names them."""
 
-    def __init__(self, config: LlamaShape, device: Device = None) -> None:
+    def __init__(self, config: DecoderShape, device: Device = None) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaBody(config, device)
@@ -289,7 +258,7 @@ class LlamaCausalLM(nn.Module):
         return CausalOutput(logits=self.lm_head(kept) if project else kept)
 
 
-def build_on_meta(config: LlamaShape) -> LlamaCausalLM:
+def build_on_meta(config: DecoderShape) -> LlamaCausalLM:
     """The model with every tensor on the meta device, for a loader to assign (the
     rotary table too, which checkpoints do not hold: `RotaryEmbedding(config, device)`
     computes it). Tensors are made with `device=` rather than under a `torch.device`

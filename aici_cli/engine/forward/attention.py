@@ -135,7 +135,8 @@ def _unplanned(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                  enable_gqa=True, softcap=softcap)
         return o.transpose(1, 2).contiguous(), None
     if isinstance(module, OwnAttention):
-        return causal_attention(module, query, key, value, attention_mask, scaling=scaling)
+        return causal_attention(module, query, key, value, attention_mask, scaling=scaling,
+                                sliding_window=sliding_window)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask,

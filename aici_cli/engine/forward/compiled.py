@@ -23,8 +23,10 @@ so it changes nothing; its logits are dropped. Each row writes only its own row,
 two writes meet. The embedding, the rotary table, the final norm and the output
 projection (over the span's rows only) stay eager: one op each.
 
-Only Llama-shaped decoder layers are compiled (Llama, Mistral and Qwen2 without a
-sliding window: norm, attention with RoPE, norm, MLP, both residual); other models, and
+Only Llama-shaped decoder layers are compiled (Llama, Mistral, Qwen 2 and Qwen 3: norm,
+attention with RoPE, Qwen 3's q/k norms, norm, MLP, both residuals), with one sliding
+window for every layer at most (Mistral v0.1's: the mask by position also hides the
+slots before it; Qwen's window on some layers only is not); other models, and
 the ragged prefill and fast-forward passes, run eagerly as before (passes.py). Compiled
 kernels are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`, by default under the
 system temp directory), so a second run pays tracing, not code generation. On CUDA the
@@ -50,7 +52,7 @@ from aici_cli.engine.forward.decode_layer import LayerGraphs, layer_graphs
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # Model types whose decoder layer is the Llama layer (with or without projection biases).
-_LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2"})
+_LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 def unsupported(model: Any) -> str | None:
@@ -58,12 +60,23 @@ def unsupported(model: Any) -> str | None:
     config = model.config
     if getattr(config, "model_type", None) not in _LLAMA_SHAPED:
         return f"model type {getattr(config, 'model_type', None)!r} is not Llama-shaped"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
+    if _window(config) is None and getattr(config, "sliding_window", None) \
+            and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention on some layers"
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers or not hasattr(model.model, "rotary_emb"):
         return "no decoder layers where a Llama model has them"
     return None
+
+
+def _window(config: Any) -> int | None:
+    """The sliding window every layer has (Mistral v0.1: `sliding_window`, no
+    `layer_types`), or None (no window, or not on every layer)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "layer_types", None) \
+            or not getattr(config, "use_sliding_window", True):
+        return None
+    return int(window)
 
 
 def compiler_problem(device: torch.device) -> str | None:
@@ -152,7 +165,12 @@ class CompiledDecode:
         h = inner.embed_tokens(ids_t)  # [B, hidden]
         cos, sin = inner.rotary_emb(h[:, None], pos_t[:, None])  # [B, 1, D] each
         capacity = self.cache.capacity
-        mask = (torch.arange(capacity, device=dev)[None, :] <= pos_t[:, None])[:, None, None]
+        slots = torch.arange(capacity, device=dev)[None, :]
+        visible = slots <= pos_t[:, None]
+        window = _window(self.model.config)
+        if window is not None:  # as the packed passes' sliding mask: the last `window` slots
+            visible &= slots > pos_t[:, None] - window
+        mask = visible[:, None, None]  # [B, 1, 1, C]
         if dev.type == "cuda":
             self._static_cache_addresses()
         elif started is not None:

@@ -1,10 +1,11 @@
-"""One Llama decoder layer for B rows of one token each, as the compiled step runs it,
-and the compiled graphs of a model's layers (kept per model, for every engine on it).
+"""One Llama-family decoder layer (Llama, Mistral, Qwen 2, Qwen 3) for B rows of one token
+each, as the compiled step runs it, and the compiled graphs of a model's layers (kept per
+model, for every engine on it).
 
 Per layer and step: norm, q/k/v as one stacked matrix (models/fused_linear.py), HF's own
 RoPE, the new key and value written into the row cache, attention over the whole cache
 capacity with a mask by position, o, norm, gate/up as one stacked matrix, down, both
-residuals: 4 weight reads, not 7.
+residuals: 4 weight reads, not 7. Qwen 3's q/k norms run between the split and RoPE.
 
 On CPU all layers are one graph: one call a step instead of 30, and inductor fuses each
 layer's residual add into the next layer's norm. Measured on the 2-core Xeon (default
@@ -44,6 +45,9 @@ class DecodeLayer(torch.nn.Module):
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
         self.qkv = stack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        # Qwen 3's per-head RMSNorm of q and k before RoPE (None: the layer has none).
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
         self.o_proj = attn.o_proj
         self.gate_up = stack_linears([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
@@ -75,6 +79,8 @@ def layer_step(layer: DecodeLayer, h: torch.Tensor, cos: torch.Tensor, sin: torc
     q = qkv[:, : heads * dim].view(rows, heads, 1, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, 1, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, 1, dim)
+    if layer.q_norm is not None and layer.k_norm is not None:  # over D: the head axis
+        q, k = layer.q_norm(q), layer.k_norm(k)  # is as good as transformers' [B, 1, H, D]
     q, k = layer.rope(q, k, cos, sin)  # HF's own RoPE: [B, heads, 1, D]
     at = torch.arange(rows, device=h.device)
     slot = torch.where(valid, pos, torch.zeros_like(pos))
