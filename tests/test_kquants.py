@@ -7,8 +7,8 @@ tests draw raw blocks and compare with `gguf.quants.dequantize`, the reference:
   offset is an f16 times a 6-bit integer, exact in float32, and the sum is the one gguf
   computes). Through the kernel in float32 the only rounding left is the kernel's own
   zero (m + 8 d) and its multiply-add: within 4 float32 ulps of the group's magnitude.
-- Q5_K: every weight within half its sub-block's step (d sc / 2) of gguf's, and exact
-  in groups whose codes span at most 16 values.
+- Q5_K (and Q5_0): every weight within half its sub-block's step (d sc; Q5_0: d) of
+  gguf's, and within float32 rounding in groups whose codes span at most 16 values.
 
 Then a tiny Llama written as a Q4_K_M GGUF runs through the CLI with `--quantize int4`
 and with `--quantize none`.
@@ -90,6 +90,36 @@ def test_q5_k_loses_at_most_half_a_step(data: bytes, d: float, dmin: float) -> N
     values = want.reshape(2, 8, 32)
     narrow = (values.max(-1) - values.min(-1)) <= 15 * step[..., 0] * (1 - 1e-6)
     assert (error.max(-1)[narrow] <= slack[..., 0][narrow]).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=8 * 22, max_size=8 * 22), st.lists(_F16, min_size=8, max_size=8))
+def test_q5_0_loses_at_most_half_a_step(data: bytes, ds: list[float]) -> None:
+    raw = np.frombuffer(data, dtype=np.uint8).copy().reshape(8, 22)
+    raw[:, 0:2] = np.array(ds, dtype=np.float16).view(np.uint8).reshape(8, 2)
+    raw = raw.reshape(2, -1)  # two rows of four blocks
+    codes, scale, offset = kquant.int4_parts(raw, "Q5_0")
+    assert codes.max() <= 15 and codes.shape == (2, 128)
+    want = _reference(raw, "Q5_0").reshape(8, 32)
+    error = np.abs(_expand(codes, scale, offset).reshape(8, 32) - want)
+    step = np.abs(np.array(ds, dtype=np.float32))[:, None]
+    slack = 4 * np.finfo(np.float32).eps * step * 32
+    assert (error <= step / 2 + slack).all()
+    narrow = (want.max(-1) - want.min(-1)) <= 15 * step[:, 0] * (1 - 1e-6)
+    assert (error.max(-1)[narrow] <= slack[:, 0][narrow]).all()
+
+
+def test_auto_takes_int4_where_a_file_has_4_bit_matrices_else_int8() -> None:
+    """A Q4_K_M file (Q4_K, some Q6_K) runs int4; a Q5_K_M one (Q5_K, some Q6_K) int8,
+    whose error on 5-bit codes is ~7x lower than int4's (docs/models.md)."""
+    def kinds(*types: str) -> set[str]:
+        matrices = GgufMatrices.__new__(GgufMatrices)
+        matrices._where = {f"m{i}": {"type": t} for i, t in enumerate(types)}
+        return matrices.block_kinds()
+
+    assert kinds("Q4_K", "Q6_K", "Q8_0") == {"q4", "q8"}
+    assert kinds("Q5_K", "Q6_K") == kinds("Q5_0") == kinds("Q6_K") == {"q8"}
+    assert kinds("F16", "Q3_K") == set()
 
 
 @settings(max_examples=50, deadline=None)

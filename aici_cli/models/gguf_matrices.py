@@ -7,12 +7,12 @@ the row order transformers gives it. What a layer is built from, by the matrix's
 
 - Q4_0, Q4_1, Q4_K: its 4-bit codes and scales as they are (int4), or its exact values
   (int8: requantised per output channel);
-- Q5_K: its codes less their low bit where a group needs it (int4, `kquant`), or its
-  exact values (int8);
+- Q5_0, Q5_K: its codes less their low bit where a group needs it (int4, `kquant`), or
+  its exact values (int8);
 - Q6_K, Q8_0: its exact values (a Q6_K matrix is int8 in int4 runs too: `int8_only`);
-- any other type (F16, Q5_0, ...): gguf's own dequantisation rounded to bfloat16, the
-  values transformers' conversion stores, so a layer built from it is the one a dense
-  copy would give.
+- any other type (F16, Q2_K, Q3_K, ...): gguf's own dequantisation rounded to bfloat16,
+  the values transformers' conversion stores, so a layer built from it is the one a
+  dense copy would give.
 """
 
 from __future__ import annotations
@@ -60,23 +60,24 @@ class GgufMatrices:
         return set(self._where)
 
     def block_kinds(self) -> set[str]:
-        """"q4" where a matrix is Q4_0/Q4_1/Q4_K/Q5_K (an int4 kernel's group each),
-        "q8" where one is Q8_0/Q6_K."""
+        """"q4" where a matrix is Q4_0/Q4_1/Q4_K (an int4 kernel's groups exactly),
+        "q8" where one has more bits (Q5_0, Q5_K, Q6_K, Q8_0: int8 is closer to them)."""
         kinds = {entry["type"] for entry in self._where.values()}
-        return ({"q4"} if kinds & (gguf_blocks.FOUR_BIT | kquant.TO_INT4) else set()) \
-            | ({"q8"} if kinds & (gguf_blocks.EIGHT_BIT | kquant.TO_INT8) else set())
+        eight = gguf_blocks.EIGHT_BIT | kquant.FIVE_BIT | kquant.INT8_ALWAYS
+        return ({"q4"} if kinds & (gguf_blocks.FOUR_BIT | kquant.INT4_EXACT) else set()) \
+            | ({"q8"} if kinds & eight else set())
 
     def int8_only(self, name: str) -> bool:
         """Whether the matrix is int8 in an int4 run as well: a Q6_K one, whose int4
         requantisation is ~8x further from its values than int8's (docs/models.md)."""
-        return self._where[name]["type"] in kquant.TO_INT8
+        return self._where[name]["type"] in kquant.INT8_ALWAYS
 
     def int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(codes [N, K] uint8 in 0..15, d, m [N, K/32] float16, or float32 for a
-        K-quant) of a Q4_0/Q4_1/Q4_K/Q5_K matrix, so that weight = codes * d + m
-        (exactly but for Q5_K: `kquant`); None for another type."""
+        """(codes [N, K] uint8 in 0..15, d, m [N, K/32] float16, or float32 from
+        `kquant`) of a Q4_0/Q4_1/Q4_K/Q5_0/Q5_K matrix, so that weight = codes * d + m
+        (exactly but for the 5-bit types: `kquant`); None for another type."""
         kind = self._where[name]["type"]
-        if kind in kquant.TO_INT4:
+        if kind in kquant.INT4_EXACT | kquant.FIVE_BIT:
             codes, d, m = kquant.int4_parts(self._raw(name), kind)
             return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
         if kind not in gguf_blocks.FOUR_BIT:

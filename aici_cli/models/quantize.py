@@ -7,8 +7,8 @@ hand-written kernel:
 - int4: `_weight_int4pack_mm_for_cpu` (CUDA: `_weight_int4pack_mm`, tinygemm), group-32
   asymmetric: weight = (q - 8) * scale + zero per group of 32 inputs, q in 0..15. A GGUF
   Q4_0/Q4_1 block, or a Q4_K sub-block, is exactly such a group (`gguf_blocks`,
-  `kquant`): its codes are used as they are; a Q5_K sub-block loses at most its codes'
-  low bit (`kquant`).
+  `kquant`): its codes are used as they are; a Q5_0 block or Q5_K sub-block loses at
+  most its codes' low bit (`kquant`).
 - int8: `_weight_int8pack_mm` (CPU), per output channel symmetric: weight = q * scale.
   On CUDA, where PyTorch has no such kernel, the int8 weights are widened per call.
 
@@ -202,8 +202,8 @@ def available_blocks(path: Path) -> set[str]:
 
 def resolve_mode(spec: str, path: Path, dtype: torch.dtype) -> str:
     """The quantisation a run uses for `--quantize spec`. `auto`: a GGUF source runs at
-    its own precision where a kernel exists (its 4- and 5-bit matrices as int4, an
-    all-8-bit or Q6_K one as int8) in a 16-bit run; float32 runs (exactness checks)
+    its own precision where a kernel exists (one with 4-bit matrices as int4, one whose
+    matrices have 5 bits or more as int8) in a 16-bit run; float32 runs (exactness checks)
     and float sources run unquantised."""
     if spec in MODES:
         return spec
