@@ -8,9 +8,17 @@ Three measures, each for every mode in --modes against `none` (bf16 weights):
 - JSON compliance on the dev half of Glaiveai2K (the sorted files at odd positions, the
   first --schemas of them; no setting here was chosen on them): outputs that parse and
   validate against their schema, at batch 8, greedy, --max-tokens;
-- the eval example's accuracy (examples/eval/eval.jsonl, `--score`).
+- the eval example's accuracy (examples/eval/eval.jsonl, `--score`);
+- for a GGUF model, how far each way of putting its quantised matrices on the kernels
+  is from the file's own values (`weights`: relative RMS error, and the largest error
+  over the matrix's largest value, mean over the matrices of each type): the blocks
+  mapped as runs map them (`aici_cli/models/kquant.py`), min/max int4 per group of 32,
+  int8 per channel. Q5_K is measured on the file's Q6_K matrices written again as Q5_K
+  (the test suite's encoder, `tests/arch_gguf.py`), where the file has none.
 
     python bench/quantize_quality.py --modes int8,int4 --schemas 32 --max-tokens 256
+    python bench/quantize_quality.py --model gemma-3-270m --skip json,eval \
+        --window 128 --windows 4
 
 Results land in out/quantize_quality.json.
 """
@@ -97,6 +105,63 @@ def eval_accuracy(lm: Any) -> dict[str, Any]:
     return {"correct": sum(bool(r["correct"]) for r in answered), "of": len(answered)}
 
 
+def weight_errors(gguf_file: Path) -> dict[str, dict[str, Any]]:
+    """{type: {mapping: [relative RMS error, max error / max |w|], ...}} over the
+    matrices of `gguf_file` (module docstring)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from aici_cli.models import kquant
+    from aici_cli.models.quantize import quantize_int4, quantize_int8
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from arch_gguf import quantize_k
+
+    def error(a: Any, w: Any) -> tuple[float, float]:
+        return (float(np.sqrt(((a - w) ** 2).mean() / (w ** 2).mean())),
+                float(np.abs(a - w).max() / np.abs(w).max()))
+
+    def minmax4(w: Any) -> Any:
+        c, d, m = quantize_int4(torch.from_numpy(w))
+        return (c.float().view(w.shape[0], -1, 32) * d[..., None] + m[..., None]) \
+            .reshape(w.shape).numpy()
+
+    def int8(w: Any) -> Any:
+        c, s = quantize_int8(torch.from_numpy(w))
+        return (c.float() * s[:, None]).numpy()
+
+    def blocks(raw: Any, kind: str) -> Any:
+        c, d, m = kquant.int4_parts(raw, kind)
+        return c.astype(np.float32) * np.repeat(d, 32, 1) + np.repeat(m, 32, 1)
+
+    def values(raw: Any, kind: str) -> Any:
+        return np.ascontiguousarray(dequantize(raw, GGMLQuantizationType[kind]),
+                                    dtype=np.float32)
+
+    found: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for tensor in GGUFReader(str(gguf_file)).tensors:
+        kind = tensor.tensor_type.name
+        if kind not in kquant.TYPES or len(tensor.data.shape) != 2:
+            continue
+        raw = np.asarray(tensor.data)
+        cases = [(kind, raw)]
+        if kind == "Q6_K":
+            cases.append(("Q5_K", quantize_k(values(raw, kind), "Q5_K")))
+        for case, data in cases:
+            w = values(data, case)
+            ways = {"int4 g32 min/max": minmax4(w), "int8 per channel": int8(w)}
+            if case not in kquant.INT8_ALWAYS:
+                ways["int4 from the blocks"] = blocks(data, case)
+            for way, got in ways.items():
+                found.setdefault(case, {}).setdefault(way, []).append(error(got, w))
+    return {case: {way: [round(float(np.mean([e[0] for e in v])), 4),
+                         round(float(np.mean([e[1] for e in v])), 4), len(v)]
+                   for way, v in by_way.items()}
+            for case, by_way in sorted(found.items())}
+
+
 def _defaults() -> Any:
     from aici_cli.core.config import JobDefaults
 
@@ -112,8 +177,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--skip", default="", help="comma list of: kl,json,eval")
+    ap.add_argument("--skip", default="", help="comma list of: kl,json,eval,weights")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "quantize_quality.json")
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="the model's GGUF file, for the `weights` measure")
     args = ap.parse_args()
 
     import torch
@@ -123,6 +190,12 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     text = HELD_OUT.read_text() if HELD_OUT.is_file() else (REPO / "README.md").read_text()
     report: dict[str, Any] = {"modes": {}}
+    if args.gguf is not None and "weights" not in skip:
+        report["weights"] = weight_errors(args.gguf)
+        for case, by_way in report["weights"].items():
+            for way, (rms, peak, n) in by_way.items():
+                print(f"{case:5} {way:21} {n:3} matrices: relative RMS {rms:.4f}, "
+                      f"max/max|w| {peak:.4f}", flush=True)
     reference = None
     for mode in ["none", *args.modes.split(",")]:
         lm = load_model(args.model, "cpu", "bfloat16", mode)

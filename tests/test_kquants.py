@@ -110,8 +110,9 @@ def test_q5_0_loses_at_most_half_a_step(data: bytes, ds: list[float]) -> None:
 
 
 def test_auto_takes_int4_where_a_file_has_4_bit_matrices_else_int8() -> None:
-    """A Q4_K_M file (Q4_K, some Q6_K) runs int4; a Q5_K_M one (Q5_K, some Q6_K) int8,
-    whose error on 5-bit codes is ~7x lower than int4's (docs/models.md)."""
+    """A Q4_K_M file (Q4_K, some Q6_K) runs int4; one with 5-bit matrices (Q5_K_M, or
+    a Q4_K_M with Q5_0 fallbacks as gemma-3-270m's) int8, whose error on 5-bit codes is
+    ~7x lower than int4's (docs/models.md)."""
     def kinds(*types: str) -> set[str]:
         matrices = GgufMatrices.__new__(GgufMatrices)
         matrices._where = {f"m{i}": {"type": t} for i, t in enumerate(types)}
@@ -119,6 +120,7 @@ def test_auto_takes_int4_where_a_file_has_4_bit_matrices_else_int8() -> None:
 
     assert kinds("Q4_K", "Q6_K", "Q8_0") == {"q4", "q8"}
     assert kinds("Q5_K", "Q6_K") == kinds("Q5_0") == kinds("Q6_K") == {"q8"}
+    assert kinds("Q4_K", "Q5_0", "Q6_K", "Q8_0") == {"q8"}
     assert kinds("F16", "Q3_K") == set()
 
 

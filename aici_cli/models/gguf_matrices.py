@@ -60,12 +60,16 @@ class GgufMatrices:
         return set(self._where)
 
     def block_kinds(self) -> set[str]:
-        """"q4" where a matrix is Q4_0/Q4_1/Q4_K (an int4 kernel's groups exactly),
-        "q8" where one has more bits (Q5_0, Q5_K, Q6_K, Q8_0: int8 is closer to them)."""
+        """"q4" where a matrix is Q4_0/Q4_1/Q4_K (an int4 kernel's groups exactly) and
+        none has 5 bits; "q8" where one has 5 bits or more (Q5_0, Q5_K, Q6_K, Q8_0: int8
+        is ~7x closer to them than int4). A Q4_K_M file with Q5_0 fallbacks (its matrices
+        of 640 inputs, not whole super-blocks, in gemma-3-270m's) is "q8" only: int4
+        would run its 5-bit majority at KL 0.47 from the bf16 run, int8 at 0.022."""
         kinds = {entry["type"] for entry in self._where.values()}
-        eight = gguf_blocks.EIGHT_BIT | kquant.FIVE_BIT | kquant.INT8_ALWAYS
-        return ({"q4"} if kinds & (gguf_blocks.FOUR_BIT | kquant.INT4_EXACT) else set()) \
-            | ({"q8"} if kinds & eight else set())
+        four = kinds & (gguf_blocks.FOUR_BIT | kquant.INT4_EXACT) \
+            and not kinds & kquant.FIVE_BIT
+        eight = kinds & (gguf_blocks.EIGHT_BIT | kquant.FIVE_BIT | kquant.INT8_ALWAYS)
+        return ({"q4"} if four else set()) | ({"q8"} if eight else set())
 
     def int8_only(self, name: str) -> bool:
         """Whether the matrix is int8 in an int4 run as well: a Q6_K one, whose int4

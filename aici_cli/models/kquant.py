@@ -43,7 +43,7 @@ QK_K = 256  # weights per super-block (gguf.constants.QK_K; gguf imports in ~0.1
 GROUP = 32  # weights per int4 group: one Q4_K/Q5_K sub-block, one Q5_0 block
 INT4_EXACT = frozenset({"Q4_K"})  # int4 groups exactly
 # 5-bit codes: int4 loses at most their low bit; int8 per channel from their values is
-# ~7x closer (docs/models.md), so a run that leaves the choice to `auto` takes int8.
+# ~7x closer (docs/models.md), so a file with any of them runs int8 under `auto`.
 FIVE_BIT = frozenset({"Q5_0", "Q5_K"})
 INT8_ALWAYS = frozenset({"Q6_K"})  # requantised to int8 per channel, in int4 runs too
 TYPES = INT4_EXACT | FIVE_BIT | INT8_ALWAYS

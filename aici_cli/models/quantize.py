@@ -202,9 +202,10 @@ def available_blocks(path: Path) -> set[str]:
 
 def resolve_mode(spec: str, path: Path, dtype: torch.dtype) -> str:
     """The quantisation a run uses for `--quantize spec`. `auto`: a GGUF source runs at
-    its own precision where a kernel exists (one with 4-bit matrices as int4, one whose
-    matrices have 5 bits or more as int8) in a 16-bit run; float32 runs (exactness checks)
-    and float sources run unquantised."""
+    its own precision where a kernel exists (one with 4-bit matrices and none of 5 bits
+    as int4, one with matrices of 5 bits or more as int8: `GgufMatrices.block_kinds`)
+    in a 16-bit run; float32 runs (exactness checks) and float sources run
+    unquantised."""
     if spec in MODES:
         return spec
     if spec != "auto":
