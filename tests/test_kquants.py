@@ -28,9 +28,11 @@ from arch_models import build_arch_model
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 
 from aici_cli.cli.main import main
 from aici_cli.models import kquant, quantize
+from aici_cli.models.block_embedding import BlockEmbedding
 from aici_cli.models.conversion_cache import converted_gguf
 from aici_cli.models.gguf_matrices import GgufMatrices
 from aici_cli.models.load import LoadedModel, load_model
@@ -193,6 +195,15 @@ def test_a_q4_k_m_file_runs_int4_from_its_blocks(k_model: Path, cache: Path) -> 
     assert ((down.codes.float() * scale - exact).abs() <= scale / 2 * (1 + 1e-5)).all()
     assert sorted(p.name for p in entry.glob("*.safetensors")) == [
         "aici-base.safetensors", next(entry.glob("aici-packed-int4-*")).name]
+    # The Q4_K embedding is kept as its sub-blocks, rows widened as looked up to the
+    # bfloat16 of gguf's values (what a dense copy holds).
+    embed = lm.model.get_input_embeddings()
+    assert isinstance(embed, BlockEmbedding) and embed.d.dtype == torch.float32
+    with safe_open(str(entry / "aici-base.safetensors"), framework="pt") as f:
+        assert "model.embed_tokens.weight" not in f.keys()  # noqa: SIM118
+    table = matrices.row_source("model.embed_tokens.weight")(0, embed.num_embeddings)
+    ids = torch.arange(embed.num_embeddings)
+    assert torch.equal(embed(ids).float(), table.to(torch.bfloat16).float())
 
 
 def _logits(lm: LoadedModel, text: str) -> torch.Tensor:

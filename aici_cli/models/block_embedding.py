@@ -1,7 +1,8 @@
 """An input embedding kept as the GGUF's own blocks, its rows dequantised as looked up.
 
 A lookup reads a few rows of the table, so a quantised run need not keep the table
-dense: the conversion stores the GGUF's Q8_0 (or Q4_0/Q4_1) blocks once (`gguf_tensors`;
+dense: the conversion stores the GGUF's Q8_0 (or Q4_0/Q4_1, or Q4_K's sub-blocks with
+float32 scales: `kquant`) blocks once (`gguf_tensors`;
 the default model's: 30 MB against 57 MB in bfloat16), and each looked-up row is
 dequantised as gguf does it (float32), rounded to bfloat16, then cast to the run's dtype:
 exactly the rows of the bfloat16 table a dense copy holds (`gguf_blocks` computes
@@ -19,7 +20,8 @@ from aici_cli.models.gguf_matrices import STORED_DTYPE
 
 class BlockEmbedding(torch.nn.Module):
     """`codes`: [V, H] int8 (Q8_0) or [V, H/2] uint8 (4-bit, column 2c in the low
-    nibble); `d`, and for 4-bit `m`, [V, H/32] float16: row v is codes * d (+ m)."""
+    nibble); `d`, and for 4-bit `m`, [V, H/32] float16 or float32: row v is codes * d
+    (+ m), computed in float32."""
 
     codes: torch.Tensor
     d: torch.Tensor

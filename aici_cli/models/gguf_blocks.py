@@ -31,8 +31,9 @@ EIGHT_BIT = frozenset({"Q8_0"})
 @dataclass(frozen=True)
 class Int4Blocks:
     """`codes`: [N, K/2] uint8, two 4-bit codes per byte in column order (column 2c in the
-    low nibble, 2c + 1 in the high one); `d`, `m`: [N, K/32] float16, so that weight
-    (n, k) = codes[n, k] * d[n, k // 32] + m[n, k // 32]."""
+    low nibble, 2c + 1 in the high one); `d`, `m`: [N, K/32] float16 (float32 for a
+    Q4_K's sub-blocks: `kquant`), so that weight (n, k) = codes[n, k] * d[n, k // 32] +
+    m[n, k // 32]."""
 
     codes: np.ndarray
     d: np.ndarray

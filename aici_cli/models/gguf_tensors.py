@@ -8,11 +8,12 @@ what every run reads as it is (norms, biases: transformers' own conversion of th
 bfloat16) and records, for each matrix a linear layer holds, where its data lies in the
 GGUF: its type, byte offset and row order (`gguf_matrices` reads it from there). The input
 embedding, which runs look up rather than multiply, is kept once: as the GGUF's own Q8_0,
-Q4_0 or Q4_1 blocks where the file has it so (a lookup widens the rows it reads:
-`block_embedding`), else in bfloat16. Entry names, for parameter P:
+Q4_0 or Q4_1 blocks (Q4_K: its sub-blocks, as 4-bit blocks) where the file has it so (a
+lookup widens the rows it reads: `block_embedding`), else in bfloat16. Entry names, for parameter P:
 
     P                    a dense tensor, bfloat16
-    P:q4, P:q4_d, P:q4_m the embedding's 4-bit blocks (`gguf_blocks.Int4Blocks`)
+    P:q4, P:q4_d, P:q4_m the embedding's 4-bit blocks (`gguf_blocks.Int4Blocks`; d and
+                         m float16, or float32 from a Q4_K)
     P:q8, P:q8_d         its 8-bit blocks (`gguf_blocks.Int8Blocks`)
     P:rows               int32: the GGUF row of each of the matrix P's rows, where
                          transformers reorders them (llama's q/k permutation)
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from aici_cli.core.errors import ModelError
-from aici_cli.models import gguf_blocks
+from aici_cli.models import gguf_blocks, kquant
 from aici_cli.models.aligned import save_aligned
 from aici_cli.models.entry_record import BASE_FILE
 from aici_cli.models.gguf_matrices import MATRICES_KEY, STORED_DTYPE
@@ -115,7 +116,8 @@ def _keep_in_place(tensor: Any, processor: Any, hf_name: str, embedding: str | N
         return False
     order = _row_order(processor, tensor.name, raw.shape[0])
     kind = tensor.tensor_type.name
-    if order is None or (gguf_blocks.is_block_type(kind) and not _reads_as_gguf(raw, kind)):
+    ours = gguf_blocks.is_block_type(kind) or kind in kquant.INT4_EXACT
+    if order is None or (ours and not _reads_as_gguf(raw, kind)):
         return False
     moved = not np.array_equal(order, np.arange(raw.shape[0]))
     where[hf_name] = {"tensor": tensor.name, "type": kind, "offset": int(tensor.data_offset),
@@ -125,9 +127,9 @@ def _keep_in_place(tensor: Any, processor: Any, hf_name: str, embedding: str | N
         kept[f"{hf_name}:rows"] = order.astype(np.int32)
     if hf_name != embedding:
         return True
-    if not (as_blocks and gguf_blocks.is_block_type(kind)):
+    if not (as_blocks and ours):
         return False  # looked up from a dense copy: stored in bfloat16 as well
-    blocks = gguf_blocks.read_blocks(raw[order], kind)
+    blocks = _blocks(raw[order], kind)
     if isinstance(blocks, gguf_blocks.Int4Blocks):
         kept |= {f"{hf_name}:q4": blocks.codes, f"{hf_name}:q4_d": blocks.d,
                  f"{hf_name}:q4_m": blocks.m}
@@ -136,14 +138,25 @@ def _keep_in_place(tensor: Any, processor: Any, hf_name: str, embedding: str | N
     return True
 
 
+def _blocks(raw: np.ndarray, kind: str) -> gguf_blocks.Int4Blocks | gguf_blocks.Int8Blocks:
+    """A Q4_0/Q4_1/Q8_0 tensor's blocks as they are; a Q4_K one's as 4-bit blocks of 32
+    with float32 scales and offsets (`kquant`: their exact values; 4.5 + 2 bits a
+    weight against bfloat16's 16)."""
+    if gguf_blocks.is_block_type(kind):
+        return gguf_blocks.read_blocks(raw, kind)
+    codes, d, m = kquant.int4_parts(raw, kind)
+    return gguf_blocks.Int4Blocks(codes=gguf_blocks.pack_codes(codes), d=d, m=m)
+
+
 def _reads_as_gguf(raw: np.ndarray, kind: str) -> bool:
-    """Whether `gguf_blocks` reads the first row of a block-type tensor as gguf's own
-    dequantisation does (a cheap guard against a format the reader misreads)."""
+    """Whether the blocks reader (`gguf_blocks`, `kquant`) reads the first row of a
+    block-type tensor as gguf's own dequantisation does (a cheap guard against a format
+    the reader misreads)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     row = np.ascontiguousarray(raw[:1])
-    mine = gguf_blocks.dequantize(gguf_blocks.read_blocks(row, kind))
+    mine = gguf_blocks.dequantize(_blocks(row, kind))
     return bool(np.array_equal(mine, dequantize(row, GGMLQuantizationType[kind])))
 
 
