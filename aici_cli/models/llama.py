@@ -52,26 +52,67 @@ class RMSNorm(nn.Module):
         return self.weight * hidden.to(dtype)
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scaled by (1 + weight) in float32, then cast (Llama's casts first
+    and scales in the input's dtype); the weight starts at 0."""
+
+    def __init__(self, size: int, eps: float, device: Device = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x.float()
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (hidden * (1.0 + self.weight.float())).type_as(x)
+
+
+def make_norm(config: DecoderShape, size: int, device: Device) -> nn.Module:
+    norm = OffsetRMSNorm if config.norm_offset else RMSNorm
+    return norm(size, config.rms_norm_eps, device)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's embedding: rows times sqrt(hidden), the factor rounded to the weight's
+    dtype first (bfloat16 makes sqrt(3072) 55.5), as transformers does."""
+
+    def __init__(self, rows: int, size: int, scale: float, device: Device = None) -> None:
+        super().__init__(rows, size, device=device)
+        # Computed, not stored in checkpoints: a CPU tensor even while the model is on meta.
+        self.embed_scale = nn.Buffer(torch.tensor(scale), persistent=False)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input) * self.embed_scale.to(self.weight.dtype)
+
+
 class RotaryEmbedding(nn.Module):
-    """Default RoPE: cos/sin [.., T, head_dim] for position ids [.., T], in x's dtype."""
+    """Default RoPE: cos/sin [.., T, head_dim] for position ids [.., T], in x's dtype.
+    Where layer kinds have RoPE bases of their own (Gemma 3), one table per kind,
+    named as transformers names them (`sliding_attention_inv_freq`, ...)."""
 
     def __init__(self, config: DecoderShape, device: Device = None) -> None:
         super().__init__()
         dim = config.head_dim
-        if torch.device(device or "cpu").type == "meta":  # arange on meta imports dynamo
-            inv_freq = torch.empty(dim // 2, device=device)
-        else:
-            steps = torch.arange(0, dim, 2, dtype=torch.float, device=device)
-            inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
-        # transformers keeps a copy (for dynamic RoPE types; default RoPE never reads it).
-        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+        thetas = config.rope_thetas or {"": config.rope_theta}
+        for kind in sorted(thetas):
+            if torch.device(device or "cpu").type == "meta":  # arange on meta imports dynamo
+                inv_freq = torch.empty(dim // 2, device=device)
+            else:
+                steps = torch.arange(0, dim, 2, dtype=torch.float, device=device)
+                inv_freq = 1.0 / (thetas[kind] ** (steps / dim))
+            prefix = f"{kind}_" if kind else ""
+            setattr(self, f"{prefix}inv_freq", nn.Buffer(inv_freq, persistent=False))
+            # transformers keeps a copy (for dynamic RoPE; default RoPE never reads it).
+            setattr(self, f"{prefix}original_inv_freq",
+                    nn.Buffer(inv_freq.clone(), persistent=False))
         self.attention_scaling = 1.0
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, kind: str = ""
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device,
-                                                                   dtype=torch.float)
+        """`kind`: the layer kind whose table to use (where there is one per kind)."""
+        inv_freq = getattr(self, f"{kind}_inv_freq" if kind else "inv_freq")
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device,
+                                                              dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
@@ -124,9 +165,13 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = config.scaling
         self.is_causal = True
-        self.sliding_window = config.sliding_window  # every layer's (Mistral), or None
+        kinds = config.layer_types
+        self.layer_type = kinds[layer_idx] if kinds else "full_attention"
+        # Mistral: every layer's window (no kinds); Gemma 3: its sliding layers'.
+        self.sliding_window = (config.sliding_window
+                               if not kinds or self.layer_type == "sliding_attention" else None)
         heads, kv_heads, bias = (config.num_attention_heads, config.num_key_value_heads,
                                  config.qkv_bias)
         hidden, dim = config.hidden_size, self.head_dim
@@ -134,12 +179,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_heads * dim, bias=bias, device=device)
         self.v_proj = nn.Linear(hidden, kv_heads * dim, bias=bias, device=device)
         self.o_proj = nn.Linear(heads * dim, hidden, bias=config.o_bias, device=device)
-        # Qwen 3: RMSNorm over each head's D before RoPE (one weight for all heads).
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
+        # Qwen 3, Gemma 3: RMSNorm over each head's D before RoPE (one weight for all heads).
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(dim, config.rms_norm_eps, device)
-            self.k_norm = RMSNorm(dim, config.rms_norm_eps, device)
+            self.q_norm = make_norm(config, dim, device)
+            self.k_norm = make_norm(config, dim, device)
         self.attend: AttentionFn = causal_attention
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -167,7 +212,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias, device=device)
         self.up_proj = nn.Linear(hidden, inner, bias=bias, device=device)
         self.down_proj = nn.Linear(inner, hidden, bias=bias, device=device)
-        self.act_fn = nn.SiLU()
+        self.act_fn: nn.Module = (nn.GELU(approximate="tanh")
+                                  if config.hidden_act == "gelu_pytorch_tanh" else nn.SiLU())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -176,16 +222,24 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: DecoderShape, layer_idx: int, device: Device = None) -> None:
         super().__init__()
-        size, eps = config.hidden_size, config.rms_norm_eps
+        size = config.hidden_size
         self.self_attn = Attention(config, layer_idx, device)
         self.mlp = MLP(config, device)
-        self.input_layernorm = RMSNorm(size, eps, device)
-        self.post_attention_layernorm = RMSNorm(size, eps, device)
+        self.input_layernorm = make_norm(config, size, device)
+        self.post_attention_layernorm = make_norm(config, size, device)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:  # Gemma 3: post_attention_layernorm then norms the attention's out
+            self.pre_feedforward_layernorm = make_norm(config, size, device)
+            self.post_feedforward_layernorm = make_norm(config, size, device)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention_mask: Any, cache: Any) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin,
-                                         attention_mask, cache)
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, attention_mask, cache)
+        if self.sandwich:
+            hidden = hidden + self.post_attention_layernorm(attended)
+            mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+            return hidden + self.post_feedforward_layernorm(mlp)
+        hidden = hidden + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -194,10 +248,13 @@ class LlamaBody(nn.Module):
 
     def __init__(self, config: DecoderShape, device: Device = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device)
+        rows, size = config.vocab_size, config.hidden_size
+        self.embed_tokens = (nn.Embedding(rows, size, device=device)
+                             if config.embed_scale is None
+                             else ScaledEmbedding(rows, size, config.embed_scale, device))
         self.layers = nn.ModuleList(DecoderLayer(config, i, device)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        self.norm = make_norm(config, config.hidden_size, device)
         self.rotary_emb = RotaryEmbedding(config, device)
 
 
@@ -248,9 +305,17 @@ class LlamaCausalLM(nn.Module):
         hidden = body.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=hidden.device)[None]
-        cos, sin = body.rotary_emb(hidden, position_ids)
+        kinds = self.config.layer_types if self.config.rope_thetas else None
+        if kinds is None:
+            cos, sin = body.rotary_emb(hidden, position_ids)
+            tables = {"full_attention": (cos, sin), "sliding_attention": (cos, sin)}
+        else:  # a table per layer kind
+            tables = {kind: body.rotary_emb(hidden, position_ids, kind) for kind in set(kinds)}
         for layer in body.layers:
-            hidden = layer(hidden, cos, sin, attention_mask, cache)
+            kind = str(layer.self_attn.layer_type)  # type: ignore[union-attr]
+            # The engine hands Gemma-style models a mask per layer kind.
+            mask = attention_mask[kind] if isinstance(attention_mask, dict) else attention_mask
+            hidden = layer(hidden, *tables[kind], mask, cache)
         hidden = body.norm(hidden)
         keep = (slice(-logits_to_keep, None) if isinstance(logits_to_keep, int)
                 else logits_to_keep)
