@@ -215,8 +215,9 @@ def _logits(lm: LoadedModel, text: str) -> torch.Tensor:
 def test_int4_runs_the_file_as_the_unquantised_run_does(k_model: Path, cache: Path,
                                                         tmp_path: Path) -> None:
     """Through the CLI, greedy, `--quantize int4` against `--quantize none` of one file:
-    the same text; and logits within 2% of their spread (measured: ~0.3%; int4 differs
-    only by bf16 scales and the Q6_K matrices' int8 requantisation)."""
+    the same text; and logits within 3% of their spread (measured: 1.4%; the runs differ
+    by the int4 kernel's bfloat16 scales and arithmetic, and by the Q6_K matrices' int8
+    requantisation, ~1% RMS of their values)."""
     lines = "".join(json.dumps({"id": str(i), "prompt": p, "max_tokens": 8}) + "\n"
                     for i, p in enumerate(["the quick brown", "a b c"]))
     texts = {}
@@ -227,9 +228,9 @@ def test_int4_runs_the_file_as_the_unquantised_run_does(k_model: Path, cache: Pa
         assert result.exit_code == 0, result.output
         rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
         texts[mode] = {r["id"]: r["text"] for r in rows}
-    assert texts["int4"] == texts["none"]
+    assert texts["int4"] == texts["none"] and all(texts["none"].values())
     int4 = _logits(_load(k_model, "int4"), "the quick brown fox")
     dense = _logits(_load(k_model, "none"), "the quick brown fox")
     spread = dense.max() - dense.min()
-    assert (int4 - dense).abs().max() <= 0.02 * spread
+    assert (int4 - dense).abs().max() <= 0.03 * spread
     shutil.rmtree(cache, ignore_errors=True)
