@@ -50,7 +50,8 @@ TYPES = INT4_EXACT | FIVE_BIT | INT8_ALWAYS
 
 
 def block_bytes(type_name: str) -> int:
-    """Bytes per 256-weight super-block of a K-quant type (gguf's table)."""
+    """Bytes per block of `type_name` (gguf's table): a K-quant's 256-weight
+    super-block, a Q5_0 block of 32."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1]
@@ -102,9 +103,9 @@ def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _five_to_four(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """5-bit groups ([B, 8, 32] codes, [B, 8] scale s and offset o: w = q s + o) as 4-bit
-    ones: q - lo where a group's codes span lo..lo+15 (exact), else (q - lo) // 2 with
-    scale 2 s, offset o + lo s + s / 2 (each weight off by s / 2)."""
+    """5-bit groups ([B, G, 32] codes in 0..31, [B, G] scale s and offset o: w = q s +
+    o) as 4-bit ones: q - lo where a group's codes span lo..lo+15 (exact), else
+    (q - lo) // 2 with scale 2 s, offset o + lo s + s / 2 (each weight off by s / 2)."""
     lo = codes.min(axis=-1)  # [B, 8]
     halve = (codes.max(axis=-1) - lo) > 15
     shifted = codes - lo[..., None]
