@@ -5,9 +5,10 @@ Three measures, each for every mode in --modes against `none` (bf16 weights):
 - KL divergence of the next-token distributions on held-out text (prose the project
   never tunes on: the GPL-3 text Debian ships, in windows of --window tokens), mean over
   positions, with the share of positions whose top-1 token agrees;
-- JSON compliance on the dev half of Glaiveai2K (the sorted files at odd positions, the
-  first --schemas of them; no setting here was chosen on them): outputs that parse and
-  validate against their schema, at batch 8, greedy, --max-tokens;
+- JSON compliance on the held-out half of Glaiveai2K (`bench/data_split.py`: the first
+  --schemas of its sorted files; no setting is tuned on them): outputs that parse and
+  validate against their schema, at batch 8, greedy, --max-tokens (a `messages` line, or
+  a `prompt` line for a model without a chat template, such as gemma-3-270m);
 - the eval example's accuracy (examples/eval/eval.jsonl, `--score`);
 - for a GGUF model, how far each way of putting its quantised matrices on the kernels
   is from the file's own values (`weights`: relative RMS error, and the largest error
@@ -33,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from data_split import in_half  # noqa: E402
+
 # shared/ beside the checkout (or beside a folder above it, for a worktree)
 GLAIVE = next((p / "shared" / "data" / "jsonschemabench" / "Glaiveai2K" for p in REPO.parents
                if (p / "shared" / "data").is_dir()),
@@ -42,8 +46,8 @@ EVAL = REPO / "examples" / "eval" / "eval.jsonl"
 
 
 def dev_half(n: int) -> list[Path]:
-    """The schemas no tuning looked at: odd positions of the sorted Glaiveai2K files."""
-    return sorted(GLAIVE.glob("*.json"))[1::2][:n]
+    """The first `n` schemas of the held-out half (`data_split`): none tuned on."""
+    return [p for p in sorted(GLAIVE.glob("*.json")) if in_half(p, "held")][:n]
 
 
 def next_token_logprobs(lm: Any, text: str, window: int, windows: int) -> Any:
@@ -74,9 +78,11 @@ def json_compliance(lm: Any, schemas: list[Path], max_tokens: int) -> dict[str, 
         schema = json.loads(path.read_text())
         loaded.append(schema)
         ask = f"Produce a JSON object matching this JSON Schema: {json.dumps(schema)}"
+        chat = bool(getattr(lm.tokenizer, "chat_template", None))
         jobs.append(Job(index=i + 1, id=path.stem, max_tokens=max_tokens,
                         constraint=Constraint("json_schema", schema),
-                        prompt=None, messages=[{"role": "user", "content": ask}]))
+                        prompt=None if chat else f"{ask}\n",
+                        messages=[{"role": "user", "content": ask}] if chat else None))
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
     Engine(lm, EngineConfig(batch_size=8)).run(jobs, results.append)
