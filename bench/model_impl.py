@@ -59,9 +59,10 @@ DEFAULT_SHAPE: dict[str, Any] = dict(
     num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
     max_position_embeddings=8192)
 CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-           "qwen3": "Qwen3Config"}
+           "qwen3": "Qwen3Config", "gemma3": "Gemma3TextConfig"}
 MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "gemma3": "Gemma3ForCausalLM"}
 
 
 def arch_model(arch: str) -> str | None:
@@ -83,8 +84,10 @@ def arch_model(arch: str) -> str | None:
     source = resolve_model(None)
     raw = json.loads((source / "config.json").read_text())
     ids = {k: raw[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}
-    config = getattr(transformers, CONFIGS[arch])(**DEFAULT_SHAPE, **ids,
-                                                  rope_theta=100000.0)
+    extra: dict[str, Any] = {"rope_theta": 100000.0}
+    if arch == "gemma3":  # its own RoPE bases and 512-token window, as gemma-3-270m
+        extra = {"query_pre_attn_scalar": 64, "sliding_window": 512}
+    config = getattr(transformers, CONFIGS[arch])(**DEFAULT_SHAPE, **ids, **extra)
     if arch == "mistral":
         config.sliding_window = None  # as Mistral 7B v0.2 and later
     with torch.random.fork_rng(devices=[]):
@@ -116,7 +119,8 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--quantize", default="none,int4")
     ap.add_argument("--archs", default="default",
-                    help="default and/or llama, mistral, qwen2, qwen3 (random weights)")
+                    help="default and/or llama, mistral, qwen2, qwen3, gemma3 (random weights)")
+    ap.add_argument("--dtype", default="auto", help="the runs' --dtype (auto, float32, ...)")
     ap.add_argument("--no-start-up", action="store_true", help="skip the load timings")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "model_impl.json")
     args = ap.parse_args()
@@ -140,8 +144,8 @@ def compare(arch: str, spec: str | None, quantize: str,
 
     impls = ("auto", "transformers")
     rows: list[dict[str, Any]] = []
-    models = {impl: load_model(spec, quantize=quantize, implementation=impl)
-              for impl in impls}
+    models = {impl: load_model(spec, dtype=args.dtype, quantize=quantize,
+                               implementation=impl) for impl in impls}
     assert isinstance(models["auto"].model, LlamaCausalLM), arch  # the own module
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         decode_rate(models["auto"], batch, 8)  # warm both (allocator, kernels)
