@@ -1,6 +1,7 @@
 """Llama-family causal LMs in plain PyTorch, without transformers' model classes: Llama,
-Mistral, Qwen 2 and Qwen 3 (`models/decoder_shape.py` says which configs, and the switches
-that tell them apart: projection biases, QK-norm, a sliding window).
+Mistral, Qwen 2, Qwen 3 and Gemma 3 text (`models/decoder_shape.py` says which configs,
+and the switches that tell them apart: projection biases, QK-norm, sliding windows, and
+Gemma's embedding scale, offset norms, GELU and four norms a layer).
 
 Importing `transformers.modeling_utils` costs ~1.8 s and ~130 MB of RSS on a 2-core CPU
 (torch.distributed.tensor, torch._dynamo, scipy and sympy come with it), more than the
@@ -8,7 +9,7 @@ default model's whole first pass. A run on a model of this architecture builds t
 instead (`models/direct_load.py`).
 
 It is transformers' `LlamaForCausalLM` (`MistralForCausalLM`, `Qwen2ForCausalLM`,
-`Qwen3ForCausalLM`) op for op: the same module names and tensor
+`Qwen3ForCausalLM`, `Gemma3ForCausalLM`) op for op: the same module names and tensor
 shapes (a checkpoint loads by name, the quantizer, the fused decode layer and the
 invariant linears find what they look for), the same RMSNorm, RoPE and residual order,
 the same SDPA call, so its logits are transformers' bit for bit
