@@ -122,7 +122,10 @@ class SupervisedEngine:
                 self.told = admitting
             if admitting:
                 source = self._hand_out(source)
-                if source is None and not self._waiting() and not self.end_sent:
+                if source is None and not self._to_send() and not self.end_sent:
+                    # At once, lines still in flight: the engine then knows no line can
+                    # come, so a run's tail (a one-line input) takes the compiled step of
+                    # its busy rows only, not of the batch size's.
                     self.process.send(EndOfInput())
                     self.end_sent = True
             busy = bool(self.owed) or self.end_sent or not self.told or source is None
@@ -142,7 +145,13 @@ class SupervisedEngine:
 
     def _waiting(self) -> bool:
         """Whether lines are in flight or wait to be sent again."""
-        return bool(self.owed or self.again or self.alone)
+        return bool(self.owed or self._to_send())
+
+    def _to_send(self) -> bool:
+        """Whether this life is still to get lines once the input has ended: those to run
+        again, or to run alone (each only once nothing is in flight). Only a death adds
+        to them, and a death starts a new life, which hears of the end anew."""
+        return bool(self.again or self.alone)
 
     def _hand_out(self, source: Iterator[Job | BadLine | None] | None
                   ) -> Iterator[Job | BadLine | None] | None:
