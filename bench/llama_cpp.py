@@ -3,9 +3,10 @@
 Rows (greedy, the default model's GGUF for both sides unless --gguf):
 
   one stream   one chat prompt, --stream-tokens tokens, no constraint, end-of-sequence
-               ignored: tok/s over the whole generation, peak RSS of the process, and
-               the time from the command to the first token (a fresh `aici-batch run`
-               of one line and one token; `llama-cli`-like for llama.cpp: load + 1 token)
+               ignored, at the default batch size: tok/s over the whole generation, peak
+               RSS of the process, and the time from the command to the first token (a
+               fresh `aici-batch run` of one line and one token; `llama-cli`-like for
+               llama.cpp: load + 1 token)
   schemas      the dev half of Glaiveai2K (odd positions of the sorted files, the first
                --schemas), --max-tokens tokens, JSON-schema constrained: tok/s and valid
                outputs, at batch 1 and 8, prompt-lookup drafts on and off
@@ -394,9 +395,14 @@ def main() -> int:
     quantizes, compiles = args.quantize.split(","), args.compile.split(",")
     drafts_list = [int(d) for d in args.drafts.split(",")]
     if "stream" in only:
+        # One line at the default batch size, as `aici-batch run` of a one-line file: the
+        # engine computes the busy row only (compiled: its 1-row bucket, whose packaged
+        # step a cache of 8 rows can run; a 1-row cache's shapes are a package of their own).
+        from aici_cli.core.config import EngineConfig
+        stream_batch = EngineConfig().batch_size
         stream = [(f"one stream {args.stream_tokens} tok | ours {q} compile {c} drafts {d}",
                    {"side": "ours", "kind": "stream", "quantize": q, "compile": c,
-                    "batch": 1, "drafts": d, "max_tokens": args.stream_tokens})
+                    "batch": stream_batch, "drafts": d, "max_tokens": args.stream_tokens})
                   for q in quantizes for c in compiles for d in drafts_list]
         if have_peer:
             stream.append((f"one stream {args.stream_tokens} tok | llama-cpp-python",
