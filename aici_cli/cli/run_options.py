@@ -52,7 +52,8 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
                       "16-bit run; float32, --deterministic and float models run unquantised."),
     click.option("--model-impl", type=click.Choice(["auto", "transformers"]), default="auto",
                  show_default=True,
-                 help="auto: a Llama-architecture model runs as aici-batch's own module "
+                 help="auto: a Llama, Mistral, Qwen 2/3 or Gemma 3 model runs as "
+                      "aici-batch's own module "
                       "(transformers' logits bit for bit, ~1.5 s faster to start), any other "
                       "through transformers; transformers: always through transformers."),
     click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]),

@@ -116,7 +116,8 @@ class RunConfig:
     dtype: str = "auto"
     # Weight-only quantisation (models/quantize.py): auto, none, int8, int4.
     quantize: str = "auto"
-    # Who builds the model (models/load.py): auto (a Llama model: models/llama.py), or
+    # Who builds the model (models/load.py): auto (the families of
+    # models/decoder_shape.py: models/llama.py), or
     # transformers. The logits are the same either way.
     model_impl: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -62,9 +62,10 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
                tokenizer: str = "auto") -> LoadedModel:
     """Resolve `spec`, then load model and tokenizer onto the chosen device and dtype,
     with the linear layers quantised as `quantize` says (`quantize.resolve_mode`: none,
-    int8, int4, or auto). `implementation`: "auto" builds a Llama-architecture model as
-    `models/llama.py` (transformers' own logits, without importing its model classes),
-    any other through transformers; "transformers" always through transformers (for
+    int8, int4, or auto). `implementation`: "auto" builds a model of the families
+    `decoder_shape` names (Llama, Mistral, Qwen 2/3, Gemma 3) as `models/llama.py`
+    (transformers' own logits, without importing its model classes), any other through
+    transformers; "transformers" always through transformers (for
     comparisons with its `generate`). `tokenizer`: "auto" reads a plain fast tokenizer
     without transformers (`hub_tokenizer`), "transformers" always loads transformers'
     class (for callers that use more of its interface, lm-eval). A Llama model with a
