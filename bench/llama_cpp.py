@@ -15,6 +15,10 @@ Rows (greedy, the default model's GGUF for both sides unless --gguf):
                is loaded and warm (a short prompt first), and prompt tokens per second.
                The prompt is plain text cut at that many tokens by the GGUF's tokenizer,
                so both sides feed the same tokens
+  batch        8 plain prompts (no chat template, no constraint), --max-tokens tokens
+               each, end-of-sequence ignored: ours at the default batch size against
+               `llama-server -np 8` (for any model, random weights included, where the
+               schemas' validity means nothing): tok/s over all 8
 
 Every configuration runs in a subprocess of its own (clean peak RSS, no shared caches).
 On a shared machine the load changes from minute to minute: `--rounds N` runs the
@@ -36,6 +40,7 @@ to 127.0.0.1 only. Missing peers are reported as "not installed" and the bench e
 
     python bench/llama_cpp.py                                  # everything
     python bench/llama_cpp.py --quantize none,int4 --compile off,on --schemas 8
+    python bench/llama_cpp.py --gguf big.gguf --only batch --max-tokens 64
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ GLAIVE = next((p / "shared" / "data" / "jsonschemabench" / "Glaiveai2K" for p in
 THREADS = 1  # set from --threads
 STREAM_PROMPT = "Write a long story about a dragon who learns to read."
 # Prose without repeats that a prompt-lookup draft or a prefix cache could exploit.
+BATCH_PROMPTS = [f"{start} " for start in (
+    "The history of the printing press begins", "A recipe for bread needs",
+    "In the year 1850 the small harbour town", "The rules of chess say that",
+    "Photosynthesis is the process by which", "Dear committee, I am writing to",
+    "The first step in repairing a bicycle is", "Once upon a time in a forest")]
 PREFILL_SEED = ("In the valley below the northern ridge, the river bends three times before "
                 "it reaches the old mill, and each bend has a name the villagers remember. ")
 
@@ -115,6 +125,10 @@ def ours(task: dict[str, Any]) -> dict[str, Any]:
             return [Job(index=1, id="s", max_tokens=max_tokens,
                         constraint=None, prompt=None, ignore_eos=True,
                         messages=[{"role": "user", "content": STREAM_PROMPT}])]
+        if task["kind"] == "batch":
+            return [Job(index=i + 1, id=f"b{i}", max_tokens=max_tokens, constraint=None,
+                        prompt=text, messages=None, ignore_eos=True)
+                    for i, text in enumerate(BATCH_PROMPTS)]
         out = []
         for i, path in enumerate(dev_half(task["schemas"])):
             schema = json.loads(path.read_text())
@@ -127,6 +141,8 @@ def ours(task: dict[str, Any]) -> dict[str, Any]:
     if task["kind"] == "prefill":
         return _prefill(lm, config, task)
     compile_s = None
+    if task["kind"] == "batch":  # warm: first-pass costs, as the server's side
+        Engine(lm, config).run(jobs(2), lambda r: None)
     if task["compile"] == "on":  # warm the buckets this workload uses, outside the timing
         # (long enough for one-token steps at a full batch and at its tail; from a second
         # bucket on the rows dimension is dynamic, so that covers every bucket)
@@ -266,7 +282,8 @@ def peer(task: dict[str, Any]) -> dict[str, Any]:
 
 
 def server(task: dict[str, Any], binary: str) -> dict[str, Any]:
-    """`llama-server -np 8 -t 2` on 127.0.0.1, the schemas sent 8 at a time."""
+    """`llama-server -np 8 -t 2` on 127.0.0.1, the schemas (or the plain batch prompts,
+    end-of-sequence ignored) sent 8 at a time."""
     import socket
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
@@ -295,16 +312,23 @@ def server(task: dict[str, Any], binary: str) -> dict[str, Any]:
                     raise RuntimeError("llama-server did not start") from None
                 time.sleep(0.5)
 
+        def post(body: dict[str, Any]) -> dict[str, Any]:
+            req = urllib.request.Request(f"{base}/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+            return dict(json.loads(urllib.request.urlopen(req, timeout=600).read()))
+
+        def plain(text: str) -> tuple[int, bool]:
+            out = post({"prompt": text, "n_predict": task["max_tokens"], "temperature": 0.0,
+                        "ignore_eos": True, "cache_prompt": False})
+            return int(out.get("tokens_predicted", 0)), True
+
         def one(path: Path) -> tuple[int, bool]:
             schema = json.loads(path.read_text())
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": schema_ask(schema)}], tokenize=False,
                 add_generation_prompt=True)
-            body = json.dumps({"prompt": text, "n_predict": task["max_tokens"],
-                               "temperature": 0.0, "json_schema": schema}).encode()
-            req = urllib.request.Request(f"{base}/completion", body,
-                                         {"Content-Type": "application/json"})
-            out = json.loads(urllib.request.urlopen(req, timeout=600).read())
+            out = post({"prompt": text, "n_predict": task["max_tokens"],
+                        "temperature": 0.0, "json_schema": schema})
             try:
                 jsonschema.validate(json.loads(out["content"]), schema)
                 ok = True
@@ -312,16 +336,20 @@ def server(task: dict[str, Any], binary: str) -> dict[str, Any]:
                 ok = False
             return int(out.get("tokens_predicted", 0)), ok
 
+        if task["kind"] == "batch":
+            post({"prompt": "Hello", "n_predict": 1})  # warm: first-pass costs
         started = time.perf_counter()
         with ThreadPoolExecutor(task["batch"]) as pool:
-            done = list(pool.map(one, dev_half(task["schemas"])))
+            done = (list(pool.map(plain, BATCH_PROMPTS)) if task["kind"] == "batch"
+                    else list(pool.map(one, dev_half(task["schemas"]))))
         wall = time.perf_counter() - started
     finally:
         proc.terminate()
         proc.wait(timeout=30)
     tokens = sum(t for t, _ in done)
+    valid = sum(ok for _, ok in done) if task["kind"] == "schemas" else None
     return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
-            "valid": sum(ok for _, ok in done)}
+            "valid": valid}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -386,11 +414,12 @@ def main() -> int:
     base = {"gguf": args.gguf, "gguf_path": gguf_path, "schemas": args.schemas}
     rows: list[dict[str, Any]] = []
 
-    def row(name: str, task: dict[str, Any]) -> None:
+    def row(name: str, task: dict[str, Any]) -> dict[str, Any]:
         result = spawn({**base, **task}, args.timeout)
         rows.append({"row": name, **task, **result})
         shown = {k: v for k, v in result.items() if v is not None}
         print(f"{name:58} {json.dumps(shown)}", flush=True)
+        return result
 
     quantizes, compiles = args.quantize.split(","), args.compile.split(",")
     drafts_list = [int(d) for d in args.drafts.split(",")]
@@ -443,6 +472,8 @@ def main() -> int:
                     {"side": "server", "kind": "schemas", "batch": bs,
                      "binary": args.llama_server, "server_args": args.server_args.split(),
                      "max_tokens": args.max_tokens})
+    if "batch" in only:
+        _batch_rows(args, row)
     if "start" in only:
         for q in quantizes:
             t = first_token_s(q, args.gguf)
@@ -456,6 +487,38 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
+
+
+def _batch_rows(args: argparse.Namespace, row: Any) -> None:
+    """The plain batch-8 rows, --rounds times interleaved, then each one's median."""
+    import statistics
+
+    from aici_cli.core.config import EngineConfig
+
+    n = len(BATCH_PROMPTS)
+    batch = [(f"{n} plain x {args.max_tokens} tok | ours {q} compile {c}",
+              {"side": "ours", "kind": "batch", "quantize": q, "compile": c,
+               "batch": EngineConfig().batch_size, "drafts": d, "max_tokens": args.max_tokens})
+             for q in args.quantize.split(",") for c in args.compile.split(",")
+             for d in (int(x) for x in args.drafts.split(","))]
+    if args.llama_server:
+        batch.append((f"{n} plain x {args.max_tokens} tok | llama-server -np {n}",
+                      {"side": "server", "kind": "batch", "batch": n,
+                       "binary": args.llama_server, "server_args": args.server_args.split(),
+                       "max_tokens": args.max_tokens}))
+    rounds = [[row(name, task).get("tok_s") for name, task in batch]
+              for _ in range(args.rounds)]
+    if args.rounds < 2:
+        return
+    peer = args.llama_server is not None
+    for j, (name, _) in enumerate(batch):
+        speeds = [r[j] for r in rounds]
+        ratios = [r[j] / r[-1] for r in rounds if peer and r[j] and r[-1]]
+        summary = {"tok_s": statistics.median(x for x in speeds if x) if any(speeds) else None,
+                   "ratio_to_peer": round(statistics.median(ratios), 2) if ratios else None,
+                   "tok_s_rounds": speeds}
+        print(f"{name + f' | median of {args.rounds} rounds':58} {json.dumps(summary)}",
+              flush=True)
 
 
 def _round_medians(measured: list[dict[str, Any]], per_round: int,
