@@ -20,17 +20,30 @@ static shapes:
 
 An idle row's query is at position 0 and it writes back the key its slot 0 already holds,
 so it changes nothing; its logits are dropped. Each row writes only its own row, so no
-two writes meet. The embedding, the rotary table, the final norm and the output
-projection (over the span's rows only) stay eager: one op each.
+two writes meet. The embedding (Gemma's scale included), the rotary tables, the masks,
+the final norm and the output projection (over the span's rows only) stay eager: a few
+ops each.
 
-Only Llama-shaped decoder layers are compiled (Llama, Mistral, Qwen 2 and Qwen 3: norm,
-attention with RoPE, Qwen 3's q/k norms, norm, MLP, both residuals), with one sliding
-window for every layer at most (Mistral v0.1's: the mask by position also hides the
-slots before it; Qwen's window on some layers only is not); other models, and
-the ragged prefill and fast-forward passes, run eagerly as before (passes.py). Compiled
-kernels are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`, by default under the
-system temp directory), so a second run pays tracing, not code generation. On CUDA the
-same functions run in `reduce-overhead` mode (CUDA graphs).
+The families compiled:
+
+- Llama-shaped decoder layers (Llama, Mistral, Qwen 2 and Qwen 3: norm, attention with
+  RoPE, Qwen 3's q/k norms, norm, MLP, both residuals), as the project's own module or
+  transformers' classes, with one sliding window for every layer at most (Mistral
+  v0.1's: the mask by position also hides the slots before it; Qwen's window on some
+  layers only is not);
+- Gemma 3 (text), only as the project's own module builds it (models/llama.py;
+  transformers' Gemma 3 classes, and the configs that module refuses, stay eager): its
+  four norms a layer, q/k norms, query scale and GELU are the layer's (decode_layer.py),
+  its embedding scale the eager embedding's, and its two layer kinds each take a RoPE
+  table and a mask of their own, made here per step (`step_tables`): the full layers
+  the global base and the plain mask, the sliding layers the local base and a mask that
+  also hides the slots before the window (slot s is visible to a row at position p iff
+  p - window < s <= p, as the eager passes' sliding mask).
+
+Other models, and the ragged prefill and fast-forward passes, run eagerly as before
+(passes.py). Compiled kernels are cached on disk by inductor (`TORCHINDUCTOR_CACHE_DIR`,
+by default under the system temp directory), so a second run pays tracing, not code
+generation. On CUDA the same functions run in `reduce-overhead` mode (CUDA graphs).
 
 `--deterministic` never uses this path: its passes are batch-invariant by construction
 (invariant.py), which compiled kernels are not shown to be.
@@ -46,21 +59,33 @@ import torch
 
 from aici_cli.engine.forward import packaged_step
 from aici_cli.engine.forward.cache import RowCache
-from aici_cli.engine.forward.decode_layer import LayerGraphs, layer_graphs
+from aici_cli.engine.forward.decode_layer import LayerGraphs, Tables, layer_graphs
+from aici_cli.models.llama import LlamaCausalLM
 
 # Row-count buckets of the compiled step: each is compiled once, on first use.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # Model types whose decoder layer is the Llama layer (with or without projection biases).
 _LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Model types compiled only as the project's own module builds them (Gemma 3 text: its
+# layer kinds, RoPE tables and norms are read as models/llama.py names them).
+_OWN_MODULE_ONLY = frozenset({"gemma3_text"})
 
 
 def unsupported(model: Any) -> str | None:
     """Why the compiled step cannot run `model` (None: it can)."""
     config = model.config
-    if getattr(config, "model_type", None) not in _LLAMA_SHAPED:
-        return f"model type {getattr(config, 'model_type', None)!r} is not Llama-shaped"
-    if _window(config) is None and getattr(config, "sliding_window", None) \
+    kind = getattr(config, "model_type", None)
+    if kind in _OWN_MODULE_ONLY:
+        if not isinstance(model, LlamaCausalLM):
+            return f"model type {kind!r} through transformers' classes"
+        # The own module builds neither (decoder_shape.py): a guard, not a path.
+        if getattr(config, "attn_logit_softcapping", None) \
+                or getattr(config, "final_logit_softcapping", None):
+            return "soft-capped logits"
+    elif kind not in _LLAMA_SHAPED:
+        return f"model type {kind!r} is not Llama-shaped"
+    elif _window(config) is None and getattr(config, "sliding_window", None) \
             and getattr(config, "use_sliding_window", True):
         return "sliding-window attention on some layers"
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -77,6 +102,35 @@ def _window(config: Any) -> int | None:
             or not getattr(config, "use_sliding_window", True):
         return None
     return int(window)
+
+
+def step_tables(model: Any, h: torch.Tensor, pos: torch.Tensor,
+                capacity: int) -> tuple[Tables, Tables | None]:
+    """The RoPE tables and mask of a step whose rows are at positions `pos` [B] (h: the
+    embedded tokens [B, hidden], for the tables' dtype and device) over a cache of
+    `capacity` slots: those of every layer (Gemma 3: of its full layers), and those of
+    its sliding layers where some layers slide and others need not (Gemma 3's
+    `layer_types`; None: no such layers). cos/sin [B, 1, D]; masks [B, 1, 1, C] bool:
+    slot s is visible to a row at position p iff s <= p, and under a window w also
+    s > p - w."""
+    inner, config = model.model, model.config
+    # The own module keeps a RoPE table per layer kind where their bases differ.
+    per_kind = bool(getattr(config, "rope_thetas", None))
+
+    def rope(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        named = (kind,) if per_kind else ()
+        return inner.rotary_emb(h[:, None], pos[:, None], *named)
+
+    slots = torch.arange(capacity, device=h.device)[None, :]
+    visible = slots <= pos[:, None]
+    window = _window(config)
+    if window is not None:  # as the packed passes' sliding mask: the last `window` slots
+        visible &= slots > pos[:, None] - window
+    plain = (*rope("full_attention"), visible[:, None, None])
+    if "sliding_attention" not in (getattr(config, "layer_types", None) or []):
+        return plain, None
+    sliding = visible & (slots > pos[:, None] - int(config.sliding_window))
+    return plain, (*rope("sliding_attention"), sliding[:, None, None])
 
 
 def compiler_problem(device: torch.device) -> str | None:
@@ -162,22 +216,16 @@ class CompiledDecode:
         valid_t = torch.tensor(valid, dtype=torch.bool, device=dev)
         started = time.perf_counter() if rows not in self.compile_s else None
         inner = self.model.model
-        h = inner.embed_tokens(ids_t)  # [B, hidden]
-        cos, sin = inner.rotary_emb(h[:, None], pos_t[:, None])  # [B, 1, D] each
-        capacity = self.cache.capacity
-        slots = torch.arange(capacity, device=dev)[None, :]
-        visible = slots <= pos_t[:, None]
-        window = _window(self.model.config)
-        if window is not None:  # as the packed passes' sliding mask: the last `window` slots
-            visible &= slots > pos_t[:, None] - window
-        mask = visible[:, None, None]  # [B, 1, 1, C]
+        # [B, hidden]; Gemma's embedding scale is its embedding module's, as in the eager pass.
+        h = inner.embed_tokens(ids_t)
+        (cos, sin, mask), sliding = step_tables(self.model, h, pos_t, self.cache.capacity)
         if dev.type == "cuda":
             self._static_cache_addresses()
         elif started is not None:
             self._packaged(rows, (h, cos, sin, self.cache.keys, self.cache.values, pos_t,
-                                  valid_t, mask))
+                                  valid_t, mask, sliding))
         h = self.graphs.forward(h, cos, sin, self.cache.keys, self.cache.values, pos_t,
-                                valid_t, mask)
+                                valid_t, mask, sliding)
         span = h[first_row : first_row + b]
         final = inner.norm(span)  # the projection runs eagerly, outside the graphs
         logits = self.model.lm_head(final) if project else final

@@ -1,11 +1,15 @@
-"""One Llama-family decoder layer (Llama, Mistral, Qwen 2, Qwen 3) for B rows of one token
-each, as the compiled step runs it, and the compiled graphs of a model's layers (kept per
-model, for every engine on it).
+"""One Llama-family decoder layer (Llama, Mistral, Qwen 2, Qwen 3, and Gemma 3 as
+models/llama.py builds it) for B rows of one token each, as the compiled step runs it,
+and the compiled graphs of a model's layers (kept per model, for every engine on it).
 
 Per layer and step: norm, q/k/v as one stacked matrix (models/fused_linear.py), HF's own
 RoPE, the new key and value written into the row cache, attention over the whole cache
 capacity with a mask by position, o, norm, gate/up as one stacked matrix, down, both
-residuals: 4 weight reads, not 7. Qwen 3's q/k norms run between the split and RoPE.
+residuals: 4 weight reads, not 7. Qwen 3's and Gemma 3's q/k norms run between the split
+and RoPE. Gemma 3 (`sandwich` norms) norms the attention's output and the MLP's output
+before each residual add, and its MLP's input with a norm of its own; its sliding layers
+take the step's sliding tables (their own RoPE base, a mask that also hides the slots
+before the window), its full layers the step's plain ones.
 
 On CPU all layers are one graph: one call a step instead of 30, and inductor fuses each
 layer's residual add into the next layer's norm. Measured on the 2-core Xeon (default
@@ -35,6 +39,13 @@ import torch.nn.functional as F
 from aici_cli.models.fused_linear import stack_linears
 
 
+def slides(layer: Any) -> bool:
+    """Whether decoder layer `layer` is one of its model's sliding layers where layer kinds
+    differ (Gemma 3's `layer_types`); a window on every layer (Mistral v0.1) is the step's
+    plain mask, not a kind."""
+    return getattr(layer.self_attn, "layer_type", None) == "sliding_attention"
+
+
 class DecodeLayer(torch.nn.Module):
     """A Llama decoder layer's parts as `layer_step` calls them, over the same weights the
     model's own modules read (the stacked matrices are their storage)."""
@@ -49,6 +60,13 @@ class DecodeLayer(torch.nn.Module):
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
         self.o_proj = attn.o_proj
+        # Gemma 3's norms before and after the MLP (None: a Llama layer, whose
+        # `post_norm` is the MLP's input norm; with them it norms the attention's output).
+        sandwich = bool(getattr(layer, "sandwich", False))
+        self.pre_mlp_norm = layer.pre_feedforward_layernorm if sandwich else None
+        self.post_mlp_norm = layer.post_feedforward_layernorm if sandwich else None
+        # Whether the layer attends under the step's sliding tables (`all_layers_step`).
+        self.sliding = slides(layer)
         self.gate_up = stack_linears([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
@@ -91,18 +109,43 @@ def layer_step(layer: DecodeLayer, h: torch.Tensor, cos: torch.Tensor, sin: torc
     qg = q[:, :, 0].reshape(rows, kv_heads, heads // kv_heads, dim)
     o = F.scaled_dot_product_attention(qg, k_buf[:rows], v_buf[:rows], attn_mask=mask,
                                        scale=layer.scaling)
-    h = h + layer.o_proj(o.reshape(rows, heads * dim))
+    attended = layer.o_proj(o.reshape(rows, heads * dim))
+    if layer.pre_mlp_norm is not None and layer.post_mlp_norm is not None:  # Gemma 3
+        h = h + layer.post_norm(attended)
+        gate_up = layer.gate_up(layer.pre_mlp_norm(h))  # [B, 2 I]
+        mid = layer.act_fn(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
+        return h + layer.post_mlp_norm(layer.down_proj(mid))
+    h = h + attended
     gate_up = layer.gate_up(layer.post_norm(h))  # [B, 2 I]
     mid = layer.act_fn(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
     return h + layer.down_proj(mid)
 
 
+# A step's RoPE tables and mask for one layer kind: cos [B, 1, D], sin [B, 1, D],
+# mask [B, 1, 1, C] bool.
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def layer_tables(layer: DecodeLayer, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                 sliding: Tables | None) -> Tables:
+    """The tables `layer` attends with: the sliding ones for a sliding layer, else the
+    plain ones (a Python choice per layer: the graph holds no branch)."""
+    if layer.sliding:
+        assert sliding is not None, "a model with sliding layers needs the sliding tables"
+        return sliding
+    return cos, sin, mask
+
+
 def all_layers_step(layers: list[DecodeLayer], h: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                    pos: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`layer_step` through every layer in turn; `keys`/`values`: each layer's cache."""
+                    pos: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor,
+                    sliding: Tables | None = None) -> torch.Tensor:
+    """`layer_step` through every layer in turn; `keys`/`values`: each layer's cache;
+    `sliding`: the sliding layers' tables where the model has such layers (Gemma 3;
+    None: every layer takes `cos`, `sin`, `mask`)."""
     for layer, k_buf, v_buf in zip(layers, keys, values):
-        h = layer_step(layer, h, cos, sin, k_buf, v_buf, pos, valid, mask)
+        c, s, m = layer_tables(layer, cos, sin, mask, sliding)
+        h = layer_step(layer, h, c, s, k_buf, v_buf, pos, valid, m)
     return h
 
 
@@ -132,12 +175,15 @@ class LayerGraphs:
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
-                valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Every layer for B rows of one token each (shapes as in `layer_step`)."""
+                valid: torch.Tensor, mask: torch.Tensor,
+                sliding: Tables | None = None) -> torch.Tensor:
+        """Every layer for B rows of one token each (shapes as in `layer_step`; `sliding`
+        as in `all_layers_step`)."""
         if self.device.type != "cuda":
             packaged = self.packaged.get(h.shape[0])
             if packaged is not None:
-                return packaged(self.layers, h, cos, sin, keys, values, pos, valid, mask)
+                return packaged(self.layers, h, cos, sin, keys, values, pos, valid, mask,
+                                sliding)
             if self._whole is None:
                 self._whole = torch.compile(_own_code(all_layers_step, f"{id(self):x}"),
                                             fullgraph=True, options=_CPU_OPTIONS)
@@ -145,10 +191,14 @@ class LayerGraphs:
                 # first compile: a growth replaces the buffers without a recompile.
                 for buf in (*keys, *values):
                     torch._dynamo.mark_dynamic(buf, 2)
-                torch._dynamo.mark_dynamic(mask, 3)
-            return self._whole(self.layers, h, cos, sin, keys, values, pos, valid, mask)
+                for m in (mask, *(sliding[2:] if sliding is not None else ())):
+                    torch._dynamo.mark_dynamic(m, 3)
+            return self._whole(self.layers, h, cos, sin, keys, values, pos, valid, mask,
+                               sliding)
+        # CUDA: a layer's kind picks its inputs, not its graph (both kinds share one).
         for layer, group, k_buf, v_buf in zip(self.layers, self.group, keys, values):
-            h = self._graph(group)(layer, h, cos, sin, k_buf, v_buf, pos, valid, mask)
+            c, s, m = layer_tables(layer, cos, sin, mask, sliding)
+            h = self._graph(group)(layer, h, c, s, k_buf, v_buf, pos, valid, m)
         return h
 
     def _graph(self, group: int) -> StepFn:

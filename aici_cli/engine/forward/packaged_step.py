@@ -15,7 +15,8 @@ through torch's C++ loader without importing inductor or tracing anything.
   constants the package needs besides them are the ones inductor makes while lowering
   (the int4 kernel's group size as a tensor); they are recorded at build time beside it.
 - **What keys it** (`package_file`): everything the generated code depends on, and no
-  weight value: each layer's tensor names, shapes and dtypes and its head counts, the
+  weight value: each layer's tensor names, shapes and dtypes, its head counts and query
+  scale, which layers slide (Gemma 3: they take the sliding tables), the
   row count B (the step's rows are static, as in the `torch.compile` graph), the source
   of the code it traces, torch's version and the machine's fingerprint (CPU model and
   instruction-set flags: a package built for AVX-512 must never run on an AVX2 CPU).
@@ -44,10 +45,11 @@ import torch
 from aici_cli.core.cache_paths import cache_dir
 from aici_cli.core.file_lock import exclusive_lock
 from aici_cli.engine.forward import decode_layer
-from aici_cli.engine.forward.decode_layer import DecodeLayer, all_layers_step
+from aici_cli.engine.forward.decode_layer import DecodeLayer, Tables, all_layers_step, slides
 from aici_cli.models.kernel_probe import fingerprint
 
-PACKAGE_VERSION = 1
+# 2: the step takes the sliding layers' tables (Gemma 3) after the caches.
+PACKAGE_VERSION = 2
 FOLDER = "compiled-steps"
 
 
@@ -59,9 +61,13 @@ class PackagedStep:
 
     def __call__(self, layers: list[DecodeLayer], h: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 pos: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """As `all_layers_step` (the layers are the package's constants already)."""
-        out = self._loader.run([h, cos, sin, pos, valid, mask, *keys, *values])
+                 pos: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor,
+                 sliding: Tables | None = None) -> torch.Tensor:
+        """As `all_layers_step` (the layers are the package's constants already). The
+        inputs in `_Step.forward`'s order, flattened: a model without sliding layers was
+        exported with `sliding` None, which takes no input."""
+        out = self._loader.run([h, cos, sin, pos, valid, mask, *keys, *values,
+                                *(sliding or ())])
         return out[0]
 
 
@@ -75,8 +81,10 @@ class _Step(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 pos: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor,
-                keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        return all_layers_step(self._steps, h, cos, sin, keys, values, pos, valid, mask)
+                keys: list[torch.Tensor], values: list[torch.Tensor],
+                sliding: Tables | None = None) -> torch.Tensor:
+        return all_layers_step(self._steps, h, cos, sin, keys, values, pos, valid, mask,
+                               sliding)
 
 
 def package_file(model: Any, rows: int, cache_rows: int) -> Path:
@@ -100,6 +108,9 @@ def package_file(model: Any, rows: int, cache_rows: int) -> Path:
         "config": [getattr(config, name, None) for name in (
             "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
             "rms_norm_eps", "attention_bias", "mlp_bias")],
+        # The graph's constants beyond the shapes: the query scale (Gemma 3's is
+        # query_pre_attn_scalar's) and which layers take the sliding tables.
+        "scaling": float(attn.scaling), "sliding": [slides(layer) for layer in layers],
         "code": hashlib.sha256("".join(sources).encode()).hexdigest()}, sort_keys=True)
     return cache_dir() / FOLDER / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
@@ -126,9 +137,9 @@ def load(path: Path, layers: list[DecodeLayer]) -> PackagedStep | None:
 
 def build(path: Path, layers: list[DecodeLayer], example: tuple[Any, ...]) -> PackagedStep:
     """Export and compile the step for `example`'s rows (the arguments of
-    `all_layers_step` but the layers) into `path`, check it against the eager step on
-    `example`, and return it loaded. Raises where any of that fails; nothing is stored
-    then. `example`'s tensors are not changed."""
+    `all_layers_step` but the layers, `sliding` included) into `path`, check it against
+    the eager step on `example`, and return it loaded. Raises where any of that fails;
+    nothing is stored then. `example`'s tensors are not changed."""
     with exclusive_lock(path.parent, path.stem):
         done = load(path, layers)
         if done is not None:  # another process built it meanwhile
@@ -150,17 +161,18 @@ def _export_and_compile(layers: list[DecodeLayer], example: tuple[Any, ...],
     from torch._inductor import aoti_compile_and_package
     from torch._inductor.graph import GraphLowering
 
-    h, cos, sin, keys, values, pos, valid, mask = example
+    h, cos, sin, keys, values, pos, valid, mask, sliding = example
     capacity = torch.export.Dim("capacity", min=2, max=1 << 20)
     kv: dict[int, Any] = {2: capacity}
     if keys[0].shape[0] >= 2:  # a one-row cache stays static (package_file)
         kv[0] = torch.export.Dim("cache_rows", min=max(2, h.shape[0]), max=1 << 16)
     shapes = {"h": None, "cos": None, "sin": None, "pos": None, "valid": None,
-              "mask": {3: capacity}, "keys": [kv] * len(keys), "values": [kv] * len(values)}
+              "mask": {3: capacity}, "keys": [kv] * len(keys), "values": [kv] * len(values),
+              "sliding": None if sliding is None else (None, None, {3: capacity})}
     with torch.no_grad():
         program = torch.export.export(_Step(layers), (h, cos, sin, pos, valid, mask, keys,
-                                                      values), dynamic_shapes=shapes,
-                                      strict=False)
+                                                      values, sliding),
+                                      dynamic_shapes=shapes, strict=False)
     made: dict[str, torch.Tensor] = {}
     original = GraphLowering.add_tensor_constant
 
@@ -193,12 +205,13 @@ def _disagrees(step: PackagedStep, layers: list[DecodeLayer],
                example: tuple[Any, ...]) -> str | None:
     """Why the package's output and cache writes are not the eager step's on `example`
     (None: they agree within the dtype's rounding over the layers)."""
-    h, cos, sin, keys, values, pos, valid, mask = example
+    h, cos, sin, keys, values, pos, valid, mask, sliding = example
     ours = ([k.clone() for k in keys], [v.clone() for v in values])
     theirs = ([k.clone() for k in keys], [v.clone() for v in values])
     with torch.no_grad():
-        want = all_layers_step(layers, h, cos, sin, *theirs, pos, valid, mask).float()
-        got = step(layers, h, cos, sin, *ours, pos, valid, mask).float()
+        want = all_layers_step(layers, h, cos, sin, *theirs, pos, valid, mask,
+                               sliding).float()
+        got = step(layers, h, cos, sin, *ours, pos, valid, mask, sliding).float()
     tolerance = 1e-3 if h.dtype == torch.float32 else 6e-2
     scale = want.abs().max().clamp(min=1.0)
     if not torch.isfinite(got).all() or (got - want).abs().max() > tolerance * scale:
