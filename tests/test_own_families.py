@@ -8,7 +8,7 @@ transformers' classes, against transformers' own classes (`--model-impl transfor
   transformers' default weight spread, as test_quantize's tiny model);
 - `aici-batch run`: the same greedy text and log-probabilities on both paths, dense and
   quantized; the compiled step (`--compile on`, slow: it compiles) gives transformers'
-  eager tokens;
+  eager tokens (Gemma 3's too: tests/test_compiled_gemma.py has its own checks);
 - Mistral v0.1's window (every layer) in plain passes longer than the window.
 
 Qwen models whose layers slide keep transformers' path (the engine's per-layer-kind
@@ -36,7 +36,7 @@ from aici_cli.models import LoadedModel, load_model
 from aici_cli.models.llama import LlamaCausalLM, unsupported
 
 FAMILIES = ["mistral", "qwen2", "qwen3", "gemma3"]
-COMPILED = ["mistral", "qwen2", "qwen3"]  # Gemma 3's layer is not the compiled step's
+COMPILED = ["mistral", "qwen2", "qwen3", "gemma3"]
 IDS = torch.tensor([[5, 17, 33, 2, 44, 45, 46, 90, 100, 7, 8, 9, 60, 61, 62, 63, 64]])
 
 
@@ -138,8 +138,10 @@ def _engine_tokens(lm: LoadedModel, compile_mode: str) -> tuple[list[list[int]],
 def test_the_compiled_step_gives_transformers_eager_tokens(
         arch: str, family_dirs: dict[str, Path], tmp_path: Path) -> None:
     """The own module's layers through the compiled step (Qwen 3's q/k norms; Mistral
-    v0.1's window, set to 5, in the step's mask) against transformers' eager run: every
-    one-token step ran compiled, to the same tokens."""
+    v0.1's window, set to 5, in the step's mask; Gemma 3's norms, embedding scale and its
+    sliding layer's window of 12, which the 30-token line outgrows, beside its full
+    layer) against transformers' eager run: every one-token step ran compiled, to the
+    same tokens."""
     model_dir = family_dirs[arch.removesuffix("-window")]
     if arch.endswith("-window"):
         model_dir = shutil.copytree(model_dir, tmp_path / arch)
