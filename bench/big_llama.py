@@ -216,12 +216,14 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def warm_compile(path: Path, threads: int) -> float:
-    """`aici-batch run` of one line with --compile on: builds (once) the packaged step
-    that later `--compile auto` runs of this model shape pick up. Returns its seconds."""
+def warm_compile(path: Path, threads: int, lines: int) -> float:
+    """`aici-batch run` of `lines` lines with --compile on: builds (once) the packaged
+    steps of the row buckets such a run uses, which later `--compile auto` runs of this
+    model shape pick up (1 line: the one-stream rows; 8: the batch rows). Returns its
+    seconds."""
     line = json.dumps({"prompt": "Hello", "max_tokens": 32, "ignore_eos": True})
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.write(line + "\n")
+        f.write((line + "\n") * lines)
     started = time.perf_counter()
     try:
         subprocess.run([sys.executable, "-m", "aici_cli", "run", f.name, "-q", "--model",
@@ -235,8 +237,10 @@ def warm_compile(path: Path, threads: int) -> float:
 
 def run_bench(path: Path, args: argparse.Namespace) -> None:
     """bench/llama_cpp.py's one-stream and plain batch-8 rows on the built model."""
-    print(f"warm-up: aici-batch run --compile on (builds the packaged step, untimed): "
-          f"{warm_compile(path, args.threads):.0f} s", flush=True)
+    for lines in (1, 8):
+        print(f"warm-up: aici-batch run of {lines} line(s) --compile on (builds the "
+              f"packaged steps, untimed): {warm_compile(path, args.threads, lines):.0f} s",
+              flush=True)
     print(f"load average before: {load_average()}", flush=True)
     cmd = [sys.executable, str(REPO / "bench" / "llama_cpp.py"), "--gguf", str(path),
            "--only", "stream,batch", "--stream-tokens", str(args.tokens),
