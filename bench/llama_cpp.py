@@ -281,10 +281,36 @@ def peer(task: dict[str, Any]) -> dict[str, Any]:
             "valid": valid, "refused": refused}
 
 
+def _start_server(task: dict[str, Any], binary: str) -> tuple[Any, str]:
+    """`llama-server` with task["batch"] slots on a free 127.0.0.1 port, once healthy:
+    the process and its base URL."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "-m", task["gguf_path"], "-np", str(task["batch"]),
+                             "-t", str(_threads()), "-c", str(2048 * task["batch"]), "--host",
+                             "127.0.0.1", "--port", str(port), *task["server_args"]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=2).read()
+            return proc, base
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+                raise RuntimeError("llama-server did not start") from None
+            time.sleep(0.5)
+
+
 def server(task: dict[str, Any], binary: str) -> dict[str, Any]:
     """`llama-server -np 8 -t 2` on 127.0.0.1, the schemas (or the plain batch prompts,
     end-of-sequence ignored) sent 8 at a time."""
-    import socket
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
@@ -293,25 +319,8 @@ def server(task: dict[str, Any], binary: str) -> dict[str, Any]:
     from aici_cli.models.load import load_model
 
     tokenizer = load_model(task["gguf"], "cpu", "auto", "none").tokenizer
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "-m", task["gguf_path"], "-np", str(task["batch"]),
-                             "-t", str(_threads()), "-c", str(2048 * task["batch"]), "--host",
-                             "127.0.0.1", "--port", str(port), *task["server_args"]],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, base = _start_server(task, binary)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2).read()
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("llama-server did not start") from None
-                time.sleep(0.5)
-
         def post(body: dict[str, Any]) -> dict[str, Any]:
             req = urllib.request.Request(f"{base}/completion", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
