@@ -106,6 +106,7 @@ def test_auto_compiles_only_when_enough_work_is_ahead(lm32: LoadedModel, tmp_pat
 
     cache = RowCache(num_layers=2, rows=2, capacity=16)
     steps = DecodeSteps("auto", lm32.model, cache, 2, lm32.device, deterministic=False)
+    assert steps.compiled is not None and steps.compiled.build_packages  # once chosen
     assert steps.pick(compiled.AUTO_MIN_STEPS - 1) is None  # a short run stays eager
     assert steps.pick(compiled.AUTO_MIN_STEPS) is steps.compiled
     assert steps.pick(0) is steps.compiled  # once chosen, every later step

@@ -18,6 +18,7 @@ from aici_cli import __version__
 from aici_cli.cli.doctor import doctor_command
 from aici_cli.cli.errors import FatalError
 from aici_cli.cli.models import models_command
+from aici_cli.cli.prepare import prepare_command
 from aici_cli.cli.registry import publish, pull
 from aici_cli.cli.report import report
 from aici_cli.cli.run_config import run_config
@@ -223,6 +224,8 @@ def lm_eval_command(ctx: click.Context, args: tuple[str, ...]) -> None:
 options_from_environment(run)
 main.add_command(report)
 main.add_command(models_command)
+options_from_environment(prepare_command)
+main.add_command(prepare_command)
 main.add_command(doctor_command)
 main.add_command(publish)
 main.add_command(pull)

@@ -232,3 +232,12 @@ def options_from_environment(command: click.Command, prefix: str = "AICI_BATCH_"
             continue
         param.envvar = prefix + long_names[0][2:].replace("-", "_").upper()
         param.show_envvar = True
+
+
+def run_params(*names: str) -> list[click.Parameter]:
+    """`run`'s own declarations of the options `names` (Python names), for a command that
+    takes a few of them (`prepare`): one definition, the same help and defaults."""
+    command = click.command()(run_options(lambda **_: None))
+    params = [p for p in command.params if p.name in names]
+    assert len(params) == len(names), f"not run options: {names}"
+    return params

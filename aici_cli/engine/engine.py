@@ -104,6 +104,16 @@ class Engine:
         return None if compiled is None else compiled.steps
 
     @property
+    def compiled_step_problem(self) -> str | None:
+        """Why one-token steps run eagerly or without their packaged step, where they do
+        (`--compile` off, an unsupported model, no C++ compiler, a package that could not
+        be built); None where nothing stood in the way."""
+        decode = self.runner.model_pass.decode
+        if decode.compiled is None:
+            return decode.reason or "--compile off"
+        return decode.compiled.package_problem
+
+    @property
     def step_times(self) -> list[StepTimes]:
         """Every step's times, in order."""
         return self.scheduler.step_times

@@ -153,7 +153,8 @@ class CompiledDecode:
     def __init__(self, model: Any, cache: RowCache, rows: int, device: torch.device,
                  build_packages: bool = False) -> None:
         """`build_packages`: on CPU, a bucket without a packaged step builds one
-        (packaged_step.py, `--compile on`); else it compiles with `torch.compile`."""
+        (packaged_step.py; `--compile on` and `auto`); else it compiles with
+        `torch.compile`."""
         self.model = model
         self.cache = cache
         self.rows = rows
@@ -278,18 +279,22 @@ def _smallest_bucket(rows: int, cap: int) -> int:
     return next((b for b in BUCKETS if rows <= b <= cap), cap)
 
 
-# `--compile auto` compiles once the work still ahead is at least this many one-token
-# steps (an upper bound: lines may end before max_tokens). Compiling costs ~5.5 s with a
-# warm inductor cache and ~48 s cold (default model, 2 CPU cores) and saves ~10 ms of a
-# batch-1 step (docs/speed.md): it pays after ~550 steps warm and ~4,800 cold, and which
-# one a run meets is not known ahead, so a shorter run stays eager.
+# `--compile auto` runs a step compiled at once where its packaged step is ready
+# (`aici-batch prepare`, or an earlier run, built it); otherwise once the work still ahead
+# is at least this many one-token steps (an upper bound: lines may end before
+# max_tokens), and then it builds the package, so that every later run of this model
+# starts compiled. A build costs ~40-60 s once (default model, 2 CPU cores; torch.compile
+# ~48 s cold, ~5.5 s warm, every run) and saves ~8-10 ms of a batch-1 step
+# (docs/speed.md): within the run it pays after ~4,000-6,000 steps, so a shorter run stays
+# eager and leaves the build to `prepare`.
 AUTO_MIN_STEPS = 2000
 
 
 class DecodeSteps:
     """Which one-token steps run compiled: none (`off`, unsupported, deterministic), all
-    (`on`), or for `auto` every step from the first one that still has `AUTO_MIN_STEPS`
-    of work ahead. Built once per engine."""
+    (`on`), or for `auto` every step from the first one whose packaged step is ready or
+    that still has `AUTO_MIN_STEPS` of work ahead. `on` and `auto` build a bucket's
+    package where it is missing (packaged_step.py). Built once per engine."""
 
     def __init__(self, mode: str, model: Any, cache: RowCache, rows: int,
                  device: torch.device, deterministic: bool) -> None:
@@ -302,7 +307,7 @@ class DecodeSteps:
         self.reason = unsupported(model) or compiler_problem(device)
         if self.reason is None:
             self.compiled = CompiledDecode(model, cache, rows, device,
-                                           build_packages=self.mode == "on")
+                                           build_packages=True)
 
     @property
     def chosen(self) -> bool:

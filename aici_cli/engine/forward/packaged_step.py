@@ -37,6 +37,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +170,9 @@ def _export_and_compile(layers: list[DecodeLayer], example: tuple[Any, ...],
     shapes = {"h": None, "cos": None, "sin": None, "pos": None, "valid": None,
               "mask": {3: capacity}, "keys": [kv] * len(keys), "values": [kv] * len(values),
               "sliding": None if sliding is None else (None, None, {3: capacity})}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch's own pickling of the program's tree specs, not ours to act on.
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
         program = torch.export.export(_Step(layers), (h, cos, sin, pos, valid, mask, keys,
                                                       values, sliding),
                                       dynamic_shapes=shapes, strict=False)
@@ -190,8 +193,11 @@ def _export_and_compile(layers: list[DecodeLayer], example: tuple[Any, ...],
     try:
         GraphLowering.add_tensor_constant = recorded  # type: ignore[method-assign]
         try:
-            aoti_compile_and_package(program, package_path=tmp, inductor_configs={
-                "aot_inductor.package_constants_in_so": False})
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*LeafSpec",
+                                        category=FutureWarning)
+                aoti_compile_and_package(program, package_path=tmp, inductor_configs={
+                    "aot_inductor.package_constants_in_so": False})
         finally:
             GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
         torch.save(made, path.with_suffix(".constants.pt"))

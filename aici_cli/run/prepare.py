@@ -1,0 +1,106 @@
+"""`aici-batch prepare`: build ahead what a model's runs on this machine otherwise build on
+first use, so that the next run at the same options starts at full speed.
+
+What a run makes once per model, mode and machine, and keeps in the cache:
+
+- the conversion of a GGUF or a short name (models/gguf_convert.py, ~10-30 s);
+- the quantised layers in their kernels' layout (models/packed_weights.py);
+- the kernel probe's verdict on the mode (models/kernel_probe.py);
+- the compiled one-token step as AOTInductor packages (engine/forward/packaged_step.py,
+  ~40-60 s each on 2 CPU cores). A run takes a ready package at once, `--compile auto`
+  included, and then runs its one-token steps ~1.8x faster (docs/speed.md); without
+  one, `auto` builds it only in a run long enough to pay for it, so short runs and small
+  files stay eager.
+
+The first three happen as the model loads. The packages are keyed by the step's row
+count, and runs use two counts: 1 (a one-line input, the tail of a file whose last line
+runs alone) and `--batch-size` (every row of the cache, a file of at least that many
+lines). Each is built by driving the engine at `--compile on` over a few tokens of that
+many synthetic lines, the way a run builds it; a last one-line run at `auto` then checks
+that a run starts compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aici_cli.core.config import EngineConfig, RunConfig, load_quantize
+from aici_cli.core.errors import ModelError
+from aici_cli.core.job import Job
+from aici_cli.engine import Engine
+from aici_cli.models.load import LoadedModel, load_model
+
+# Tokens each synthetic line generates: the prompt's pass, then one-token steps, the
+# first of which builds (or loads) the bucket's package.
+_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """What `prepare` made ready."""
+
+    model: str
+    quantize: str
+    dtype: str
+    device: str
+    rows: tuple[int, ...]  # the row counts whose compiled step was built (or found)
+    load_s: float  # loading the model: conversion, packing and the probe where first
+    build_s: float  # driving the engine: the packages' builds where first
+    compiled: bool  # a one-line `--compile auto` run ran its one-token steps compiled
+    problem: str | None  # why not (compiled False), or why a package fell back
+
+
+def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> Preparation:
+    """Load `config`'s model as a run would (converting, packing and probing it where
+    that was not done yet), then build the compiled step for 1 and `--batch-size` rows,
+    and check that a run at `--compile auto` starts compiled. `say` hears each stage.
+    Raises `ModelError`/`UsageError` as a run reports them. Thread counts are the
+    caller's (set before torch starts its pool)."""
+    started = time.perf_counter()
+    say("loading the model (converted, packed and probed where it is new here)")
+    lm = load_model(config.model, config.device, config.dtype, load_quantize(config),
+                    config.model_impl)
+    loaded = time.perf_counter()
+    engine_config = dataclasses.replace(config.engine, deterministic=False)
+    rows = tuple(dict.fromkeys((1, engine_config.batch_size)))
+    problem: str | None = None
+    if lm.device.type != "cpu":
+        rows, problem = (), ("the packaged step is for CPU runs; on a GPU `--compile on` "
+                             "compiles with torch.compile")
+    for n in rows:
+        say(f"building the compiled one-token step for {n} row{'s' * (n > 1)} "
+            f"(once per model, mode and machine)")
+        engine = _drive(lm, dataclasses.replace(engine_config, compile="on"), n)
+        problem = engine.compiled_step_problem
+        if problem is not None:
+            break
+    compiled = False
+    if problem is None:
+        check = _drive(lm, dataclasses.replace(engine_config, compile="auto"), 1)
+        compiled = bool(check.compiled_steps)
+        problem = check.compiled_step_problem
+    return Preparation(model=lm.name, quantize=lm.quantize,
+                       dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
+                       rows=rows, load_s=loaded - started,
+                       build_s=time.perf_counter() - loaded, compiled=compiled,
+                       problem=problem)
+
+
+def _drive(lm: LoadedModel, config: EngineConfig, lines: int) -> Engine:
+    """An engine of `config` over `lm` that ran `lines` plain lines of `_TOKENS` tokens,
+    all read at once (so its compiled step takes the bucket of `lines` rows)."""
+    engine = Engine(lm, config)
+    jobs = [Job(index=i + 1, id=str(i + 1), prompt="Hello", messages=None,
+                max_tokens=_TOKENS, ignore_eos=True) for i in range(lines)]
+    results: list[dict[str, Any]] = []
+    engine.run(jobs, results.append)
+    failed = [r for r in results if r.get("finish_reason") == "error"]
+    if failed:
+        error = failed[0].get("error") or {}
+        raise ModelError(f"the model ran, but a line of the preparation failed: "
+                         f"{error.get('type')}: {error.get('message')}")
+    return engine
