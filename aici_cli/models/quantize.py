@@ -53,6 +53,9 @@ from aici_cli.models.packed_weights import (
 
 GROUP = gguf_blocks.BLOCK  # int4 group size: one GGUF block
 MODES = ("none", "int8", "int4")
+# A CPU pass of at least this many rows runs an int4 layer on its dense copy where one was
+# made (`wide_rows`: where this machine's dense GEMM is faster at such rows).
+DENSE_MIN_ROWS = 32
 
 
 class Int4Linear(torch.nn.Module):
@@ -64,6 +67,9 @@ class Int4Linear(torch.nn.Module):
     packed: torch.Tensor
     scale_zero: torch.Tensor
     bias: torch.Tensor | None
+    # [N, K] in the activation dtype, for passes of DENSE_MIN_ROWS rows or more (wide_rows):
+    # an attribute, not a buffer (no state dict, no package, no stacked layer has one).
+    dense: torch.Tensor | None = None
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -105,7 +111,11 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        if self.packed.device.type == "cuda":
+        # The row count first: a compiled step's rows (fewer) never read `dense`, so its
+        # graph holds no guard on it.
+        if flat.shape[0] >= DENSE_MIN_ROWS and self.dense is not None:
+            y = F.linear(flat, self.dense)
+        elif self.packed.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, self.scale_zero)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP,

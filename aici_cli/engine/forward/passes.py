@@ -17,8 +17,15 @@ from aici_cli.engine.forward.attention import invariant_pass
 from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.compiled import DecodeSteps
 from aici_cli.engine.forward.deterministic import install as install_tiled_linears
-from aici_cli.engine.forward.inputs import AttentionLayout, Readout, build_inputs, forward
+from aici_cli.engine.forward.inputs import (
+    AttentionLayout,
+    ForwardInputs,
+    Readout,
+    build_inputs,
+    forward,
+)
 from aici_cli.models.load import LoadedModel
+from aici_cli.models.wide_rows import WideRows
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -77,6 +84,8 @@ class ModelPass:
         if invariant:
             install_tiled_linears(lm.model, invariant_pass)
         self.decode = DecodeSteps(compile, lm.model, cache, cache.rows, lm.device, invariant)
+        # Passes of many rows on dense copies of the int4 layers, once that pays here.
+        self.wide = None if invariant else WideRows.for_model(lm.model)
 
     def run(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
             drafts: list[list[int]], scored: Sequence[Sequence[int]] | None = None,
@@ -104,7 +113,7 @@ class ModelPass:
                 self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
                 inputs = build_inputs(first_row, lengths, fed, self.layout, self.lm.device,
                                       readouts, self.invariant)
-                every = forward(self.lm.model, self.cache, inputs)
+                every = self._pass(inputs)
                 return PassOutput(self._vocab(every), inputs.extra_at, scored, [])
             except Exception as e:
                 if not is_out_of_memory(e):
@@ -139,6 +148,14 @@ class ModelPass:
             self.decode.give_up(e)
             return None
 
+    def _pass(self, inputs: ForwardInputs, project: bool = True) -> torch.Tensor:
+        """One eager packed pass over `inputs` (inputs.forward)."""
+        if self.wide is not None:
+            self.wide.before_pass(inputs.input_ids.shape[1])
+        if project:
+            return forward(self.lm.model, self.cache, inputs)
+        return forward(self.lm.model, self.cache, inputs, project=False)
+
     def _vocab(self, logits: torch.Tensor, project: bool = True) -> torch.Tensor:
         """Drop the padding columns some models carry past the tokenizer's vocabulary
         (hidden states, `project` False, are kept whole)."""
@@ -156,8 +173,7 @@ class ModelPass:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
             inputs = build_inputs(first_row, lengths, chunks, self.layout, self.lm.device,
                                   readouts, self.invariant)
-            out = (forward(self.lm.model, self.cache, inputs) if project
-                   else forward(self.lm.model, self.cache, inputs, project=False))
+            out = self._pass(inputs, project)
             return out, inputs.extra_at, []
         except Exception as e:
             if not is_out_of_memory(e):

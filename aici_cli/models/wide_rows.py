@@ -1,0 +1,138 @@
+"""Passes of many rows on dense copies of the int4 layers, where this machine's dense GEMM
+is faster than the int4 kernel at that many rows.
+
+The CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) widens every weight again for every
+block of rows, so its cost grows with the rows, while a dense GEMM (oneDNN; AMX or
+AVX512-BF16 where the CPU has them) reads each weight once for many rows. On the 2-core
+Xeon with AMX, 1536 x 576 in bf16:
+
+| rows | int4 | dense bf16 |
+| ---: | ---: | ---: |
+| 16 | 0.168 ms | 0.071 ms |
+| 64 | 0.627 ms | 0.108 ms |
+| 1,500 | 14.85 ms | 0.92 ms |
+
+At one row int4 wins (it reads a quarter of the bytes), so one-token steps keep it. A
+prefill of 1,500 tokens of the default model took 2.3 s at int4 against 0.55 s dense.
+
+A dense copy costs memory (two bytes a weight: 212 MB for the default model's 210 int4
+layers) and time to make (`dense_weight`: the kernel's own widening, W^T = int4mm(I), so
+the copy is the kernel's weights rounded to the activation dtype; 1.7 s for the default
+model). So it is made once the run has shown it pays, as in ski rental: when the passes
+of at least `quantize.DENSE_MIN_ROWS` rows (32) have fed `BUILD_AFTER` rows in all (at
+the int4 kernel's ~1.5 ms a row, about what the copy costs), and only where a trial at
+the current pass's rows on the model's largest int4 layer finds the dense GEMM at least
+`MIN_SPEEDUP` times faster on this machine (an AVX2 CPU without native bf16 may not),
+and where the copy fits `budget_bytes`. From then on every pass of at least that many
+rows runs the int4 layers dense; the others, and the compiled one-token step (its
+stacked layers are other modules), keep the int4 kernel.
+
+Outputs of a wide pass differ from the int4 kernel's in rounding only (the product's
+accumulation order, and the weights rounded to bf16), as a pass of another row count
+already does; `--deterministic` runs unquantised and never comes here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from aici_cli.models import quantize
+from aici_cli.models.quantize import GROUP, Int4Linear
+
+BUILD_AFTER = 1024  # rows of wide passes before the copy is made
+MIN_SPEEDUP = 1.5  # the dense GEMM's speed-up a trial must show
+MAX_BYTES = 4 << 30  # and the copy's size at most this, and a quarter of free memory
+
+
+def dense_weight(layer: Int4Linear) -> torch.Tensor:
+    """`layer`'s weights [N, K] in its activation dtype, as its kernel widens them: the
+    product of the identity with them (exact: one term a sum)."""
+    eye = torch.eye(layer.in_features, dtype=layer.scale_zero.dtype,
+                    device=layer.packed.device)
+    widened = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, layer.packed, GROUP,
+                                                          layer.scale_zero)
+    return widened.t().contiguous()
+
+
+def budget_bytes() -> int:
+    """What a dense copy may take: `MAX_BYTES`, and a quarter of the memory available."""
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return min(MAX_BYTES, free // 4)
+
+
+class WideRows:
+    """A model's int4 layers, and whether passes of many rows run them dense yet."""
+
+    def __init__(self, layers: list[Int4Linear]) -> None:
+        self.layers = layers
+        self.fed = 0  # rows of wide passes so far
+        self.state = "counting"  # then "dense", or "int4" (it would not pay, or fit)
+        self.reason: str | None = None  # why "int4", or what the trial measured
+        self.build_s = 0.0
+
+    @classmethod
+    def for_model(cls, model: Any) -> WideRows | None:
+        """None where no layer is int4 on the CPU (nothing to choose)."""
+        layers = [m for m in model.modules() if isinstance(m, Int4Linear)
+                  and m.packed.device.type == "cpu"]
+        if not layers:
+            return None
+        wide = cls(layers)
+        if all(layer.dense is not None for layer in layers):  # another engine made them
+            wide.state = "dense"
+        return wide
+
+    def before_pass(self, rows: int) -> None:
+        """A pass of `rows` rows (tokens fed) is about to run."""
+        if rows < quantize.DENSE_MIN_ROWS or self.state != "counting":
+            return
+        self.fed += rows
+        if self.fed >= BUILD_AFTER:
+            self._decide(rows)
+
+    def _decide(self, rows: int) -> None:
+        need = sum(layer.in_features * layer.out_features for layer in self.layers) \
+            * self.layers[0].scale_zero.element_size()
+        if need > budget_bytes():
+            self.state, self.reason = "int4", f"a dense copy ({need >> 20} MiB) does not fit"
+            return
+        trial = max(self.layers, key=lambda layer: layer.in_features * layer.out_features)
+        speedup = _trial(trial, rows)
+        self.reason = f"the dense GEMM at {rows} rows: {speedup:.1f}x the int4 kernel"
+        if speedup < MIN_SPEEDUP:
+            self.state = "int4"
+            return
+        started = time.perf_counter()
+        for layer in self.layers:
+            layer.dense = dense_weight(layer)
+        self.build_s = time.perf_counter() - started
+        self.state = "dense"
+
+
+def _trial(layer: Int4Linear, rows: int) -> float:
+    """How many times faster `layer` runs `rows` rows dense than on the int4 kernel (the
+    better of three calls each, after one to warm)."""
+    x = torch.randn(rows, layer.in_features, dtype=layer.scale_zero.dtype)
+    dense = dense_weight(layer)
+
+    def best(run: Any) -> float:
+        run()
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    int4 = best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x, layer.packed, GROUP, layer.scale_zero))
+    return int4 / max(best(lambda: torch.nn.functional.linear(x, dense)), 1e-9)

@@ -1,0 +1,121 @@
+"""Passes of many rows on dense copies of the int4 layers (models/wide_rows.py): the copy
+is the kernel's own weights; it is made only once wide passes have fed enough rows, only
+where the trial finds it faster and it fits; from then on a pass of many rows runs dense
+and a pass of few rows (a one-token step) keeps the int4 kernel; the engine's outputs stay
+within rounding of the int4 kernel's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.job import Job
+from aici_cli.engine import Engine
+from aici_cli.models import quantize, wide_rows
+from aici_cli.models.load import load_model
+from aici_cli.models.quantize import GROUP, Int4Linear, quantize_int4
+from aici_cli.models.wide_rows import WideRows, dense_weight
+
+
+def _layer(n: int, k: int, seed: int = 0) -> Int4Linear:
+    torch.manual_seed(seed)
+    codes, d, m = quantize_int4(torch.randn(n, k))
+    return Int4Linear(codes, d, m, None, torch.bfloat16)
+
+
+def _kernel(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, GROUP,
+                                                      layer.scale_zero)
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (192, 576), (576, 1536)])
+def test_the_dense_copy_is_the_kernels_own_weights(n: int, k: int) -> None:
+    layer = _layer(n, k)
+    dense = dense_weight(layer)
+    assert dense.shape == (n, k) and dense.dtype == torch.bfloat16
+    # Column j of the kernel's output for the unit vector e_i is weight[j, i].
+    for i in (0, k // 3, k - 1):
+        unit = torch.zeros(1, k, dtype=torch.bfloat16)
+        unit[0, i] = 1
+        assert torch.equal(_kernel(layer, unit)[0], dense[:, i])
+    x = torch.randn(40, k, dtype=torch.bfloat16)
+    ref, alt = _kernel(layer, x).float(), torch.nn.functional.linear(x, dense).float()
+    assert (ref - alt).abs().max() <= 0.02 * ref.abs().max()  # rounding only
+
+
+def test_a_copy_is_made_only_after_enough_wide_rows_and_then_used_by_wide_passes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = [_layer(128, 64, seed) for seed in range(3)]
+    wide = WideRows(layers)
+    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 100)
+    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)  # whatever this CPU measures
+    for _ in range(10):
+        wide.before_pass(quantize.DENSE_MIN_ROWS - 1)  # narrow passes never count
+    assert wide.fed == 0
+    wide.before_pass(60)
+    assert wide.state == "counting" and all(layer.dense is None for layer in layers)
+    wide.before_pass(60)
+    assert wide.state == "dense" and "rows:" in (wide.reason or "")
+    assert all(layer.dense is not None for layer in layers)
+
+    layer = layers[0]
+    many = torch.randn(quantize.DENSE_MIN_ROWS, 64, dtype=torch.bfloat16)
+    assert layer.dense is not None
+    assert torch.equal(layer(many), torch.nn.functional.linear(many, layer.dense))
+    few = many[: quantize.DENSE_MIN_ROWS - 1]
+    assert torch.equal(layer(few), _kernel(layer, few))
+    # Another engine over the same layers finds the copies made.
+    assert WideRows(layers).state == "counting"
+    again = WideRows.for_model(torch.nn.Sequential(*layers))
+    assert again is not None and again.state == "dense"
+
+
+def test_no_copy_where_the_trial_finds_no_gain_or_it_does_not_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
+    slow = WideRows([_layer(128, 64)])
+    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 1e9)
+    slow.before_pass(64)
+    assert slow.state == "int4" and slow.layers[0].dense is None
+    assert "x the int4 kernel" in (slow.reason or "")
+    slow.before_pass(10_000)  # decided: never tried again
+    assert slow.layers[0].dense is None
+
+    big = WideRows([_layer(128, 64)])
+    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(wide_rows, "budget_bytes", lambda: 1000)
+    big.before_pass(64)
+    assert big.state == "int4" and "does not fit" in (big.reason or "")
+    assert big.layers[0].dense is None
+
+
+def test_a_run_with_wide_passes_keeps_the_int4_runs_tokens_within_rounding(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model at int4 (bf16), a long prompt then greedy decode: the first
+    next-token logits of a run whose passes run dense against one whose passes do not."""
+    prompt = " ".join(f"word{i}" for i in range(60))
+    job = Job(index=1, id="1", prompt=prompt, messages=None, max_tokens=4,
+              ignore_eos=True, logprobs=5)
+
+    def run(dense: bool) -> tuple[list[dict[str, object]], str]:
+        lm = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16",
+                        quantize="int4")
+        monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1 if dense else 10**9)
+        monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+        engine = Engine(lm, EngineConfig(batch_size=2, draft_tokens=0, compile="off"))
+        results: list[dict[str, object]] = []
+        engine.run([job], results.append)
+        wide = engine.runner.model_pass.wide
+        assert wide is not None
+        return results[0]["logprobs"], wide.state  # type: ignore[return-value]
+
+    plain, state = run(dense=False)
+    assert state == "counting"
+    dense, state = run(dense=True)
+    assert state == "dense"
+    first_plain, first_dense = plain[0], dense[0]
+    assert abs(first_plain["logprob"] - first_dense["logprob"]) < 0.05  # type: ignore[operator]
+    assert first_plain["id"] == first_dense["id"]
