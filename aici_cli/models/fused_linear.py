@@ -116,17 +116,35 @@ def _stack_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
                                    _bias(parts, parts[0].scale))
 
 
+# The probe's verdict per kind, part shapes, dtype and device: what it checks (a kernel
+# layout blocking rows across a part's edge) depends on those and this machine alone, and
+# a model's layers repeat one shape (probing each of the default model's 60 stacks took
+# 92 ms of the compiled step's first call; one per shape takes 3 ms).
+_VERDICTS: dict[tuple[object, ...], bool] = {}
+
+
 def _same_outputs(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -> bool:
-    """The stacked layer gives exactly the parts' outputs side by side, at 1, 3 and 16 rows."""
+    """The stacked layer gives exactly the parts' outputs side by side, at 1, 3 and 16 rows
+    (probed once per shape of parts in a process: `_VERDICTS`)."""
     # The input the layer's kernel takes: the dense weight's dtype, or a quantized
     # layer's scales' (the int4/int8 kernels require activations of that dtype).
     p = parts[0]
     like = p.weight if isinstance(p, torch.nn.Linear) else (
         p.scale_zero if isinstance(p, Int4Linear) else p.scale)
     assert isinstance(like, torch.Tensor)
+    key = (type(p), tuple((_out_features(q), _in_features(q)) for q in parts),
+           like.dtype, like.device, getattr(stacked, "bias", None) is not None)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _probe(stacked, parts, like)
+    return _VERDICTS[key]
+
+
+def _probe(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module],
+           like: torch.Tensor) -> bool:
     gen = torch.Generator(device="cpu").manual_seed(0)
     for rows in (1, 3, 16):
-        x = torch.randn(rows, _in_features(p) or 0, generator=gen).to(like.device, like.dtype)
+        x = torch.randn(rows, _in_features(parts[0]) or 0, generator=gen).to(like.device,
+                                                                             like.dtype)
         if not torch.equal(stacked(x), torch.cat([q(x) for q in parts], dim=-1)):
             return False
     return True
