@@ -21,11 +21,17 @@ def main(modes: list[dict[str, str]], lines: list[dict[str, Any]]) -> None:
     from aici_cli.core.config import EngineConfig, JobDefaults
     from aici_cli.engine import Engine
     from aici_cli.formats.jobs import read_jobs
+    from aici_cli.models import wide_rows
     from aici_cli.models.load import load_model
 
     capability = torch.backends.cpu.get_cpu_capability()
+    own = (wide_rows.BUILD_AFTER, wide_rows.MIN_SPEEDUP)
     for mode in modes:
         print(json.dumps({"starting": mode, "capability": capability}), flush=True)
+        # "wide": passes of many rows on dense copies of the int4 layers from the first
+        # wide pass, whatever this CPU's trial would say (models/wide_rows.py).
+        wide = mode.get("wide") == "on"
+        wide_rows.BUILD_AFTER, wide_rows.MIN_SPEEDUP = (0, 0.0) if wide else own
         lm = load_model(None, "cpu", mode["dtype"], mode["quantize"])
         for batch in (1, 8):
             jobs = list(read_jobs([json.dumps(line) for line in lines], JobDefaults()))
@@ -33,11 +39,14 @@ def main(modes: list[dict[str, str]], lines: list[dict[str, Any]]) -> None:
             config = EngineConfig(batch_size=batch, compile=mode["compile"])
             started = time.perf_counter()
             raised = None
+            engine = Engine(lm, config)
             try:
-                Engine(lm, config).run(jobs, results.append)
+                engine.run(jobs, results.append)
             except Exception as e:  # noqa: BLE001 - a kernel that raises: the probe's case
                 raised = f"{type(e).__name__}: {e}"
+            passes = engine.runner.model_pass.wide
             record = {"mode": mode, "capability": capability, "batch": batch,
+                      "wide": None if passes is None else passes.state,
                       "quantize": lm.quantize, "dtype": str(lm.dtype),
                       "seconds": round(time.perf_counter() - started, 2),
                       "results": results, "raised": raised}

@@ -1,5 +1,6 @@
 """The kernel-path matrix on the real default model: every ATen CPU capability this host
-supports x dtype (float32, bfloat16) x quantize (none, int8, int4), at batch 1 and 8, each
+supports x dtype (float32, bfloat16) x quantize (none, int8, int4, and int4 with its wide
+passes on dense copies: models/wide_rows.py), at batch 1 and 8, each
 capability in a process of its own (`kernel_matrix_run.py`). Bounded to keep CI short:
 float32 with int8/int4 (explicit modes only, ~150 ms a step) and the compiled step in the
 mode `auto` picks (a cold compile costs about a minute on 2 cores) run at the host's own
@@ -49,7 +50,8 @@ LINES: list[dict[str, Any]] = (
         "json_schema": s, "max_tokens": 20, "temperature": 0}
        for i, s in enumerate(SCHEMAS)])
 MODES = [{"dtype": "float32", "quantize": "none", "compile": "off"}] + [
-    {"dtype": "bfloat16", "quantize": q, "compile": "off"} for q in ("none", "int8", "int4")]
+    {"dtype": "bfloat16", "quantize": q, "compile": "off"} for q in ("none", "int8", "int4")
+] + [{"dtype": "bfloat16", "quantize": "int4", "compile": "off", "wide": "on"}]
 # float32 activations through the int8/int4 kernels (explicit modes only: `auto` runs
 # float32 unquantised) take ~150 ms a step: at the host's capability only.
 HOST_ONLY = [{"dtype": "float32", "quantize": q, "compile": "off"} for q in ("int8", "int4")]
@@ -126,6 +128,8 @@ def test_every_kernel_path_of_this_host_runs_and_agrees(
         results = {r["id"]: r for r in cell["results"]}
         assert results.keys() == {line["id"] for line in LINES}, where
         assert cell["quantize"] == cell["mode"]["quantize"], where
+        if cell["mode"].get("wide"):  # its prefills ran on the dense copies
+            assert cell["wide"] == "dense", where
         for i, schema in enumerate(SCHEMAS):
             result = results[f"s{i}"]
             assert result["finish_reason"] in ("stop", "length"), (where, result)
