@@ -19,7 +19,7 @@ limit they set: bandwidth / bytes per token.
     python bench/big_llama.py --bench              # and run bench/llama_cpp.py on it
 
 With --bench it first builds this project's compiled step for the model
-(`aici-batch run ... --compile on`, outside every timing) so that the `--compile auto`
+(`aici-batch prepare`, outside every timing) so that the `--compile auto`
 rows measure what a second run gets, then runs the one-stream rows and the plain batch-8
 rows of bench/llama_cpp.py, and prints the load average before and after.
 """
@@ -27,11 +27,9 @@ rows of bench/llama_cpp.py, and prints the load average before and after.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -216,31 +214,21 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def warm_compile(path: Path, threads: int, lines: int) -> float:
-    """`aici-batch run` of `lines` lines with --compile on: builds (once) the packaged
-    steps of the row buckets such a run uses, which later `--compile auto` runs of this
-    model shape pick up (1 line: the one-stream rows; 8: the batch rows). Returns its
-    seconds."""
-    line = json.dumps({"prompt": "Hello", "max_tokens": 32, "ignore_eos": True})
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.write((line + "\n") * lines)
+def prepare(path: Path, threads: int) -> float:
+    """`aici-batch prepare` of the model: its conversion and its compiled step for 1 row
+    (the one-stream rows) and 8 (the batch rows), which the `--compile auto` rows then
+    start with, as a user's runs after `prepare` do. Returns its seconds."""
     started = time.perf_counter()
-    try:
-        subprocess.run([sys.executable, "-m", "aici_cli", "run", f.name, "-q", "--model",
-                        str(path), "--device", "cpu", "--compile", "on"],
-                       check=True, stdout=subprocess.DEVNULL,
-                       env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    finally:
-        os.unlink(f.name)
+    subprocess.run([sys.executable, "-m", "aici_cli", "prepare", "-q", "--model", str(path),
+                    "--device", "cpu"], check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     return time.perf_counter() - started
 
 
 def run_bench(path: Path, args: argparse.Namespace) -> None:
     """bench/llama_cpp.py's one-stream and plain batch-8 rows on the built model."""
-    for lines in (1, 8):
-        print(f"warm-up: aici-batch run of {lines} line(s) --compile on (builds the "
-              f"packaged steps, untimed): {warm_compile(path, args.threads, lines):.0f} s",
-              flush=True)
+    print(f"warm-up: aici-batch prepare (builds the packaged steps, untimed): "
+          f"{prepare(path, args.threads):.0f} s", flush=True)
     print(f"load average before: {load_average()}", flush=True)
     cmd = [sys.executable, str(REPO / "bench" / "llama_cpp.py"), "--gguf", str(path),
            "--only", "stream,batch", "--stream-tokens", str(args.tokens),
