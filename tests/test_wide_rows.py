@@ -119,3 +119,22 @@ def test_a_run_with_wide_passes_keeps_the_int4_runs_tokens_within_rounding(
     first_plain, first_dense = plain[0], dense[0]
     assert abs(first_plain["logprob"] - first_dense["logprob"]) < 0.05  # type: ignore[operator]
     assert first_plain["id"] == first_dense["id"]
+
+
+@pytest.mark.parametrize("files,room", [
+    ({"memory.max": "1000000\n", "memory.current": "250000\n"}, 750000),
+    ({"memory.max": "max\n", "memory.current": "250000\n"}, None),
+    ({"memory/memory.limit_in_bytes": "2000\n", "memory/memory.usage_in_bytes": "500\n"}, 1500),
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n",
+      "memory/memory.usage_in_bytes": "5\n"}, None),
+    ({}, None),
+])
+def test_a_containers_memory_limit_bounds_the_copy(tmp_path: Path, files: dict[str, str],
+                                                   room: int | None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert wide_rows.cgroup_room(str(tmp_path)) == room
+    monkeypatch.setattr(wide_rows, "cgroup_room", lambda: 4000)
+    assert wide_rows.budget_bytes() == 1000  # a quarter of the cgroup's room

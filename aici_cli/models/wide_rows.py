@@ -59,14 +59,35 @@ def dense_weight(layer: Int4Linear) -> torch.Tensor:
 
 
 def budget_bytes() -> int:
-    """What a dense copy may take: `MAX_BYTES`, and a quarter of the memory available."""
+    """What a dense copy may take: `MAX_BYTES`, and a quarter of the memory available to
+    this process (the machine's, and its cgroup's room where a limit is set: a container
+    sees the host's MemAvailable)."""
     try:
         with open("/proc/meminfo") as f:
             free = next(int(line.split()[1]) * 1024 for line in f
                         if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return min(MAX_BYTES, free // 4)
+    room = cgroup_room()
+    return min(MAX_BYTES, free // 4, MAX_BYTES if room is None else room // 4)
+
+
+def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's cgroup may still take (its limit less its usage; v2's
+    memory.max, v1's memory.limit_in_bytes), or None where no limit is set."""
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(os.path.join(root, limit)) as f:
+                text = f.read().strip()
+            with open(os.path.join(root, usage)) as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if text == "max" or int(text) >= 1 << 60:  # v1 writes "no limit" as ~2^63
+            return None
+        return max(0, int(text) - used)
+    return None
 
 
 class WideRows:
