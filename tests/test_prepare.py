@@ -86,3 +86,21 @@ def test_prepare_takes_the_run_options_as_run_declares_them() -> None:
             continue
         mine, theirs = param.to_info_dict(), run[param.name].to_info_dict()
         assert mine == theirs, param.name
+
+
+@pytest.mark.parametrize("extra,hinted", [((), True), (("-q",), False),
+                                          (("--compile", "off"), False)])
+def test_a_long_run_that_stayed_eager_says_how_to_prepare(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        extra: tuple[str, ...], hinted: bool) -> None:
+    from aici_cli.run import batch
+
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))  # no package here
+    monkeypatch.setattr(compiled, "compiler_problem", lambda device: None)
+    monkeypatch.setattr(batch, "PREPARE_HINT_PASSES", 5)
+    line = json.dumps({"prompt": "hello", "max_tokens": 24, "ignore_eos": True})
+    res = CliRunner().invoke(main, ["run", "-", "--model", str(tiny_model_dir), "--device",
+                                    "cpu", "--dtype", "float32", *extra], input=line + "\n")
+    assert res.exit_code == 0, res.output
+    assert ("`aici-batch prepare` with its --model" in res.stderr) is hinted
+    assert _packages(tmp_path / "cache") == []  # a short auto run builds nothing

@@ -334,6 +334,9 @@ def _outcome(config: RunConfig, summary: dict[str, Any], signum: int | None,
                      "(it is empty or blank)")
     else:
         display.summary(summary)
+        hint = _prepare_hint(config, summary)
+        if hint is not None:
+            display.note(hint)
     failed = failure_line(summary)
     if failed is not None:
         display.note(failed, even_quiet=True)
@@ -344,6 +347,26 @@ def _outcome(config: RunConfig, summary: dict[str, Any], signum: int | None,
     if signum is not None and not config.quiet:
         _note(display, _interrupted_note(config, outcome, plan))
     return outcome
+
+
+# A run of at least this many passes whose one-token steps could have run compiled, and
+# did not (`--compile auto`, no packaged step ready), says how to make them: at ~8 ms
+# saved a step (docs/speed.md) that is over a second.
+PREPARE_HINT_PASSES = 200
+
+
+def _prepare_hint(config: RunConfig, summary: dict[str, Any]) -> str | None:
+    """The one-line hint at `aici-batch prepare`, where this run would have gained from
+    it: `compiled_steps` is 0 where the step is supported but never ran (None where it
+    cannot run here: unsupported, no compiler, --compile off, --deterministic)."""
+    if config.engine.compile != "auto" or config.ray is not None \
+            or summary.get("compiled_steps") != 0 \
+            or summary.get("forward_passes", 0) < PREPARE_HINT_PASSES:
+        return None
+    return (f"aici-batch: this run's {summary['forward_passes']} steps ran eager: "
+            "`aici-batch prepare` with its --model, --dtype, --quantize and --batch-size "
+            "builds the compiled step once (about a minute), and runs like it then start "
+            "with it (docs/speed.md)")
 
 
 def _count_lines(path: str) -> int | None:
