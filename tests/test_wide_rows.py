@@ -138,3 +138,25 @@ def test_a_containers_memory_limit_bounds_the_copy(tmp_path: Path, files: dict[s
     assert wide_rows.cgroup_room(str(tmp_path)) == room
     monkeypatch.setattr(wide_rows, "cgroup_room", lambda: 4000)
     assert wide_rows.budget_bytes() == 1000  # a quarter of the cgroup's room
+
+
+def test_a_copy_that_cannot_be_made_leaves_the_int4_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = [_layer(128, 64, seed) for seed in range(3)]
+    made: list[Int4Linear] = []
+
+    def fails_on_the_third(layer: Int4Linear) -> torch.Tensor:
+        made.append(layer)
+        if len(made) == 4:  # the trial's, then two layers' copies, then out of memory
+            raise RuntimeError("DefaultCPUAllocator: not enough memory")
+        return torch.zeros(layer.out_features, layer.in_features, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(wide_rows, "dense_weight", fails_on_the_third)
+    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
+    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    wide = WideRows(layers)
+    wide.before_pass(64)
+    assert wide.state == "int4" and "not enough memory" in (wide.reason or "")
+    assert all(layer.dense is None for layer in layers)  # no half-made copy is used
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    assert torch.equal(layers[0](x), _kernel(layers[0], x))

@@ -127,14 +127,21 @@ class WideRows:
             self.state, self.reason = "int4", f"a dense copy ({need >> 20} MiB) does not fit"
             return
         trial = max(self.layers, key=lambda layer: layer.in_features * layer.out_features)
-        speedup = _trial(trial, rows)
-        self.reason = f"the dense GEMM at {rows} rows: {speedup:.1f}x the int4 kernel"
-        if speedup < MIN_SPEEDUP:
-            self.state = "int4"
-            return
         started = time.perf_counter()
-        for layer in self.layers:
-            layer.dense = dense_weight(layer)
+        try:
+            speedup = _trial(trial, rows)
+            self.reason = f"the dense GEMM at {rows} rows: {speedup:.1f}x the int4 kernel"
+            if speedup < MIN_SPEEDUP:
+                self.state = "int4"
+                return
+            for layer in self.layers:
+                layer.dense = dense_weight(layer)
+        except (MemoryError, RuntimeError) as e:  # fail safe: the int4 kernel, as before
+            for layer in self.layers:
+                layer.dense = None
+            self.state = "int4"
+            self.reason = f"making the dense copy failed: {type(e).__name__}: {e}"[:300]
+            return
         self.build_s = time.perf_counter() - started
         self.state = "dense"
 
