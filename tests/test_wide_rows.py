@@ -160,3 +160,33 @@ def test_a_copy_that_cannot_be_made_leaves_the_int4_kernel(
     assert all(layer.dense is None for layer in layers)  # no half-made copy is used
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     assert torch.equal(layers[0](x), _kernel(layers[0], x))
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_the_dense_kernels_run_only_where_the_kernel_probe_passes_them(
+        ok: bool, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aici_cli.models import kernel_probe
+
+    asked: list[tuple[kernel_probe.KernelMode, kernel_probe.Shapes]] = []
+
+    def verdict(mode: kernel_probe.KernelMode,
+                shapes: kernel_probe.Shapes) -> kernel_probe.Verdict:
+        asked.append((mode, shapes))
+        return kernel_probe.Verdict(ok, None if ok else "its kernels crashed the process "
+                                                        "(SIGSEGV)")
+
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", quantize="int4")
+    monkeypatch.setenv(kernel_probe.ENV, "on")  # after the load: its own probe is not asked
+    monkeypatch.setattr(kernel_probe, "verdict", verdict)
+    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
+    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    wide = WideRows.for_model(lm.model)
+    assert wide is not None
+    wide.before_pass(64)
+    [(mode, shapes)] = asked  # the unquantised mode at the run's dtype, the model's shapes
+    assert (mode.device, mode.dtype, mode.quantize) == ("cpu", "bfloat16", "none")
+    assert shapes == kernel_probe.Shapes.of(tiny_model_dir)
+    assert wide.state == ("dense" if ok else "int4")
+    assert all((layer.dense is not None) is ok for layer in wide.layers)
+    if not ok:
+        assert "SIGSEGV" in (wide.reason or "")

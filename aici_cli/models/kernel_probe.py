@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from aici_cli.core.cache_paths import cache_dir
 
@@ -87,6 +88,18 @@ class Shapes:
             raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
         except (OSError, ValueError):
             raw = {}
+        return cls.of_fields(raw)
+
+    @classmethod
+    def of_config(cls, config: Any) -> Shapes:
+        """The shapes of a loaded model's config (its attributes, as config.json's keys)."""
+        names = ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+                 "num_key_value_heads", "head_dim", "num_hidden_layers")
+        return cls.of_fields({name: getattr(config, name, None) for name in names})
+
+    @classmethod
+    def of_fields(cls, raw: dict[str, Any]) -> Shapes:
+        """The shapes config.json's fields give; the default model's where one is missing."""
         base = cls()
 
         def field(key: str, default: int) -> int:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from aici_cli.models import quantize
+from aici_cli.models import kernel_probe, quantize
 from aici_cli.models.quantize import GROUP, Int4Linear
 
 BUILD_AFTER = 1024  # rows of wide passes before the copy is made
@@ -93,8 +93,10 @@ def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
 class WideRows:
     """A model's int4 layers, and whether passes of many rows run them dense yet."""
 
-    def __init__(self, layers: list[Int4Linear]) -> None:
+    def __init__(self, layers: list[Int4Linear], config: Any = None) -> None:
+        """`config`: the model's, for the kernel probe's verdict on the dense kernels."""
         self.layers = layers
+        self.config = config
         self.fed = 0  # rows of wide passes so far
         self.state = "counting"  # then "dense", or "int4" (it would not pay, or fit)
         self.reason: str | None = None  # why "int4", or what the trial measured
@@ -107,7 +109,7 @@ class WideRows:
                   and m.packed.device.type == "cpu"]
         if not layers:
             return None
-        wide = cls(layers)
+        wide = cls(layers, getattr(model, "config", None))
         if all(layer.dense is not None for layer in layers):  # another engine made them
             wide.state = "dense"
         return wide
@@ -125,6 +127,10 @@ class WideRows:
             * self.layers[0].scale_zero.element_size()
         if need > budget_bytes():
             self.state, self.reason = "int4", f"a dense copy ({need >> 20} MiB) does not fit"
+            return
+        refused = self._probe_refuses()
+        if refused is not None:
+            self.state, self.reason = "int4", refused
             return
         trial = max(self.layers, key=lambda layer: layer.in_features * layer.out_features)
         started = time.perf_counter()
@@ -144,6 +150,21 @@ class WideRows:
             return
         self.build_s = time.perf_counter() - started
         self.state = "dense"
+
+
+    def _probe_refuses(self) -> str | None:
+        """Why this machine's dense kernels must not run here: the kernel probe's verdict
+        on the unquantised mode at the activation dtype (cached per machine; a child
+        process of a few seconds the first time), as a run of that mode would ask it. A
+        dense GEMM that crashes or computes wrong is never used by a wide pass either."""
+        if self.config is None or not kernel_probe.enabled():
+            return None
+        dtype = str(self.layers[0].scale_zero.dtype).removeprefix("torch.")
+        found = kernel_probe.verdict(kernel_probe.current_mode("cpu", dtype, "none"),
+                                     kernel_probe.Shapes.of_config(self.config))
+        if found.ok:
+            return None
+        return f"the kernel probe rejects {dtype}+none here: {found.reason}"
 
 
 def _trial(layer: Int4Linear, rows: int) -> float:
