@@ -23,9 +23,10 @@ of at least `quantize.DENSE_MIN_ROWS` rows (32) have fed `BUILD_AFTER` rows in a
 the int4 kernel's ~1.5 ms a row, about what the copy costs), and only where a trial at
 the current pass's rows on the model's largest int4 layer finds the dense GEMM at least
 `MIN_SPEEDUP` times faster on this machine (an AVX2 CPU without native bf16 may not),
-and where the copy fits `budget_bytes`. From then on every pass of at least that many
-rows runs the int4 layers dense; the others, and the compiled one-token step (its
-stacked layers are other modules), keep the int4 kernel.
+where the copy fits `budget_bytes`, and where the kernel probe passes this machine's
+dense kernels (the unquantised mode at the run's dtype). From then on every pass of at
+least that many rows runs the int4 layers dense; the others, and the compiled one-token
+step (its stacked layers are other modules), keep the int4 kernel.
 
 Outputs of a wide pass differ from the int4 kernel's in rounding only (the product's
 accumulation order, and the weights rounded to bf16), as a pass of another row count
