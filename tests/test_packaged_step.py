@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
@@ -130,3 +131,27 @@ def test_the_package_key_names_what_the_code_depends_on(
     assert packaged_step.package_file(lm.model, 1, 1) != one
     monkeypatch.setattr(packaged_step, "fingerprint", lambda device: "Linux x86_64 other")
     assert packaged_step.package_file(lm.model, 1, 4) != one
+
+
+def test_a_ready_package_that_does_not_load_leaves_auto_eager_not_tracing(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` takes a step for its ready package alone; where that package cannot be
+    loaded (a damaged file, constants the model's layers lack), the run goes on eagerly
+    with the eager tokens instead of seconds of torch.compile a short run never repays."""
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path))
+    lengths = [6, 4]
+    eager, _ = _run(tiny_model_dir, "off", lengths)
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    path = packaged_step.package_file(lm.model, 2, 2)  # the bucket _run's batch takes
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a package")
+    path.with_suffix(".constants.pt").write_bytes(b"nor constants")
+
+    def no_trace(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("torch.compile was called")
+
+    monkeypatch.setattr(torch, "compile", no_trace)
+    got, engine = _run(tiny_model_dir, "auto", lengths)
+    decode = engine.runner.model_pass.decode
+    assert decode.compiled is None and "did not load" in (decode.reason or "")
+    assert got == eager

@@ -58,7 +58,8 @@ def test_a_copy_is_made_only_after_enough_wide_rows_and_then_used_by_wide_passes
     wide.before_pass(60)
     assert wide.state == "counting" and all(layer.dense is None for layer in layers)
     wide.before_pass(60)
-    assert wide.state == "dense" and "rows:" in (wide.reason or "")
+    assert wide.state == "dense" and "at 16 rows" in (wide.reason or "")
+    assert wide.min_rows == quantize.DENSE_MIN_ROWS  # any speed-up pays: from the floor
     assert all(layer.dense is not None for layer in layers)
 
     layer = layers[0]
@@ -80,7 +81,7 @@ def test_no_copy_where_the_trial_finds_no_gain_or_it_does_not_fit(
     monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 1e9)
     slow.before_pass(64)
     assert slow.state == "int4" and slow.layers[0].dense is None
-    assert "x the int4 kernel" in (slow.reason or "")
+    assert "against the int4 kernel" in (slow.reason or "")
     slow.before_pass(10_000)  # decided: never tried again
     assert slow.layers[0].dense is None
 
@@ -190,3 +191,47 @@ def test_the_dense_kernels_run_only_where_the_kernel_probe_passes_them(
     assert all((layer.dense is not None) is ok for layer in wide.layers)
     if not ok:
         assert "SIGSEGV" in (wide.reason or "")
+
+
+def test_the_dense_copy_serves_passes_from_the_smallest_row_count_where_it_pays(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2 or AVX512-BF16 CPU without AMX wins with the dense GEMM only at more rows
+    than AMX does: the trial's row counts pick where passes start to use it."""
+    measured = {16: 1.6, 32: 1.2, 64: 1.7, 128: 2.5, 256: 4.0, 300: 4.5}
+    monkeypatch.setattr(wide_rows, "_trial", lambda layer, rows: measured[rows])
+    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
+    layers = [_layer(128, 64, seed) for seed in range(2)]
+    wide = WideRows(layers)
+    wide.before_pass(300)
+    # 16 pays but 32 does not: from 64 on, where every larger count pays too.
+    assert wide.state == "dense" and wide.min_rows == 64
+    layer = layers[1]
+    assert layer.dense is not None
+    at = {rows: torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (16, 63, 64, 300)}
+    for rows, x in at.items():
+        want = (torch.nn.functional.linear(x, layer.dense) if rows >= 64
+                else _kernel(layer, x))
+        assert torch.equal(layer(x), want), rows
+    assert WideRows.for_model(torch.nn.Sequential(*layers)).min_rows == 64  # type: ignore[union-attr]
+
+
+def test_layers_with_dense_copies_still_stack_for_the_compiled_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wide passes may make the copies before the first compiled step stacks q/k/v: the
+    stack's probe compares the kernels the stack runs, so it still stacks (a package
+    built with stacked layers needs them)."""
+    from aici_cli.models import fused_linear
+
+    monkeypatch.setattr(fused_linear, "_VERDICTS", {})
+    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
+    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    parts = [_layer(n, 64, seed) for seed, n in enumerate((128, 64, 64))]
+    # Copies that differ from the kernel's weights: a probe that reached them would fail.
+    WideRows(parts).before_pass(64)
+    for part in parts:
+        assert part.dense is not None
+        part.dense = part.dense + 1
+    stacked = fused_linear.stack_linears(parts)
+    assert isinstance(stacked, Int4Linear)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(stacked(x), torch.cat([_kernel(p, x) for p in parts], dim=-1))

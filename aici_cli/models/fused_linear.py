@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aici_cli.models.quantize import Int4Linear, Int8Linear
+from aici_cli.models.quantize import DENSE_MIN_ROWS, Int4Linear, Int8Linear
 
 
 class SideBySide(torch.nn.Module):
@@ -124,7 +124,7 @@ _VERDICTS: dict[tuple[object, ...], bool] = {}
 
 
 def _same_outputs(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -> bool:
-    """The stacked layer gives exactly the parts' outputs side by side, at 1, 3 and 16 rows
+    """The stacked layer gives exactly the parts' outputs side by side, at 1, 3 and 15 rows
     (probed once per shape of parts in a process: `_VERDICTS`)."""
     # The input the layer's kernel takes: the dense weight's dtype, or a quantized
     # layer's scales' (the int4/int8 kernels require activations of that dtype).
@@ -142,7 +142,9 @@ def _same_outputs(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) ->
 def _probe(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module],
            like: torch.Tensor) -> bool:
     gen = torch.Generator(device="cpu").manual_seed(0)
-    for rows in (1, 3, 16):
+    # Fewer rows than a part's dense copy serves (quantize.DENSE_MIN_ROWS): both sides on
+    # the kernel the stacked layer runs, whether or not wide passes made copies already.
+    for rows in (1, 3, DENSE_MIN_ROWS - 1):
         x = torch.randn(rows, _in_features(parts[0]) or 0, generator=gen).to(like.device,
                                                                              like.dtype)
         if not torch.equal(stacked(x), torch.cat([q(x) for q in parts], dim=-1)):

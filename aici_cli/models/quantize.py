@@ -53,9 +53,10 @@ from aici_cli.models.packed_weights import (
 
 GROUP = gguf_blocks.BLOCK  # int4 group size: one GGUF block
 MODES = ("none", "int8", "int4")
-# A CPU pass of at least this many rows runs an int4 layer on its dense copy where one was
-# made (`wide_rows`: where this machine's dense GEMM is faster at such rows).
-DENSE_MIN_ROWS = 32
+# A CPU pass of fewer rows never runs an int4 layer on its dense copy (`wide_rows`: from
+# the layer's `dense_rows` on, where this machine's dense GEMM is faster at such rows).
+# Above the compiled step's buckets of one-token steps at the default batch size.
+DENSE_MIN_ROWS = 16
 
 
 class Int4Linear(torch.nn.Module):
@@ -67,9 +68,11 @@ class Int4Linear(torch.nn.Module):
     packed: torch.Tensor
     scale_zero: torch.Tensor
     bias: torch.Tensor | None
-    # [N, K] in the activation dtype, for passes of DENSE_MIN_ROWS rows or more (wide_rows):
-    # an attribute, not a buffer (no state dict, no package, no stacked layer has one).
+    # [N, K] in the activation dtype, for passes of `dense_rows` rows or more (wide_rows;
+    # never fewer than DENSE_MIN_ROWS): attributes, not buffers (no state dict, no
+    # package, no stacked layer has one).
     dense: torch.Tensor | None = None
+    dense_rows: int = 1 << 62
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -113,7 +116,8 @@ class Int4Linear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         # The row count first: a compiled step's rows (fewer) never read `dense`, so its
         # graph holds no guard on it.
-        if flat.shape[0] >= DENSE_MIN_ROWS and self.dense is not None:
+        if flat.shape[0] >= DENSE_MIN_ROWS and self.dense is not None \
+                and flat.shape[0] >= self.dense_rows:
             y = F.linear(flat, self.dense)
         elif self.packed.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, self.scale_zero)

@@ -19,13 +19,15 @@ A dense copy costs memory (two bytes a weight: 212 MB for the default model's 21
 layers) and time to make (`dense_weight`: the kernel's own widening, W^T = int4mm(I), so
 the copy is the kernel's weights rounded to the activation dtype; 1.7 s for the default
 model). So it is made once the run has shown it pays, as in ski rental: when the passes
-of at least `quantize.DENSE_MIN_ROWS` rows (32) have fed `BUILD_AFTER` rows in all (at
-the int4 kernel's ~1.5 ms a row, about what the copy costs), and only where a trial at
-the current pass's rows on the model's largest int4 layer finds the dense GEMM at least
-`MIN_SPEEDUP` times faster on this machine (an AVX2 CPU without native bf16 may not),
+of at least `quantize.DENSE_MIN_ROWS` rows (16) have fed `BUILD_AFTER` rows in all (at
+the int4 kernel's ~1.5 ms a row, about what the copy costs), and only where a trial on
+the model's largest int4 layer finds the dense GEMM at least `MIN_SPEEDUP` times faster
+on this machine at some of `TRIAL_ROWS` and the deciding pass's rows (an AVX2 CPU
+without native bf16 may find it at none),
 where the copy fits `budget_bytes`, and where the kernel probe passes this machine's
 dense kernels (the unquantised mode at the run's dtype). From then on every pass of at
-least that many rows runs the int4 layers dense; the others, and the compiled one-token
+least the smallest of those row counts from which it pays runs the int4 layers dense
+(on the Xeon with AMX 16 rows: 2.4x there; elsewhere more); the others, and the compiled one-token
 step (its stacked layers are other modules), keep the int4 kernel.
 
 Outputs of a wide pass differ from the int4 kernel's in rounding only (the product's
@@ -46,6 +48,9 @@ from aici_cli.models.quantize import GROUP, Int4Linear
 
 BUILD_AFTER = 1024  # rows of wide passes before the copy is made
 MIN_SPEEDUP = 1.5  # the dense GEMM's speed-up a trial must show
+# The row counts the trial times (with the deciding pass's): passes from the smallest of
+# them where the dense GEMM is MIN_SPEEDUP times faster, and at every larger one, run it.
+TRIAL_ROWS = (16, 32, 64, 128, 256)
 MAX_BYTES = 4 << 30  # and the copy's size at most this, and a quarter of free memory
 
 
@@ -102,6 +107,7 @@ class WideRows:
         self.state = "counting"  # then "dense", or "int4" (it would not pay, or fit)
         self.reason: str | None = None  # why "int4", or what the trial measured
         self.build_s = 0.0
+        self.min_rows = 0  # with "dense": passes of this many rows or more run it
 
     @classmethod
     def for_model(cls, model: Any) -> WideRows | None:
@@ -112,7 +118,7 @@ class WideRows:
             return None
         wide = cls(layers, getattr(model, "config", None))
         if all(layer.dense is not None for layer in layers):  # another engine made them
-            wide.state = "dense"
+            wide.state, wide.min_rows = "dense", layers[0].dense_rows
         return wide
 
     def before_pass(self, rows: int) -> None:
@@ -136,13 +142,18 @@ class WideRows:
         trial = max(self.layers, key=lambda layer: layer.in_features * layer.out_features)
         started = time.perf_counter()
         try:
-            speedup = _trial(trial, rows)
-            self.reason = f"the dense GEMM at {rows} rows: {speedup:.1f}x the int4 kernel"
-            if speedup < MIN_SPEEDUP:
+            sizes = sorted({*TRIAL_ROWS, rows})
+            speedups = {n: _trial(trial, n) for n in sizes}
+            self.reason = "the dense GEMM against the int4 kernel: " + ", ".join(
+                f"{speedups[n]:.1f}x at {n} rows" for n in sizes)
+            pays = [n for i, n in enumerate(sizes)
+                    if all(speedups[m] >= MIN_SPEEDUP for m in sizes[i:])]
+            if not pays:
                 self.state = "int4"
                 return
             for layer in self.layers:
                 layer.dense = dense_weight(layer)
+                layer.dense_rows = pays[0]
         except (MemoryError, RuntimeError) as e:  # fail safe: the int4 kernel, as before
             for layer in self.layers:
                 layer.dense = None
@@ -150,8 +161,7 @@ class WideRows:
             self.reason = f"making the dense copy failed: {type(e).__name__}: {e}"[:300]
             return
         self.build_s = time.perf_counter() - started
-        self.state = "dense"
-
+        self.state, self.min_rows = "dense", pays[0]
 
     def _probe_refuses(self) -> str | None:
         """Why this machine's dense kernels must not run here: the kernel probe's verdict

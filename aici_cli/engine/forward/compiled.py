@@ -147,6 +147,11 @@ def compiler_problem(device: torch.device) -> str | None:
     return f"device {device.type!r}"
 
 
+class NoPackage(RuntimeError):
+    """A step `auto` chose for its packaged step found none it could load: the run goes
+    on eagerly (passes.py), not through seconds of torch.compile."""
+
+
 class CompiledDecode:
     """The compiled one-token step over a model and its row cache."""
 
@@ -161,6 +166,9 @@ class CompiledDecode:
         self.device = device
         self.build_packages = build_packages
         self.package_problem: str | None = None  # why a package was not built or loaded
+        # Whether a bucket without a package may compile with torch.compile (seconds of
+        # tracing): False for `auto` when it chose this step for a ready package alone.
+        self.may_trace = True
         self._package_ready: dict[int, bool] = {}
         self._graphs: LayerGraphs | None = None
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
@@ -225,6 +233,10 @@ class CompiledDecode:
         elif started is not None:
             self._packaged(rows, (h, cos, sin, self.cache.keys, self.cache.values, pos_t,
                                   valid_t, mask, sliding))
+            if rows not in self.graphs.packaged and not self.may_trace:
+                raise NoPackage(f"the packaged step for {rows} rows did not load "
+                                f"({self.package_problem or 'none built'}), and too little "
+                                "work is ahead to trace one")
         h = self.graphs.forward(h, cos, sin, self.cache.keys, self.cache.values, pos_t,
                                 valid_t, mask, sliding)
         span = h[first_row : first_row + b]
@@ -332,4 +344,5 @@ class DecodeSteps:
         if not self._chosen and (steps_ahead >= AUTO_MIN_STEPS or
                                  self.compiled.package_ready(span_end, rows_bound)):
             self._chosen = True
+            self.compiled.may_trace = steps_ahead >= AUTO_MIN_STEPS
         return self.compiled if self._chosen else None
