@@ -235,3 +235,17 @@ def test_layers_with_dense_copies_still_stack_for_the_compiled_step(
     assert isinstance(stacked, Int4Linear)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(stacked(x), torch.cat([_kernel(p, x) for p in parts], dim=-1))
+
+
+def test_the_copy_is_made_once_the_rows_fed_cost_what_it_costs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ski rental: making the copy costs one pass of K rows through each layer's kernel,
+    so it is made once wide passes fed the size-weighted mean of the K's."""
+    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    layers = [_layer(128, 64), _layer(64, 256)]  # 8,192 and 16,384 weights
+    wide = WideRows(layers)
+    assert wide.copy_rows == (8192 * 64 + 16384 * 256) // (8192 + 16384) == 192
+    wide.before_pass(100)
+    assert wide.state == "counting"
+    wide.before_pass(100)
+    assert wide.state == "dense"

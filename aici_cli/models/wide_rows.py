@@ -19,16 +19,16 @@ A dense copy costs memory (two bytes a weight: 212 MB for the default model's 21
 layers) and time to make (`dense_weight`: the kernel's own widening, W^T = int4mm(I), so
 the copy is the kernel's weights rounded to the activation dtype; 1.7 s for the default
 model). So it is made once the run has shown it pays, as in ski rental: when the passes
-of at least `quantize.DENSE_MIN_ROWS` rows (16) have fed `BUILD_AFTER` rows in all (at
-the int4 kernel's ~1.5 ms a row, about what the copy costs), and only where a trial on
-the model's largest int4 layer finds the dense GEMM at least `MIN_SPEEDUP` times faster
-on this machine at some of `TRIAL_ROWS` and the deciding pass's rows (an AVX2 CPU
-without native bf16 may find it at none),
-where the copy fits `budget_bytes`, and where the kernel probe passes this machine's
-dense kernels (the unquantised mode at the run's dtype). From then on every pass of at
-least the smallest of those row counts from which it pays runs the int4 layers dense
-(on the Xeon with AMX 16 rows: 2.4x there; elsewhere more); the others, and the compiled one-token
-step (its stacked layers are other modules), keep the int4 kernel.
+of at least `quantize.DENSE_MIN_ROWS` rows (16) have fed about as many rows as the copy
+costs on the int4 kernel (`copy_rows`: 816 for the default model), and only where a
+trial on the model's largest int4 layer finds the dense GEMM at least `MIN_SPEEDUP`
+times faster on this machine at some of `TRIAL_ROWS` and the deciding pass's rows (an
+AVX2 CPU without native bf16 may find it at none), where the copy fits `budget_bytes`,
+and where the kernel probe passes this machine's dense kernels (the unquantised mode at
+the run's dtype). From then on every pass of at least the smallest of those row counts
+from which it pays runs the int4 layers dense (16 rows on the Xeon with AMX: 2.4x there;
+more elsewhere); the others, and the compiled one-token step (its stacked layers are
+other modules), keep the int4 kernel.
 
 Outputs of a wide pass differ from the int4 kernel's in rounding only (the product's
 accumulation order, and the weights rounded to bf16), as a pass of another row count
@@ -46,7 +46,11 @@ import torch
 from aici_cli.models import kernel_probe, quantize
 from aici_cli.models.quantize import GROUP, Int4Linear
 
-BUILD_AFTER = 1024  # rows of wide passes before the copy is made
+# Rows of wide passes before the copy is made; None: what making it costs, in rows (the
+# layers' input widths, weighted by size: the copy is one pass of K rows through each
+# layer's kernel), so the run has spent on the int4 kernel about what the copy costs
+# (816 for the default model, ~4,000 for a 1B Llama).
+BUILD_AFTER: int | None = None
 MIN_SPEEDUP = 1.5  # the dense GEMM's speed-up a trial must show
 # The row counts the trial times (with the deciding pass's): passes from the smallest of
 # them where the dense GEMM is MIN_SPEEDUP times faster, and at every larger one, run it.
@@ -126,8 +130,15 @@ class WideRows:
         if rows < quantize.DENSE_MIN_ROWS or self.state != "counting":
             return
         self.fed += rows
-        if self.fed >= BUILD_AFTER:
+        if self.fed >= (BUILD_AFTER if BUILD_AFTER is not None else self.copy_rows):
             self._decide(rows)
+
+    @property
+    def copy_rows(self) -> int:
+        """What making the copy costs, in rows through the int4 kernel (`BUILD_AFTER`)."""
+        sizes = [layer.in_features * layer.out_features for layer in self.layers]
+        return sum(size * layer.in_features for size, layer in zip(sizes, self.layers)) \
+            // max(1, sum(sizes))
 
     def _decide(self, rows: int) -> None:
         need = sum(layer.in_features * layer.out_features for layer in self.layers) \
