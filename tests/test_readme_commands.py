@@ -133,16 +133,24 @@ def test_the_docs_pages_have_the_commands_they_should() -> None:
     assert any("--score" in c for c in commands_of("docs/evaluations.md"))
 
 
+@pytest.fixture(scope="module")
+def pages_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pages' own cache: what a page's command builds (`aici-batch prepare`'s
+    compiled steps for the tiny model) must not reach the rest of the suite, where a
+    ready package would make a later `--compile auto` run compiled."""
+    return tmp_path_factory.mktemp("pages-cache")
+
+
 @pytest.mark.parametrize(("page", "line", "commands"), BLOCKS,
                          ids=[f"{page}:line{n}" for page, n, _ in BLOCKS])
 def test_each_documented_command_runs(page: str, line: int, commands: list[str], tmp_path: Path,
                                   tiny_model_dir: Path, request: pytest.FixtureRequest,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                  monkeypatch: pytest.MonkeyPatch, pages_cache: Path) -> None:
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     (tmp_path / "controllers").symlink_to(ROOT / "controllers")
     monkeypatch.chdir(tmp_path)
     env = {"AICI_BATCH_MODEL": str(tiny_model_dir), "AICI_BATCH_MAX_TOKENS": "16",
-           "AICI_BATCH_PROGRESS_INTERVAL": "0"}
+           "AICI_BATCH_PROGRESS_INTERVAL": "0", "AICI_BATCH_CACHE": str(pages_cache)}
     after_remote = False  # what follows a remote command in its block works on its output
     for command in commands:
         shell = Shell(command)
