@@ -148,7 +148,7 @@ def test_a_copy_that_cannot_be_made_leaves_the_int4_kernel(
 
     def fails_on_the_third(layer: Int4Linear) -> torch.Tensor:
         made.append(layer)
-        if len(made) == 4:  # the trial's, then two layers' copies, then out of memory
+        if len(made) == 3:  # the trial's (its layer's copy too), another, then out of memory
             raise RuntimeError("DefaultCPUAllocator: not enough memory")
         return torch.zeros(layer.out_features, layer.in_features, dtype=torch.bfloat16)
 
@@ -198,7 +198,7 @@ def test_the_dense_copy_serves_passes_from_the_smallest_row_count_where_it_pays(
     """An AVX2 or AVX512-BF16 CPU without AMX wins with the dense GEMM only at more rows
     than AMX does: the trial's row counts pick where passes start to use it."""
     measured = {16: 1.6, 32: 1.2, 64: 1.7, 128: 2.5, 256: 4.0, 300: 4.5}
-    monkeypatch.setattr(wide_rows, "_trial", lambda layer, rows: measured[rows])
+    monkeypatch.setattr(wide_rows, "_trial", lambda layer, dense, rows: measured[rows])
     monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
     layers = [_layer(128, 64, seed) for seed in range(2)]
     wide = WideRows(layers)

@@ -154,7 +154,8 @@ class WideRows:
         started = time.perf_counter()
         try:
             sizes = sorted({*TRIAL_ROWS, rows})
-            speedups = {n: _trial(trial, n) for n in sizes}
+            made = dense_weight(trial)  # once: the trial's sizes, then the copy itself
+            speedups = {n: _trial(trial, made, n) for n in sizes}
             self.reason = "the dense GEMM against the int4 kernel: " + ", ".join(
                 f"{speedups[n]:.1f}x at {n} rows" for n in sizes)
             pays = [n for i, n in enumerate(sizes)
@@ -163,7 +164,7 @@ class WideRows:
                 self.state = "int4"
                 return
             for layer in self.layers:
-                layer.dense = dense_weight(layer)
+                layer.dense = made if layer is trial else dense_weight(layer)
                 layer.dense_rows = pays[0]
         except (MemoryError, RuntimeError) as e:  # fail safe: the int4 kernel, as before
             for layer in self.layers:
@@ -189,11 +190,10 @@ class WideRows:
         return f"the kernel probe rejects {dtype}+none here: {found.reason}"
 
 
-def _trial(layer: Int4Linear, rows: int) -> float:
-    """How many times faster `layer` runs `rows` rows dense than on the int4 kernel (the
-    better of three calls each, after one to warm)."""
+def _trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:
+    """How many times faster `layer` runs `rows` rows on `dense`, its dense copy, than on
+    the int4 kernel (the better of three calls each, after one to warm)."""
     x = torch.randn(rows, layer.in_features, dtype=layer.scale_zero.dtype)
-    dense = dense_weight(layer)
 
     def best(run: Any) -> float:
         run()
