@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from tiny_model import build_tiny_model
 
+from aici_cli.core.cache_paths import cache_dir
+
 if TYPE_CHECKING:
     from aici_cli.models import LoadedModel
 
@@ -260,6 +262,28 @@ def _starts_no_process(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(f"this test is not marked slow but started a process or read a build "
                     f"({seen}): name it in tests/conftest.py's STARTS_A_PROCESS under "
                     f"{request.node.path.name}", pytrace=False)
+
+
+# What every test shares of the cache folder: what a run makes once and that changes no
+# run's output (converted models, compiled components, the machine checks' verdicts, OCI
+# pulls, their locks). The compiled steps are each test's own: a package one test built
+# makes a later test's `--compile auto` run start compiled, with the compiled step's
+# rounding (and the draft gate's other choice), so a suite's outcome would hang on its
+# order and on what `make demo` (`aici-batch prepare`) left in the cache before it.
+SHARED_CACHE = cache_dir()
+SHARED_CACHE_ENTRIES = ("models", "components", "kernel-probe", "invariance", "oci", "locks")
+
+
+@pytest.fixture(autouse=True)
+def _own_compiled_steps(monkeypatch: pytest.MonkeyPatch,
+                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`$AICI_BATCH_CACHE` for this test (its processes inherit it): the shared entries
+    linked in, an empty `compiled-steps` of its own."""
+    own = tmp_path_factory.mktemp("cache", numbered=True)
+    for name in SHARED_CACHE_ENTRIES:
+        (SHARED_CACHE / name).mkdir(parents=True, exist_ok=True)
+        (own / name).symlink_to(SHARED_CACHE / name, target_is_directory=True)
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(own))
 
 
 @pytest.fixture(scope="session")
