@@ -206,21 +206,54 @@ def test_a_one_line_run_compiles_one_row_not_the_batch(tiny_model_dir: Path) -> 
     assert fast == eager
 
 
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor needs a C++ compiler for CPU kernels")
+def test_a_files_last_line_moves_to_the_one_row_graph_with_the_eager_tokens(
+        tiny_model_dir: Path) -> None:
+    """A file whose longest line sits in the last row: once the other lines ended and
+    none can come, that line moves to row 0 (its keys copied) and its steps run the
+    one-row packaged step (a one-line run built it) instead of the batch's graph, with
+    the eager tokens (fp32)."""
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32")  # graphs of its own
+    lengths = [3, 3, 3, 30]  # line 4 takes row 3 of 4
+
+    def run(mode: str, max_tokens: list[int]) -> tuple[Any, Engine]:
+        engine = Engine(lm, EngineConfig(batch_size=4, compile=mode, draft_tokens=0))
+        results: list[dict[str, Any]] = []
+        engine.run(_jobs(max_tokens), results.append)
+        return {r["index"]: [e["id"] for e in r["logprobs"]] for r in results}, engine
+
+    run("on", [4])  # builds the one-row package
+    eager, _ = run("off", lengths)
+    fast, engine = run("on", lengths)
+    step = engine.runner.model_pass.decode.compiled
+    assert step is not None
+    assert set(step.compile_s) == {4, 1}  # the batch's graph, then the tail's
+    assert fast == eager
+
+
 @given(rows=st.integers(1, 1024), span_end=st.integers(1, 1024),
-       bound=st.integers(0, 1024), kept=st.none() | st.sampled_from(compiled.BUCKETS))
+       bound=st.integers(0, 1024), kept=st.none() | st.sampled_from(compiled.BUCKETS),
+       ready=st.sets(st.sampled_from(compiled.BUCKETS)))
 def test_a_cpu_graph_always_holds_the_span_and_never_exceeds_the_cache(
-        rows: int, span_end: int, bound: int, kept: int | None) -> None:
-    """Whatever the bound and the graph a run kept (a bucket, or every row): the graph's
-    rows hold the step's span, fit the cache, and are a bucket or the cache's rows;
-    without a bound it is every row, and a kept graph that holds the span stays."""
+        rows: int, span_end: int, bound: int, kept: int | None, ready: set[int]) -> None:
+    """Whatever the bound, the graph a run kept (a bucket, or every row) and the buckets
+    with a packaged step ready: the graph's rows hold the step's span, fit the cache, and
+    are a bucket or the cache's rows; without a bound it is every row; a kept graph that
+    holds the span stays, unless the smallest bucket that holds the bound is smaller and
+    has its package ready (a run's tail: it takes that one)."""
     span_end, bound = min(span_end, rows), min(bound, rows)
     step = CompiledDecode.__new__(CompiledDecode)
     step.device, step.rows = torch.device("cpu"), rows
     step._cpu_rows = min(kept, rows) if kept is not None else None
+    step._graphs = None
+    step._package_ready = {b: b in ready for b in (*compiled.BUCKETS, rows)}
     got = step.bucket(span_end, bound)
     assert span_end <= got <= rows
     assert got in compiled.BUCKETS or got == rows
     if step._cpu_rows is None and bound == 0:
         assert got == rows
     if step._cpu_rows is not None and span_end <= step._cpu_rows:
-        assert got == step._cpu_rows
+        tail = next((b for b in compiled.BUCKETS if max(span_end, bound) <= b <= rows), rows)
+        smaller = bound > 0 and tail < step._cpu_rows and tail in ready
+        assert got == (tail if smaller else step._cpu_rows)

@@ -188,7 +188,11 @@ class Scheduler:
         """The next step's plan. `input_closed`: no line can come any more (the source is
         read to its end, or admission stopped)."""
         started = self.now()
+        # A compiled run's tail moves its last lines down to the rows of a smaller graph.
+        moves = (self.table.compact() if self.decode_compiled is not None
+                 and self.decode_compiled() and self._tail(input_closed) else [])
         span, gens, copies = self.table.take_part()  # who feeds what in this pass
+        copies = moves + copies  # the moved rows' keys first: a prefix copy may read them
         # Only a compiled decode step reads `steps_ahead` (whether compiling pays) and
         # `rows_bound`: without one, the plan skips the walks over the queues and rows.
         compiles = self.decode_compiled is not None
@@ -227,9 +231,14 @@ class Scheduler:
         busy row) once no line can come and none waits for a row, else every row. A
         fork's branch may still go past it; the compiled step then takes its full-size
         graph."""
-        if not input_closed or self.ahead or self.pending():
+        if not self._tail(input_closed):
             return len(self.table.gens)
         return span[-1] + 1
+
+    def _tail(self, input_closed: bool) -> bool:
+        """Whether no line can take a row any more: the input is read to its end, and
+        none is read ahead or waits."""
+        return input_closed and not self.ahead and not self.pending()
 
     def _steps_ahead(self, gens: list[Generation | None]) -> int:
         """An upper bound of the one-token steps still to come: the tokens the running,
