@@ -24,6 +24,10 @@ The scheduler's admission reads up to `lookahead` lines ahead (bounded, so a 10 
 still streams); the table picks the one whose prefix is cached (`next_line`) and gives
 each generation the idle row whose keys serve it best, evicting the idle row whose keys
 serve the waiting lines least (`place`).
+
+A compiled run's tail (no line can come any more) moves its last lines down to the lowest
+rows (`compact`), so that the compiled step's smaller graph holds them: a lone last line
+in row 5 of 8 would otherwise pay for 8 rows a step.
 """
 
 from __future__ import annotations
