@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from aici_cli.core.job import Job
+from aici_cli.engine.forward.compiled import smallest_bucket
 from aici_cli.engine.generation import Generation
 
 # Prompt tokens one pass takes on; further new rows wait for the next pass. Bounds the
@@ -164,18 +165,18 @@ class RowTable:
         return min(idle, key=value)
 
     def compact(self) -> list[Copy]:
-        """Move the live generations past the smallest power-of-two row count that holds
-        them into the idle rows below it, and return the copies that move their keys
-        (made before the next pass, as a prefix copy). For a run's tail, once no line can
-        come: the compiled CPU step costs the rows of its graph, and a lone last line in
-        row 5 of 8 would otherwise pay for 8 (22 against 7 ms a step, default model,
-        int4, AMX Xeon). A generation that has not taken its first pass stays. The rows
-        it leaves keep its keys, as a released row does."""
+        """Move the live generations past the smallest compiled bucket that holds them
+        (`compiled.smallest_bucket`) into the idle rows below it, and return the copies
+        that move their keys (made before the next pass, as a prefix copy). For a run's
+        tail, once no line can come: the compiled CPU step costs the rows of its graph,
+        and a lone last line in row 5 of 8 would otherwise pay for 8 (22 against 7 ms a
+        step, default model, int4, AMX Xeon). A generation that has not taken its first
+        pass stays. The rows it leaves keep its keys, as a released row does."""
         live = [i for i, g in enumerate(self.gens) if g is not None]
         if not live:
             return []
-        bound = 1 << (len(live) - 1).bit_length()
-        holes = [i for i in range(min(bound, len(self.gens))) if self.gens[i] is None]
+        bound = smallest_bucket(len(live), len(self.gens))
+        holes = [i for i in range(bound) if self.gens[i] is None]
         copies: list[Copy] = []
         for src in (i for i in live if i >= bound):
             gen = self.gens[src]

@@ -197,13 +197,13 @@ class CompiledDecode:
         default model, int4, on the AMX Xeon: 7 ms a step against 22 ms for 8 rows). A
         span past it (a fork's branch) takes the graph of every row from then on."""
         if self.device.type == "cuda":
-            return _smallest_bucket(span_end, self.rows)
+            return smallest_bucket(span_end, self.rows)
         rows = self._cpu_rows
         if rows is None:
-            rows = _smallest_bucket(max(span_end, rows_bound), self.rows) if rows_bound \
+            rows = smallest_bucket(max(span_end, rows_bound), self.rows) if rows_bound \
                 else self.rows
         elif rows_bound:
-            tail = _smallest_bucket(max(span_end, rows_bound), self.rows)
+            tail = smallest_bucket(max(span_end, rows_bound), self.rows)
             if tail < rows and self._has_package(tail):
                 rows = tail
         return rows if span_end <= rows else self.rows
@@ -299,7 +299,9 @@ class CompiledDecode:
         self._marked_capacity = self.cache.capacity
 
 
-def _smallest_bucket(rows: int, cap: int) -> int:
+def smallest_bucket(rows: int, cap: int) -> int:
+    """The graph rows that hold `rows` rows: the smallest of `BUCKETS` up to `cap`, else
+    `cap` (the cache's rows)."""
     return next((b for b in BUCKETS if rows <= b <= cap), cap)
 
 
