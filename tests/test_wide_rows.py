@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
 from aici_cli.engine import Engine
-from aici_cli.models import quantize, wide_rows
+from aici_cli.models import packed_weights, quantize, wide_rows
 from aici_cli.models.load import load_model
 from aici_cli.models.quantize import GROUP, Int4Linear, quantize_int4
 from aici_cli.models.wide_rows import WideRows, dense_weight
@@ -44,6 +46,33 @@ def test_the_dense_copy_is_the_kernels_own_weights(n: int, k: int) -> None:
     x = torch.randn(40, k, dtype=torch.bfloat16)
     ref, alt = _kernel(layer, x).float(), torch.nn.functional.linear(x, dense).float()
     assert (ref - alt).abs().max() <= 0.02 * ref.abs().max()  # rounding only
+
+
+@given(st.integers(1, 100), st.integers(1, 8), st.sampled_from([64, 32]))
+def test_unpacking_undoes_each_layout_exactly(pairs: int, groups: int, block: int) -> None:
+    """Codes of any even row count (whole blocks and a rest) and K a multiple of 32 come
+    back from each AVX layout's bytes as they went in, and from this machine's layout
+    where it has an inverse."""
+    n, k = 2 * pairs, GROUP * groups
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    assert torch.equal(packed_weights._unlanes(block)(packed_weights._lanes(block)(codes),
+                                                      n, k), codes)
+    unpacked = packed_weights.unpack_int4_cpu(packed_weights.pack_int4_cpu(codes), n, k)
+    assert unpacked is None or torch.equal(unpacked, codes)
+
+
+def test_the_unpacked_copy_is_taken_only_where_it_gives_the_kernels_bits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where unpacking gives no codes (a layout without an inverse) or the probe finds the
+    widening rounds otherwise, the copy is the kernel's own widening; either way its bits."""
+    layer = _layer(128, 64)
+    made = dense_weight(layer)
+    monkeypatch.setattr(packed_weights, "unpack_int4_cpu", lambda *_: None)
+    assert torch.equal(dense_weight(layer), made)
+    monkeypatch.undo()
+    monkeypatch.setattr(wide_rows, "_unpacked_exact", lambda: False)
+    monkeypatch.setattr(wide_rows, "_widened", lambda *_: pytest.fail("widened unpacked"))
+    assert torch.equal(dense_weight(layer), made)
 
 
 def test_a_copy_is_made_only_after_enough_wide_rows_and_then_used_by_wide_passes(
@@ -240,8 +269,10 @@ def test_layers_with_dense_copies_still_stack_for_the_compiled_step(
 def test_the_copy_is_made_once_the_rows_fed_cost_what_it_costs(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Ski rental: making the copy costs one pass of K rows through each layer's kernel,
-    so it is made once wide passes fed the size-weighted mean of the K's."""
+    so it is made once wide passes fed the size-weighted mean of the K's (where the codes
+    do not unpack: from unpacked codes it costs `UNPACKED_COPY_ROWS`)."""
     monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(wide_rows, "_unpacked_exact", lambda: False)
     layers = [_layer(128, 64), _layer(64, 256)]  # 8,192 and 16,384 weights
     wide = WideRows(layers)
     assert wide.copy_rows == (8192 * 64 + 16384 * 256) // (8192 + 16384) == 192
@@ -249,3 +280,10 @@ def test_the_copy_is_made_once_the_rows_fed_cost_what_it_costs(
     assert wide.state == "counting"
     wide.before_pass(100)
     assert wide.state == "dense"
+    monkeypatch.undo()
+    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    unpacked = WideRows([_layer(128, 64, 1), _layer(64, 256, 1)])
+    if wide_rows._unpacked_exact():  # this machine's layout unpacks
+        assert unpacked.copy_rows == wide_rows.UNPACKED_COPY_ROWS
+        unpacked.before_pass(wide_rows.UNPACKED_COPY_ROWS)
+        assert unpacked.state == "dense"

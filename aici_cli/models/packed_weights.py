@@ -121,6 +121,21 @@ def _lanes(block: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return pack
 
 
+def _unlanes(block: int) -> Callable[[torch.Tensor, int, int], torch.Tensor]:
+    """`_lanes(block)` undone: [N*K/2] bytes to [N, K] codes."""
+    def unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        full = n // block * block
+        blocks = packed[: full * k // 2].view(full // block, k, block // 32, 16)
+        lanes = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [blocks, K, block/16, 16]
+        codes = lanes.permute(0, 2, 3, 1).reshape(full, k)
+        if n == full:
+            return codes
+        rest = packed[full * k // 2 :].view(k, (n - full) // 2)  # `_pairs`: K-major
+        pairs = torch.stack([rest & 15, rest >> 4], dim=2).reshape(k, n - full).t()
+        return torch.cat([codes, pairs])
+    return unpack
+
+
 def _adjacent(codes: torch.Tensor) -> torch.Tensor:
     """The default build: blocks of 32 rows, rows 2j and 2j + 1 in one byte, K-major."""
     n, k = codes.shape
@@ -144,7 +159,23 @@ def _cpu_layout() -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None
 
 
-_LAYOUTS = (_lanes(64), _lanes(32), _adjacent)
+_LANES_64, _LANES_32 = _lanes(64), _lanes(32)
+_LAYOUTS = (_LANES_64, _LANES_32, _adjacent)
+_INVERSES = {_LANES_64: _unlanes(64), _LANES_32: _unlanes(32)}
+
+
+def unpacks() -> bool:
+    """Whether this machine's layout has an inverse here (not the op's own, or the default
+    build's)."""
+    layout = _cpu_layout()
+    return layout is not None and layout in _INVERSES
+
+
+def unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
+    """`pack_int4_cpu` undone: [N, K] uint8 codes from the layout's bytes; None where this
+    machine's layout has no inverse (`unpacks`)."""
+    layout = _cpu_layout()
+    return _INVERSES[layout](packed.reshape(-1), n, k) if unpacks() and layout else None
 
 
 def read_packed(file: Path, device: torch.device) -> dict[str, torch.Tensor]:
