@@ -16,11 +16,12 @@ At one row int4 wins (it reads a quarter of the bytes), so one-token steps keep 
 prefill of 1,500 tokens of the default model took 2.3 s at int4 against 0.55 s dense.
 
 A dense copy costs memory (two bytes a weight: 212 MB for the default model's 210 int4
-layers) and time to make (`dense_weight`: the kernel's own widening, W^T = int4mm(I), so
-the copy is the kernel's weights rounded to the activation dtype; 1.7 s for the default
-model). So it is made once the run has shown it pays, as in ski rental: when the passes
-of at least `quantize.DENSE_MIN_ROWS` rows (16) have fed about as many rows as the copy
-costs on the int4 kernel (`copy_rows`: 816 for the default model), and only where a
+layers) and time to make (`dense_weight`: the kernel's weights rounded to the activation
+dtype, widened from the unpacked codes where that gives the kernel's own bits, 0.10 s for
+the default model, else the kernel's own widening, W^T = int4mm(I), 1.58 s). So it is
+made once the run has shown it pays, as in ski rental: when the passes of at least
+`quantize.DENSE_MIN_ROWS` rows (16) have fed about as many rows as the copy costs on the
+int4 kernel (`copy_rows`: 64 unpacked, else 816 for the default model), and only where a
 trial on the model's largest int4 layer finds the dense GEMM at least `MIN_SPEEDUP`
 times faster on this machine at some of `TRIAL_ROWS` and the deciding pass's rows (an
 AVX2 CPU without native bf16 may find it at none), where the copy fits `budget_bytes`,
