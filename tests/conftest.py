@@ -101,6 +101,7 @@ STARTS_A_PROCESS: dict[str, frozenset[str]] = {name: frozenset(tests) for name, 
                                     "test_memory_stays_bounded_over_many_steps"},
     "test_js_build.py": {"test_a_bad_default_export_fails_the_build_with_the_sdk_message",
                          "test_a_syntax_error_names_the_file_and_line_without_a_build"},
+    "test_int4_vnni.py": {"test_the_probe_passes_it_and_a_faulty_kernel_keeps_the_int4_one"},
     "test_js_sdk.py": {"test_the_javascript_sdk_unit_tests_pass"},
     "test_kernel_probe.py": {
         "test_a_child_that_crashes_or_computes_wrong_rejects_the_mode",
@@ -266,13 +267,14 @@ def _starts_no_process(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 # What every test shares of the cache folder: what a run makes once and that changes no
-# run's output (converted models, compiled components, the machine checks' verdicts, OCI
-# pulls, their locks). The compiled steps are each test's own: a package one test built
+# run's output (converted models, compiled components and kernels, the machine checks'
+# verdicts, OCI pulls, their locks). The compiled steps are each test's own: a package one test built
 # makes a later test's `--compile auto` run start compiled, with the compiled step's
 # rounding (and the draft gate's other choice), so a suite's outcome would hang on its
 # order and on what `make demo` (`aici-batch prepare`) left in the cache before it.
 SHARED_CACHE = cache_dir()
-SHARED_CACHE_ENTRIES = ("models", "components", "kernel-probe", "invariance", "oci", "locks")
+SHARED_CACHE_ENTRIES = ("models", "components", "kernel-probe", "kernels", "invariance", "oci",
+                        "locks")
 
 
 @pytest.fixture(autouse=True)

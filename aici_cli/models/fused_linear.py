@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from aici_cli.models import int4_vnni
 from aici_cli.models.quantize import DENSE_MIN_ROWS, Int4Linear, Int8Linear
 
 
@@ -105,9 +106,15 @@ def _stack_dense(parts: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
 
 def _stack_int4(parts: Sequence[Int4Linear]) -> Int4Linear:
     # packed: [N, ...] rows first in both kernels' layouts; scale_zero: [K/32, N, 2].
-    return Int4Linear.from_buffers(torch.cat([p.packed for p in parts]),
-                                   torch.cat([p.scale_zero for p in parts], dim=1),
-                                   _bias(parts, parts[0].scale_zero[0, 0]))
+    stacked = Int4Linear.from_buffers(torch.cat([p.packed for p in parts]),
+                                      torch.cat([p.scale_zero for p in parts], dim=1),
+                                      _bias(parts, parts[0].scale_zero[0, 0]))
+    # Eager passes of the parts run the VNNI kernel where they have its layout: so does
+    # the stack (the compiled step's graph calls the int4 kernel either way).
+    tiled = [p.tiled for p in parts if p.tiled is not None]
+    if len(tiled) == len(parts):
+        stacked.tiled = int4_vnni.stack(tiled)
+    return stacked
 
 
 def _stack_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
@@ -165,4 +172,7 @@ def _share_storage(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -
             p.weight = torch.nn.Parameter(view, requires_grad=False)
         else:
             setattr(p, name, view)
+        if isinstance(p, Int4Linear) and isinstance(stacked, Int4Linear) \
+                and p.tiled is not None and stacked.tiled is not None:
+            p.tiled = int4_vnni.rows_of(stacked.tiled, start, rows)
         start += rows

@@ -18,10 +18,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from aici_cli.models import int4_vnni
 from aici_cli.models.aligned import ALIGN
 from aici_cli.models.device import DTYPES
 from aici_cli.models.kernel_probe import PREFILL_ROWS, STEP_ROWS, TOLERANCE
-from aici_cli.models.quantize import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from aici_cli.models.quantize import (
+    GROUP,
+    Int4Linear,
+    Int8Linear,
+    quantize_int4,
+    quantize_int8,
+    tiled_copy,
+)
 
 # Fault injection for the test suite only: "segv", "hang" or "wrong", optionally
 # ":<quantize>" to fault only in that mode (e.g. "segv:int4"). Unset, it does nothing.
@@ -76,12 +84,18 @@ def _layer(n: int, k: int, quantize: str, output: bool, dtype: torch.dtype,
     (what the layer's codes say). As `quantize.quantize_model`: the output projection,
     and any layer whose inputs are not whole groups, in int8."""
     w = torch.randn(n, k, device=device) / k ** 0.5
-    kind = "int8" if quantize != "none" and (output or k % GROUP) else quantize
+    vnni = quantize == int4_vnni.PROBE_QUANTIZE  # the int4 layers on that kernel
+    kind = "int8" if quantize != "none" and (output or k % GROUP) else \
+        "int4" if vnni else quantize
     if kind == "int4":
         codes, d, m = quantize_int4(w)
         built = Int4Linear(codes, d, m, None, dtype)
         layer = Int4Linear.from_buffers(_off_boundary(built.packed),
                                         _off_boundary(built.scale_zero), None)
+        if vnni:
+            layer.tiled = tiled_copy(layer, d, m)
+            if layer.tiled is None:
+                raise ValueError(f"the int4 VNNI kernel takes no {n}x{k} layer")
         # weight = (q - 8) scale + zero, with the scale and zero as rounded to `dtype`
         sz = built.scale_zero.float()  # [K/32, N, 2]
         dq = ((codes.float().view(n, k // GROUP, GROUP) - 8) * sz[..., 0].t()[..., None]

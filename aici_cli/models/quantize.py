@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from aici_cli.core.errors import ModelError
-from aici_cli.models import gguf_blocks
+from aici_cli.models import gguf_blocks, int4_vnni
 from aici_cli.models.aligned import aligned
 from aici_cli.models.gguf_matrices import GgufMatrices
 from aici_cli.models.packed_weights import (
@@ -48,6 +48,7 @@ from aici_cli.models.packed_weights import (
     pack_int4_cpu,
     packed_file,
     read_packed,
+    unpack_int4_cpu,
     write_packed,
 )
 
@@ -73,6 +74,9 @@ class Int4Linear(torch.nn.Module):
     # package, no stacked layer has one).
     dense: torch.Tensor | None = None
     dense_rows: int = 1 << 62
+    # The same matrix for the AVX512-VNNI kernel (int4_vnni), where it runs: passes of
+    # bf16 rows below `dense_rows` use it outside compiled graphs. An attribute too.
+    tiled: int4_vnni.Tiled | None = None
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -119,6 +123,9 @@ class Int4Linear(torch.nn.Module):
         if flat.shape[0] >= DENSE_MIN_ROWS and self.dense is not None \
                 and flat.shape[0] >= self.dense_rows:
             y = F.linear(flat, self.dense)
+        elif self.tiled is not None and flat.dtype == torch.bfloat16 \
+                and not torch.compiler.is_compiling():
+            y = self.tiled.matmul(flat)
         elif self.packed.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, self.scale_zero)
         else:
@@ -127,6 +134,14 @@ class Int4Linear(torch.nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+
+def tiled_copy(layer: Int4Linear, d: torch.Tensor, m: torch.Tensor) -> int4_vnni.Tiled | None:
+    """`layer`'s matrix in the VNNI kernel's layout, from its packed codes and the scales
+    they were packed with (weight = q d + m); None where the layout does not unpack here
+    or the shape does not tile."""
+    codes = unpack_int4_cpu(layer.packed, layer.out_features, layer.in_features)
+    return None if codes is None else int4_vnni.tile(codes, d, m)
 
 
 def scale_zero(d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -249,6 +264,7 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     embed_name = module_name(model, model.get_input_embeddings())
     replaced = 0
+    vnni = mode == "int4" and device is not None and int4_vnni.wanted(path, dtype, device)
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -269,10 +285,14 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
         new: torch.nn.Module = (
             Int4Linear.from_parts(parts["packed"], parts["d"], parts["m"], bias, dtype)
             if kind == "int4" else Int8Linear(parts["codes"], parts["scale"], bias, dtype))
+        if vnni and isinstance(new, Int4Linear):
+            new.tiled = tiled_copy(new, parts["d"], parts["m"])
         set_module(model, name, new)
         replaced += 1
     if keep is not None and computed:
         write_packed(keep, to_keep)
+    # Read by `--compile auto` (engine/forward/compiled.py): None where no layer is tiled.
+    model.int4_vnni_saving_ms = int4_vnni.eager_saving_ms(path) if vnni else None
     return replaced
 
 
