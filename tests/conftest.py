@@ -101,7 +101,7 @@ STARTS_A_PROCESS: dict[str, frozenset[str]] = {name: frozenset(tests) for name, 
                                     "test_memory_stays_bounded_over_many_steps"},
     "test_js_build.py": {"test_a_bad_default_export_fails_the_build_with_the_sdk_message",
                          "test_a_syntax_error_names_the_file_and_line_without_a_build"},
-    "test_int4_vnni.py": {"test_the_probe_passes_it_and_a_faulty_kernel_keeps_the_int4_one"},
+    "test_vnni_kernels.py": {"test_the_probe_passes_them_and_a_faulty_kernel_keeps_the_int4_one"},
     "test_js_sdk.py": {"test_the_javascript_sdk_unit_tests_pass"},
     "test_kernel_probe.py": {
         "test_a_child_that_crashes_or_computes_wrong_rejects_the_mode",

@@ -42,7 +42,8 @@ from aici_cli.models.quantize import Int8Linear, quantize_int8
 # The kernels that read a weight matrix: dense linear layers (as aten decomposes
 # F.linear) and the weight-only int4/int8 kernels.
 KERNELS = {"mm", "addmm", "bmm", "linear", "_weight_int8pack_mm",
-           "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu"}
+           "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu",
+           "int4_vnni_mm", "int8_vnni_mm"}  # models/vnni_kernels.py: bf16, AVX512-VNNI
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.bool]
@@ -144,8 +145,8 @@ def _assert_aligned(lm: LoadedModel, mode: str) -> None:
     for name, ptr in _kernel_weights(lm):
         kernels.add(name)
         assert ptr % ALIGN == 0, f"{name} read a weight at {ptr % ALIGN} past 64 bytes"
-    if mode != "none":
-        assert "_weight_int8pack_mm" in kernels  # the output projection, in both modes
+    if mode != "none":  # the output projection, in both modes
+        assert kernels & {"_weight_int8pack_mm", "int8_vnni_mm"}
 
 
 MODES = ["none", "int8", "int4"]

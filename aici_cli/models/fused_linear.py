@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aici_cli.models import int4_vnni
+from aici_cli.models import vnni_kernels
 from aici_cli.models.quantize import DENSE_MIN_ROWS, Int4Linear, Int8Linear
 
 
@@ -105,16 +105,18 @@ def _stack_dense(parts: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
 
 
 def _stack_int4(parts: Sequence[Int4Linear]) -> Int4Linear:
+    bias = _bias(parts, parts[0].scale_zero[0, 0])
+    # Parts on the VNNI kernel (bf16 passes of few rows: every pass of the compiled step)
+    # stack only its layout, over their own storage where the load left them back to
+    # back (quantize._group_vnni): the int4 kernel's buffers would be a copy no pass of
+    # the stack reads (~0.25 s of a 1.1B Llama's first compiled step).
+    tiled = [t for t in (p.tiled() for p in parts) if t is not None]
+    whole = vnni_kernels.stack_int4(tiled) if len(tiled) == len(parts) else None
+    if whole is not None:
+        return Int4Linear.vnni_only(whole, parts[0].scale_zero.dtype, bias)
     # packed: [N, ...] rows first in both kernels' layouts; scale_zero: [K/32, N, 2].
-    stacked = Int4Linear.from_buffers(torch.cat([p.packed for p in parts]),
-                                      torch.cat([p.scale_zero for p in parts], dim=1),
-                                      _bias(parts, parts[0].scale_zero[0, 0]))
-    # Eager passes of the parts run the VNNI kernel where they have its layout: so does
-    # the stack (the compiled step's graph calls the int4 kernel either way).
-    tiled = [p.tiled for p in parts if p.tiled is not None]
-    if len(tiled) == len(parts):
-        stacked.tiled = int4_vnni.stack(tiled)
-    return stacked
+    return Int4Linear.from_buffers(torch.cat([p.packed for p in parts]),
+                                   torch.cat([p.scale_zero for p in parts], dim=1), bias)
 
 
 def _stack_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
@@ -140,7 +142,8 @@ def _same_outputs(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) ->
         p.scale_zero if isinstance(p, Int4Linear) else p.scale)
     assert isinstance(like, torch.Tensor)
     key = (type(p), tuple((_out_features(q), _in_features(q)) for q in parts),
-           like.dtype, like.device, getattr(stacked, "bias", None) is not None)
+           like.dtype, like.device, getattr(stacked, "bias", None) is not None,
+           getattr(p, "vnni", False))
     if key not in _VERDICTS:
         _VERDICTS[key] = _probe(stacked, parts, like)
     return _VERDICTS[key]
@@ -164,15 +167,16 @@ def _share_storage(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -
     the first dimension, so a slice stays contiguous); the parts' own copies are freed."""
     name = {Int4Linear: "packed", Int8Linear: "codes"}.get(type(stacked), "weight")
     big = getattr(stacked, name)
+    whole = stacked.tiled() if isinstance(stacked, Int4Linear) else None
     start = 0
     for p in parts:
         rows = getattr(p, name).shape[0]
-        view = big[start:start + rows]
-        if name == "weight":
-            p.weight = torch.nn.Parameter(view, requires_grad=False)
+        if isinstance(p, Int4Linear) and p.vnni and whole is not None:
+            # A VNNI-only stack: the parts keep their int4 buffers, and their VNNI
+            # layouts are (or become) its rows.
+            p.use_vnni(vnni_kernels.int4_rows(whole, start, rows))
+        elif name == "weight":
+            p.weight = torch.nn.Parameter(big[start:start + rows], requires_grad=False)
         else:
-            setattr(p, name, view)
-        if isinstance(p, Int4Linear) and isinstance(stacked, Int4Linear) \
-                and p.tiled is not None and stacked.tiled is not None:
-            p.tiled = int4_vnni.rows_of(stacked.tiled, start, rows)
+            setattr(p, name, big[start:start + rows])
         start += rows

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from aici_cli.models import int4_vnni
+from aici_cli.models import vnni_kernels
 from aici_cli.models.aligned import ALIGN
 from aici_cli.models.device import DTYPES
 from aici_cli.models.kernel_probe import PREFILL_ROWS, STEP_ROWS, TOLERANCE
@@ -28,7 +28,8 @@ from aici_cli.models.quantize import (
     Int8Linear,
     quantize_int4,
     quantize_int8,
-    tiled_copy,
+    vnni_int4,
+    vnni_int8,
 )
 
 # Fault injection for the test suite only: "segv", "hang" or "wrong", optionally
@@ -84,7 +85,9 @@ def _layer(n: int, k: int, quantize: str, output: bool, dtype: torch.dtype,
     (what the layer's codes say). As `quantize.quantize_model`: the output projection,
     and any layer whose inputs are not whole groups, in int8."""
     w = torch.randn(n, k, device=device) / k ** 0.5
-    vnni = quantize == int4_vnni.PROBE_QUANTIZE  # the int4 layers on that kernel
+    vnni = quantize == vnni_kernels.PROBE_QUANTIZE  # int4 layers (and int8 ones) on it
+    if vnni and (why := vnni_kernels.unusable()) is not None:
+        raise ValueError(f"the VNNI kernels cannot run: {why}")
     kind = "int8" if quantize != "none" and (output or k % GROUP) else \
         "int4" if vnni else quantize
     if kind == "int4":
@@ -92,10 +95,8 @@ def _layer(n: int, k: int, quantize: str, output: bool, dtype: torch.dtype,
         built = Int4Linear(codes, d, m, None, dtype)
         layer = Int4Linear.from_buffers(_off_boundary(built.packed),
                                         _off_boundary(built.scale_zero), None)
-        if vnni:
-            layer.tiled = tiled_copy(layer, d, m)
-            if layer.tiled is None:
-                raise ValueError(f"the int4 VNNI kernel takes no {n}x{k} layer")
+        if vnni and not vnni_int4(layer, d, m):
+            raise ValueError(f"the int4 VNNI kernel takes no {n}x{k} layer")
         # weight = (q - 8) scale + zero, with the scale and zero as rounded to `dtype`
         sz = built.scale_zero.float()  # [K/32, N, 2]
         dq = ((codes.float().view(n, k // GROUP, GROUP) - 8) * sz[..., 0].t()[..., None]
@@ -104,6 +105,8 @@ def _layer(n: int, k: int, quantize: str, output: bool, dtype: torch.dtype,
     if kind == "int8":
         codes, scale = quantize_int8(w)
         layer8 = Int8Linear.from_buffers(_off_boundary(codes), scale.to(dtype), None)
+        if vnni:
+            vnni_int8(layer8)  # a shape that does not tile keeps the int8 kernel
         return layer8, codes.float() * scale.to(dtype).float()[:, None]
     dense = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
     with torch.no_grad():

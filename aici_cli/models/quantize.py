@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from aici_cli.core.errors import ModelError
-from aici_cli.models import gguf_blocks, int4_vnni
+from aici_cli.models import gguf_blocks, vnni_kernels
 from aici_cli.models.aligned import aligned
 from aici_cli.models.gguf_matrices import GgufMatrices
 from aici_cli.models.packed_weights import (
@@ -74,9 +74,12 @@ class Int4Linear(torch.nn.Module):
     # package, no stacked layer has one).
     dense: torch.Tensor | None = None
     dense_rows: int = 1 << 62
-    # The same matrix for the AVX512-VNNI kernel (int4_vnni), where it runs: passes of
-    # bf16 rows below `dense_rows` use it outside compiled graphs. An attribute too.
-    tiled: int4_vnni.Tiled | None = None
+    # Whether bf16 passes below `dense_rows` run the AVX512-VNNI kernel (vnni_kernels) on
+    # the same matrix in its layout: buffers `vnni_codes`, `vnni_d`, `vnni_m` (`use_vnni`).
+    vnni: bool = False
+    vnni_codes: torch.Tensor
+    vnni_d: torch.Tensor
+    vnni_m: torch.Tensor
 
     def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -109,6 +112,21 @@ class Int4Linear(torch.nn.Module):
         return layer
 
     @classmethod
+    def vnni_only(cls, tiled: vnni_kernels.Tiled4, dtype: torch.dtype,
+                  bias: torch.Tensor | None) -> Int4Linear:
+        """A layer that runs only bf16 passes of fewer than its dense rows, on the VNNI
+        kernel over `tiled` (the compiled step's stacked layers, `fused_linear`): no int4
+        kernel buffers (`packed` empty; any other pass raises)."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = tiled.k, tiled.n
+        layer.register_buffer("scale_zero", torch.empty(0, dtype=dtype))
+        layer.register_buffer("packed", torch.empty(0, dtype=torch.uint8))
+        layer.register_buffer("bias", bias)
+        layer.use_vnni(tiled)
+        return layer
+
+    @classmethod
     def from_parts(cls, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                    bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
         """A layer over codes already in the kernel's layout (`pack_int4`) and the scales
@@ -123,9 +141,11 @@ class Int4Linear(torch.nn.Module):
         if flat.shape[0] >= DENSE_MIN_ROWS and self.dense is not None \
                 and flat.shape[0] >= self.dense_rows:
             y = F.linear(flat, self.dense)
-        elif self.tiled is not None and flat.dtype == torch.bfloat16 \
-                and not torch.compiler.is_compiling():
-            y = self.tiled.matmul(flat)
+        elif self.vnni and flat.dtype == torch.bfloat16:
+            y = torch.ops.aici.int4_vnni_mm(flat.contiguous(), self.vnni_codes, self.vnni_d,
+                                            self.vnni_m, self.out_features)
+        elif self.packed.numel() == 0:
+            raise RuntimeError(f"a VNNI-only int4 layer got {flat.shape[0]} {flat.dtype} rows")
         elif self.packed.device.type == "cuda":
             y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, self.scale_zero)
         else:
@@ -136,12 +156,43 @@ class Int4Linear(torch.nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
-def tiled_copy(layer: Int4Linear, d: torch.Tensor, m: torch.Tensor) -> int4_vnni.Tiled | None:
-    """`layer`'s matrix in the VNNI kernel's layout, from its packed codes and the scales
-    they were packed with (weight = q d + m); None where the layout does not unpack here
-    or the shape does not tile."""
+    def tiled(self) -> vnni_kernels.Tiled4 | None:
+        """The VNNI kernel's buffers, where the layer has them."""
+        if not self.vnni:
+            return None
+        return vnni_kernels.Tiled4(self.vnni_codes, self.vnni_d, self.vnni_m,
+                                   self.out_features, self.in_features)
+
+    def use_vnni(self, tiled: vnni_kernels.Tiled4) -> None:
+        """Run bf16 passes on the VNNI kernel over `tiled` (this layer's matrix)."""
+        assert (tiled.n, tiled.k) == (self.out_features, self.in_features)
+        self.register_buffer("vnni_codes", tiled.codes)
+        self.register_buffer("vnni_d", tiled.d)
+        self.register_buffer("vnni_m", tiled.m)
+        self.vnni = True
+
+
+def vnni_int4(layer: Int4Linear, d: torch.Tensor, m: torch.Tensor) -> bool:
+    """Give `layer` the VNNI kernel's layout of its matrix, from its packed codes and the
+    scales they were packed with (weight = q d + m); False where the layout does not
+    unpack here or the shape does not tile."""
     codes = unpack_int4_cpu(layer.packed, layer.out_features, layer.in_features)
-    return None if codes is None else int4_vnni.tile(codes, d, m)
+    tiled = None if codes is None else vnni_kernels.tile_int4(codes, d, m)
+    if tiled is not None:
+        layer.use_vnni(tiled)
+    return tiled is not None
+
+
+def vnni_int8(layer: Int8Linear) -> bool:
+    """Give `layer` the VNNI kernel's layout of its codes and its scales in float32 (as
+    rounded to the activation dtype: the int8 kernel's own); False where it does not
+    tile."""
+    tiled = vnni_kernels.tile_int8(layer.codes)
+    if tiled is not None:
+        layer.register_buffer("vnni_codes", tiled)
+        layer.register_buffer("vnni_scale", layer.scale.float())
+        layer.vnni = True
+    return tiled is not None
 
 
 def scale_zero(d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -173,6 +224,9 @@ class Int8Linear(torch.nn.Module):
     codes: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
+    vnni: bool = False  # bf16 passes on the VNNI kernel (`vnni_int8`)
+    vnni_codes: torch.Tensor
+    vnni_scale: torch.Tensor
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -194,7 +248,10 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        if self.codes.device.type == "cpu":
+        if self.vnni and flat.dtype == torch.bfloat16:
+            y = torch.ops.aici.int8_vnni_mm(flat.contiguous(), self.vnni_codes, self.vnni_scale,
+                                            self.out_features)
+        elif self.codes.device.type == "cpu":
             y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
         else:  # no int8 weight-only kernel: widen per call
             y = F.linear(flat, self.codes.to(flat.dtype)) * self.scale
@@ -264,7 +321,7 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     embed_name = module_name(model, model.get_input_embeddings())
     replaced = 0
-    vnni = mode == "int4" and device is not None and int4_vnni.wanted(path, dtype, device)
+    vnni = device is not None and vnni_kernels.wanted(path, dtype, device)
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -286,14 +343,36 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
             Int4Linear.from_parts(parts["packed"], parts["d"], parts["m"], bias, dtype)
             if kind == "int4" else Int8Linear(parts["codes"], parts["scale"], bias, dtype))
         if vnni and isinstance(new, Int4Linear):
-            new.tiled = tiled_copy(new, parts["d"], parts["m"])
+            vnni_int4(new, parts["d"], parts["m"])
+        elif vnni and isinstance(new, Int8Linear):
+            vnni_int8(new)
         set_module(model, name, new)
         replaced += 1
     if keep is not None and computed:
         write_packed(keep, to_keep)
-    # Read by `--compile auto` (engine/forward/compiled.py): None where no layer is tiled.
-    model.int4_vnni_saving_ms = int4_vnni.eager_saving_ms(path) if vnni else None
+    if vnni:
+        _group_vnni(model)
     return replaced
+
+
+# The layers the compiled step stacks (decode_layer.DecodeLayer, fused_linear): their VNNI
+# layouts are kept back to back, so that stacking them copies nothing (~0.5 s of a 1.1B
+# Llama's first compiled step).
+_STACKED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def _group_vnni(model: Any) -> None:
+    for module in model.modules():
+        for owner, names in _STACKED:
+            parent = getattr(module, owner, None)
+            parts = [getattr(parent, name, None) for name in names]
+            tiled = [p.tiled() for p in parts if isinstance(p, Int4Linear)]
+            if parent is None or len(tiled) != len(names) or None in tiled:
+                continue
+            views = vnni_kernels.group_int4([t for t in tiled if t is not None])
+            for part, view in zip(parts, views or ()):
+                assert isinstance(part, Int4Linear)
+                part.use_vnni(view)
 
 
 def _kept_parts(kept: dict[str, torch.Tensor], name: str, kind: str,

@@ -316,26 +316,6 @@ def smallest_bucket(rows: int, cap: int) -> int:
 AUTO_MIN_STEPS = 2000
 
 
-# What an eager one-token step spends per decoder layer around its kernels (dispatch,
-# Python) that the compiled step does not: 8.2 ms of the default model's 30 layers on the
-# 2-core Xeon (15.4 against 7.2 ms a step), rounded up.
-EAGER_MS_PER_LAYER = 0.3
-
-
-def eager_kernel_wins(model: Any) -> str | None:
-    """Why `auto` runs `model`'s one-token steps eagerly although it could compile them:
-    its int4 layers run the VNNI kernel eagerly (models/int4_vnni.py), which the compiled
-    step cannot call, and the probe measured that kernel saving more than compiling saves
-    (`EAGER_MS_PER_LAYER` a layer). None: compile as usual. A 1.1B Llama: 15 ms against
-    6.6 (21.9 tok/s eager against 18.2 compiled); the default model: 1.7 against 9."""
-    saving = getattr(model, "int4_vnni_saving_ms", None)
-    layers = getattr(model.config, "num_hidden_layers", None) or 0
-    if saving is None or saving <= EAGER_MS_PER_LAYER * layers:
-        return None
-    return (f"the int4 VNNI kernel saves {saving:.1f} ms a step eagerly, more than compiling "
-            f"saves ({EAGER_MS_PER_LAYER * layers:.1f} ms)")
-
-
 class DecodeSteps:
     """Which one-token steps run compiled: none (`off`, unsupported, deterministic), all
     (`on`), or for `auto` every step from the first one whose packaged step is ready or
@@ -350,8 +330,7 @@ class DecodeSteps:
         self._chosen = self.mode == "on"
         if self.mode == "off":
             return
-        self.reason = unsupported(model) or compiler_problem(device) or (
-            eager_kernel_wins(model) if self.mode == "auto" else None)
+        self.reason = unsupported(model) or compiler_problem(device)
         if self.reason is None:
             self.compiled = CompiledDecode(model, cache, rows, device,
                                            build_packages=True)

@@ -95,8 +95,11 @@ def package_file(model: Any, rows: int, cache_rows: int) -> Path:
     size of 1, so a one-row cache has packages of its own."""
     layers = model.model.layers
     attn = layers[0].self_attn
+    # Every name, shared tensors included: stacking the layers for the step makes some
+    # share one (an empty tensor), and the key must not change when it does.
     shapes = [[(name, list(t.shape), str(t.dtype)) for name, t in
-               (*layer.named_parameters(), *layer.named_buffers())] for layer in layers]
+               (*layer.named_parameters(remove_duplicate=False),
+                *layer.named_buffers(remove_duplicate=False))] for layer in layers]
     sources = [inspect.getsource(module) for module in
                (decode_layer, sys.modules[type(attn.q_proj).__module__],
                 sys.modules[type(attn).__module__])]

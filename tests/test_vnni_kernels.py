@@ -1,0 +1,241 @@
+"""The AVX512-VNNI kernels (`models/vnni_kernels.py`): what they compute against a float64
+model of their arithmetic over generated shapes, rows and scales; where they run (bf16
+passes of the int4 layers below their dense rows and of the int8 ones, in eager passes and
+in compiled graphs, never float32); and the conditions that keep them off (the CPU,
+torch's capability, the environment, the probe).
+
+The kernels' own tests skip, saying why, on a CPU without AVX-512 VNNI; on one with it
+they must run (`test_a_cpu_with_the_flags_runs_them`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_kernel_probe import TINY
+
+from aici_cli.models import kernel_probe, vnni_kernels
+from aici_cli.models.kernel_run import FAULT_ENV
+from aici_cli.models.quantize import (
+    Int4Linear,
+    Int8Linear,
+    quantize_int4,
+    quantize_int8,
+    vnni_int4,
+    vnni_int8,
+)
+
+WHY_NOT = vnni_kernels.unusable()
+needs_kernel = pytest.mark.skipif(WHY_NOT is not None, reason=f"no VNNI kernel: {WHY_NOT}")
+
+
+def _matrix(n: int, k: int, seed: int, symmetric: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    d = torch.rand(n, k // 32, generator=g) * 0.1
+    m = -8 * d if symmetric else torch.randn(n, k // 32, generator=g) * 0.1
+    return codes, d, m
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(tiles=st.integers(1, 6), groups=st.integers(1, 8), rows=st.integers(1, 11),
+       symmetric=st.booleans(), seed=st.integers(0, 2**16), scale=st.sampled_from([1e-3, 1, 50]),
+       zero_group=st.booleans())
+def test_it_computes_its_model_of_q4_times_q8_for_any_shape_and_rows(
+        tiles: int, groups: int, rows: int, symmetric: bool, seed: int, scale: float,
+        zero_group: bool) -> None:
+    n, k = 16 * tiles, 32 * groups
+    codes, d, m = _matrix(n, k, seed, symmetric)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)) * scale
+    if zero_group:
+        x[:, :32] = 0  # a group of zeros: its scale is 0, its codes 0
+    tiled = vnni_kernels.tile_int4(codes, d, m)
+    assert tiled is not None and (tiled.m.numel() == 0) == symmetric
+    y = vnni_kernels.int4_mm(x, tiled).double()
+    ref = vnni_kernels.reference_int4(x, codes, d, m)
+    assert y.shape == (rows, n)
+    # float32 accumulation of exact integer group sums: a few float32 roundings per term
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-30
+
+
+@needs_kernel
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_bf16_rows_give_the_float32_result_rounded_once(rows: int, seed: int) -> None:
+    codes, d, m = _matrix(48, 96, seed, symmetric=False)
+    tiled = vnni_kernels.tile_int4(codes, d, m)
+    assert tiled is not None
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    assert torch.equal(vnni_kernels.int4_mm(x, tiled),
+                       vnni_kernels.int4_mm(x.float(), tiled).bfloat16())
+
+
+def test_shapes_that_do_not_tile_are_left_to_the_int4_kernel() -> None:
+    codes, d, m = _matrix(24, 64, 0, symmetric=True)
+    assert vnni_kernels.tile_int4(codes, d, m) is None  # 24 rows: not whole tiles of 16
+    assert vnni_kernels.tile_int4(codes[:16], d[:16], m[:16]) is not None
+    assert vnni_kernels.tile_int8(codes.to(torch.int8)) is None
+    assert vnni_kernels.tile_int8(codes[:16, :48].to(torch.int8)) is None  # 48 inputs
+
+
+@needs_kernel
+def test_a_layer_runs_it_for_bf16_rows_below_its_dense_rows_only() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 128) / 128 ** 0.5
+    codes, d, m = quantize_int4(w)
+    plain = Int4Linear(codes, d, m, None, torch.bfloat16)
+    layer = Int4Linear(codes, d, m, None, torch.bfloat16)
+    assert vnni_int4(layer, d, m)
+    tiled = layer.tiled()
+    assert tiled is not None
+    x = torch.randn(3, 128)
+    expected = vnni_kernels.reference_int4(x.bfloat16().float(), codes, d, m)
+    y = layer(x.bfloat16())
+    assert torch.equal(y, vnni_kernels.int4_mm(x.bfloat16(), tiled))
+    assert (y.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
+    assert not torch.equal(y, plain(x.bfloat16()))  # another kernel's rounding
+    # float32 rows keep the int4 kernel's outputs, exactly
+    f32 = Int4Linear(codes, d, m, None, torch.float32)
+    assert vnni_int4(f32, d, m)
+    assert torch.equal(f32(x), Int4Linear(codes, d, m, None, torch.float32)(x))
+    # rows from the dense copy's threshold on run dense
+    layer.dense, layer.dense_rows = torch.zeros(64, 128, dtype=torch.bfloat16), 16
+    assert layer(torch.randn(16, 128).bfloat16()).abs().max() == 0
+    assert layer(torch.randn(15, 128).bfloat16()).abs().max() > 0
+
+
+def test_a_cpu_with_the_flags_runs_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has every flag, torch runs at AVX512 and a C++ compiler exists, the
+    kernels must be usable: their tests cannot all skip on such a machine."""
+    flags = vnni_kernels._cpu_flags()
+    capable = all(f in flags for f in vnni_kernels.NEEDS) \
+        and torch.backends.cpu.get_cpu_capability() == "AVX512" \
+        and (shutil.which("c++") or shutil.which("g++"))
+    if not capable:
+        assert vnni_kernels.unusable() is not None
+        return
+    assert vnni_kernels.unusable() is None
+    monkeypatch.setenv(vnni_kernels.ENV, "off")
+    assert vnni_kernels.unusable() == f"{vnni_kernels.ENV}=off"
+
+
+@needs_kernel
+def test_the_probe_passes_them_and_a_faulty_kernel_keeps_the_int4_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    """The probe's child builds the layers on the kernels (`kernel_run`, mode vnni); a
+    crash there leaves a model's layers on the int4 and int8 kernels."""
+    monkeypatch.setenv(kernel_probe.ENV, "on")
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
+    mode = kernel_probe.current_mode("cpu", "bfloat16", vnni_kernels.PROBE_QUANTIZE)
+    found = kernel_probe.run_probe(mode, TINY)
+    assert found.ok, found.reason
+    assert found.max_error is not None and found.max_error < 0.03
+    cpu = torch.device("cpu")
+    assert vnni_kernels.wanted(tiny_model_dir, torch.bfloat16, cpu)
+    assert not vnni_kernels.wanted(tiny_model_dir, torch.float32, cpu)
+    monkeypatch.setenv(FAULT_ENV, f"segv:{vnni_kernels.PROBE_QUANTIZE}")
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "other-cache"))
+    assert not vnni_kernels.wanted(tiny_model_dir, torch.bfloat16, cpu)
+
+
+@needs_kernel
+@settings(max_examples=15, deadline=None)
+@given(tiles=st.lists(st.integers(1, 4), min_size=1, max_size=3), rows=st.integers(1, 6),
+       symmetric=st.booleans(), seed=st.integers(0, 2**16))
+def test_stacked_matrices_give_their_parts_outputs_over_the_same_storage(
+        tiles: list[int], rows: int, symmetric: bool, seed: int) -> None:
+    parts = [vnni_kernels.tile_int4(*_matrix(16 * t, 64, seed + i, symmetric))
+             for i, t in enumerate(tiles)]
+    found = [p for p in parts if p is not None]
+    assert len(found) == len(parts)
+    whole = vnni_kernels.stack_int4(found)
+    assert whole is not None
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    assert torch.equal(vnni_kernels.int4_mm(x, whole),
+                       torch.cat([vnni_kernels.int4_mm(x, p) for p in found], -1))
+    start = 0
+    for p in found:
+        view = vnni_kernels.int4_rows(whole, start, p.n)
+        assert view.codes.data_ptr() >= whole.codes.data_ptr()  # a view, not a copy
+        assert torch.equal(vnni_kernels.int4_mm(x, view), vnni_kernels.int4_mm(x, p))
+        start += p.n
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(tiles=st.integers(1, 6), groups=st.integers(1, 8), rows=st.integers(1, 11),
+       seed=st.integers(0, 2**16), extremes=st.booleans())
+def test_int8_computes_its_model_of_q8_times_q8_for_any_shape_and_rows(
+        tiles: int, groups: int, rows: int, seed: int, extremes: bool) -> None:
+    n, k = 16 * tiles, 32 * groups
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    if extremes:
+        codes[0] = -128  # the byte's whole range, c + 128 = 0
+        codes[-1] = 127
+    scale = torch.rand(n, generator=g) * 0.01
+    x = torch.randn(rows, k, generator=g)
+    tiled = vnni_kernels.tile_int8(codes)
+    assert tiled is not None
+    y = torch.ops.aici.int8_vnni_mm(x, tiled, scale, n).double()
+    ref = vnni_kernels.reference_int8(x, codes, scale)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-30
+
+
+@needs_kernel
+def test_an_int8_layer_runs_it_for_bf16_rows_and_keeps_float32_exact() -> None:
+    torch.manual_seed(0)
+    codes, scale = quantize_int8(torch.randn(48, 64))
+    layer = Int8Linear(codes, scale, None, torch.bfloat16)
+    assert vnni_int8(layer)
+    x = torch.randn(2, 64).bfloat16()
+    expected = vnni_kernels.reference_int8(x.float(), codes, scale.bfloat16().float())
+    y = layer(x)
+    assert (y.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
+    assert not torch.equal(y, Int8Linear(codes, scale, None, torch.bfloat16)(x))
+    f32 = Int8Linear(codes, scale, None, torch.float32)
+    assert vnni_int8(f32)
+    assert torch.equal(f32(x.float()), Int8Linear(codes, scale, None, torch.float32)(x.float()))
+
+
+@needs_kernel
+def test_a_compiled_graph_calls_the_kernels_with_the_eager_outputs() -> None:
+    """torch.compile traces the operators (their shapes from the registered fakes) and
+    calls them: the compiled layer gives the eager one's outputs bit for bit."""
+    torch.manual_seed(0)
+    codes, d, m = quantize_int4(torch.randn(64, 128))
+    layer = Int4Linear(codes, d, m, None, torch.bfloat16)
+    assert vnni_int4(layer, d, m)
+    x = torch.randn(1, 128).bfloat16()
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(x), layer(x))
+
+
+@needs_kernel
+def test_a_loaded_model_stacks_its_layers_for_the_compiled_step_without_a_copy(
+        tiny_model_dir: Path) -> None:
+    """The load leaves q/k/v and gate/up back to back (quantize._group_vnni): the compiled
+    step's stacks are views of the parts' layouts, give their outputs bit for bit, and
+    hold no int4-kernel copy; a float32 pass through such a stack is refused."""
+    from aici_cli.engine.forward.decode_layer import DecodeLayer
+    from aici_cli.models.load import load_model
+
+    lm = load_model(str(tiny_model_dir), "cpu", "bfloat16", "int4")
+    layer = lm.model.model.layers[0]
+    attn = layer.self_attn
+    assert all(p.vnni for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    x = torch.randn(2, lm.model.config.hidden_size).bfloat16()
+    parts = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    q_codes = attn.q_proj.vnni_codes.data_ptr()
+    fused = DecodeLayer(layer, lm.model.config)
+    assert isinstance(fused.qkv, Int4Linear) and fused.qkv.vnni
+    assert fused.qkv.vnni_codes.data_ptr() == q_codes  # no copy
+    assert fused.qkv.packed.numel() == 0
+    assert torch.equal(fused.qkv(x), parts)
+    with pytest.raises(RuntimeError, match="VNNI-only"):
+        fused.qkv(x.float())
