@@ -20,13 +20,14 @@ from tiny_model import write_tiny_gguf
 
 from aici_cli.cli.main import main
 from aici_cli.core.errors import ModelError
-from aici_cli.models import quantize
+from aici_cli.models import quantize, vnni_kernels
 from aici_cli.models.aligned import PAD_PREFIX
 from aici_cli.models.conversion_cache import converted_gguf
 from aici_cli.models.entry_record import BASE_FILE, DENSE_FILE, SOURCE_FILE
 from aici_cli.models.gguf_matrices import MATRICES_KEY
 from aici_cli.models.load import LoadedModel, load_model
 from aici_cli.models.packed_weights import int4_layout
+from aici_cli.models.vnni_kernels import LAYOUT
 
 PROMPTS = ["the quick brown fox jumps over", "a b c d e f g"]
 
@@ -76,7 +77,10 @@ def test_a_default_run_keeps_the_kernel_layout_and_nothing_dense_of_its_matrices
     assert lm.quantize == "int4"
     entry = converted_gguf(gguf, "tiny")
     weights = sorted(p.name for p in entry.glob("*.safetensors"))
-    assert weights == [BASE_FILE, f"aici-packed-int4-{int4_layout('cpu')}.safetensors"]
+    # and, where the VNNI kernels run, their layouts (models/vnni_layers.py)
+    vnni = [] if vnni_kernels.unusable() is not None \
+        else [f"aici-packed-vnni-{LAYOUT}.safetensors"]
+    assert weights == [BASE_FILE, f"aici-packed-int4-{int4_layout('cpu')}.safetensors", *vnni]
     linears = {f"{n}.weight" for n, m in lm.model.named_modules()
                if isinstance(m, (quantize.Int4Linear, quantize.Int8Linear))}
     base = _names(entry / BASE_FILE)
@@ -89,10 +93,14 @@ def test_a_default_run_keeps_the_kernel_layout_and_nothing_dense_of_its_matrices
     assert not any(":" in k for k in packed)  # the kernels' tensors, no GGUF blocks
     assert {k.rsplit(".", 1)[1] for k in packed} == {"packed", "d", "m", "codes", "scale"}
     record = json.loads((entry / SOURCE_FILE).read_text())
-    assert record["default_files"] == [weights[1]]
-    # What the runs read of the matrices is at most what the GGUF holds, and half again.
-    stored = sum((entry / name).stat().st_size for name in weights)
+    assert record["default_files"] == [weights[1], *vnni]
+    # What the runs read of the matrices is at most what the GGUF holds, and half again,
+    # on either kernel's path.
+    stored = sum((entry / name).stat().st_size for name in weights[:2])
     assert stored <= 1.5 * gguf.stat().st_size
+    for name in vnni:
+        assert (entry / BASE_FILE).stat().st_size + (entry / name).stat().st_size \
+            <= 1.5 * gguf.stat().st_size
 
 
 def test_other_modes_build_their_files_on_first_use_and_prune_removes_them(
@@ -115,7 +123,10 @@ def test_other_modes_build_their_files_on_first_use_and_prune_removes_them(
         "default mode reads)" in dry.stdout
     done = json.loads(CliRunner().invoke(main, ["models", "--prune", "--json"]).stdout)
     assert done["entries"] == [] and len(done["files"]) == 2
-    assert sorted(p.name for p in entry.glob("*.safetensors")) == sorted([BASE_FILE, kept.name])
+    vnni = [] if vnni_kernels.unusable() is not None \
+        else [f"aici-packed-vnni-{LAYOUT}.safetensors"]
+    assert sorted(p.name for p in entry.glob("*.safetensors")) == sorted([BASE_FILE, kept.name,
+                                                                          *vnni])
     assert "nothing to prune" in CliRunner().invoke(main, ["models", "--prune"]).stdout
 
     # The default mode reads what it kept; a pruned mode builds its file again, the same.

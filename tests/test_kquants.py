@@ -194,7 +194,8 @@ def test_a_q4_k_m_file_runs_int4_from_its_blocks(k_model: Path, cache: Path) -> 
     scale = exact.abs().amax(dim=1, keepdim=True) / 127
     assert ((down.codes.float() * scale - exact).abs() <= scale / 2 * (1 + 1e-5)).all()
     assert sorted(p.name for p in entry.glob("*.safetensors")) == [
-        "aici-base.safetensors", next(entry.glob("aici-packed-int4-*")).name]
+        "aici-base.safetensors", next(entry.glob("aici-packed-int4-*")).name,
+        *(p.name for p in entry.glob("aici-packed-vnni-*"))]  # where the VNNI kernels ran
     # The Q4_K embedding is kept as its sub-blocks, rows widened as looked up to the
     # bfloat16 of gguf's values (what a dense copy holds).
     embed = lm.model.get_input_embeddings()

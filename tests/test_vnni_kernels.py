@@ -18,15 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernel_probe import TINY
 
-from aici_cli.models import kernel_probe, vnni_kernels
+from aici_cli.models import kernel_probe, vnni_kernels, vnni_layers
 from aici_cli.models.kernel_run import FAULT_ENV
 from aici_cli.models.quantize import (
     Int4Linear,
     Int8Linear,
     quantize_int4,
     quantize_int8,
-    vnni_int4,
-    vnni_int8,
 )
 
 WHY_NOT = vnni_kernels.unusable()
@@ -90,7 +88,7 @@ def test_a_layer_runs_it_for_bf16_rows_below_its_dense_rows_only() -> None:
     codes, d, m = quantize_int4(w)
     plain = Int4Linear(codes, d, m, None, torch.bfloat16)
     layer = Int4Linear(codes, d, m, None, torch.bfloat16)
-    assert vnni_int4(layer, d, m)
+    assert vnni_layers.int4_layer(layer, d, m)
     tiled = layer.tiled()
     assert tiled is not None
     x = torch.randn(3, 128)
@@ -101,7 +99,7 @@ def test_a_layer_runs_it_for_bf16_rows_below_its_dense_rows_only() -> None:
     assert not torch.equal(y, plain(x.bfloat16()))  # another kernel's rounding
     # float32 rows keep the int4 kernel's outputs, exactly
     f32 = Int4Linear(codes, d, m, None, torch.float32)
-    assert vnni_int4(f32, d, m)
+    assert vnni_layers.int4_layer(f32, d, m)
     assert torch.equal(f32(x), Int4Linear(codes, d, m, None, torch.float32)(x))
     # rows from the dense copy's threshold on run dense
     layer.dense, layer.dense_rows = torch.zeros(64, 128, dtype=torch.bfloat16), 16
@@ -192,14 +190,14 @@ def test_an_int8_layer_runs_it_for_bf16_rows_and_keeps_float32_exact() -> None:
     torch.manual_seed(0)
     codes, scale = quantize_int8(torch.randn(48, 64))
     layer = Int8Linear(codes, scale, None, torch.bfloat16)
-    assert vnni_int8(layer)
+    assert vnni_layers.int8_layer(layer)
     x = torch.randn(2, 64).bfloat16()
     expected = vnni_kernels.reference_int8(x.float(), codes, scale.bfloat16().float())
     y = layer(x)
     assert (y.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
     assert not torch.equal(y, Int8Linear(codes, scale, None, torch.bfloat16)(x))
     f32 = Int8Linear(codes, scale, None, torch.float32)
-    assert vnni_int8(f32)
+    assert vnni_layers.int8_layer(f32)
     assert torch.equal(f32(x.float()), Int8Linear(codes, scale, None, torch.float32)(x.float()))
 
 
@@ -210,7 +208,7 @@ def test_a_compiled_graph_calls_the_kernels_with_the_eager_outputs() -> None:
     torch.manual_seed(0)
     codes, d, m = quantize_int4(torch.randn(64, 128))
     layer = Int4Linear(codes, d, m, None, torch.bfloat16)
-    assert vnni_int4(layer, d, m)
+    assert vnni_layers.int4_layer(layer, d, m)
     x = torch.randn(1, 128).bfloat16()
     compiled = torch.compile(layer, fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
@@ -239,3 +237,42 @@ def test_a_loaded_model_stacks_its_layers_for_the_compiled_step_without_a_copy(
     assert torch.equal(fused.qkv(x), parts)
     with pytest.raises(RuntimeError, match="VNNI-only"):
         fused.qkv(x.float())
+
+
+@needs_kernel
+def test_a_conversion_keeps_the_layouts_and_a_later_load_reads_them(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first bf16 load of a conversion makes the layouts and keeps them in one file
+    (`vnni_layers`); a later load reads them (no tiling), gives the same logits bit for
+    bit and writes nothing; float32 loads make none."""
+    from tiny_model import write_tiny_gguf
+
+    from aici_cli.models.conversion_cache import converted_gguf
+    from aici_cli.models.load import load_model
+    from aici_cli.models.packed_weights import vnni_file
+
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "Q4_1")
+    entry = converted_gguf(gguf, "tiny")
+    load_model(str(gguf), "cpu", "float32", "int4")
+    file = vnni_file(entry)
+    assert file is not None and not file.exists()
+    first = load_model(str(gguf), "cpu", "bfloat16", "int4")
+    assert file.is_file()
+    written = file.stat().st_mtime_ns
+    layers = [m for m in first.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert layers and all(m.vnni for m in layers if isinstance(m, Int4Linear))
+
+    def refuse(codes: torch.Tensor, *args: object) -> None:
+        # A shape that does not tile (the tiny vocabulary's output projection) is asked
+        # again, and refused again, at every load.
+        if codes.shape[0] % 16 == 0 and codes.shape[1] % 32 == 0:
+            raise AssertionError("tiled again although the layouts were kept")
+
+    monkeypatch.setattr(vnni_kernels, "tile_int4", refuse)
+    monkeypatch.setattr(vnni_kernels, "tile_int8", refuse)
+    second = load_model(str(gguf), "cpu", "bfloat16", "int4")
+    ids = torch.tensor([first.tokenizer("the quick brown fox")["input_ids"]])
+    with torch.inference_mode():
+        assert torch.equal(first.model(input_ids=ids).logits, second.model(input_ids=ids).logits)
+    assert file.stat().st_mtime_ns == written

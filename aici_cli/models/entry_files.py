@@ -79,6 +79,8 @@ def what(name: str) -> str:
     mode = name.removeprefix(PACKED_PREFIX).removesuffix(".safetensors")
     if mode == "int8":
         return "the layers of --quantize int8"
+    if mode.startswith("vnni-"):
+        return "the quantised layers in the VNNI kernels' layouts (bf16 on AVX512-VNNI CPUs)"
     layout = mode.removeprefix("int4-")
     return f"the layers of --quantize int4 in the kernel layout {layout}"
 

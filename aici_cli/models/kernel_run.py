@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from aici_cli.models import vnni_kernels
+from aici_cli.models import vnni_kernels, vnni_layers
 from aici_cli.models.aligned import ALIGN
 from aici_cli.models.device import DTYPES
 from aici_cli.models.kernel_probe import PREFILL_ROWS, STEP_ROWS, TOLERANCE
@@ -28,8 +28,6 @@ from aici_cli.models.quantize import (
     Int8Linear,
     quantize_int4,
     quantize_int8,
-    vnni_int4,
-    vnni_int8,
 )
 
 # Fault injection for the test suite only: "segv", "hang" or "wrong", optionally
@@ -95,7 +93,7 @@ def _layer(n: int, k: int, quantize: str, output: bool, dtype: torch.dtype,
         built = Int4Linear(codes, d, m, None, dtype)
         layer = Int4Linear.from_buffers(_off_boundary(built.packed),
                                         _off_boundary(built.scale_zero), None)
-        if vnni and not vnni_int4(layer, d, m):
+        if vnni and not vnni_layers.int4_layer(layer, d, m):
             raise ValueError(f"the int4 VNNI kernel takes no {n}x{k} layer")
         # weight = (q - 8) scale + zero, with the scale and zero as rounded to `dtype`
         sz = built.scale_zero.float()  # [K/32, N, 2]
@@ -106,7 +104,7 @@ def _layer(n: int, k: int, quantize: str, output: bool, dtype: torch.dtype,
         codes, scale = quantize_int8(w)
         layer8 = Int8Linear.from_buffers(_off_boundary(codes), scale.to(dtype), None)
         if vnni:
-            vnni_int8(layer8)  # a shape that does not tile keeps the int8 kernel
+            vnni_layers.int8_layer(layer8)  # a shape that does not tile keeps the int8 kernel
         return layer8, codes.float() * scale.to(dtype).float()[:, None]
     dense = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
     with torch.no_grad():

@@ -30,7 +30,7 @@ from aici_cli.models.hub_tokenizer import read_hub_tokenizer
 from aici_cli.models.kernel_probe import KernelChoice, choose_kernels
 from aici_cli.models.llama import unsupported
 from aici_cli.models.one_line import one_line
-from aici_cli.models.packed_weights import packed_file
+from aici_cli.models.packed_weights import packed_file, vnni_file
 from aici_cli.models.progress import current_progress
 from aici_cli.models.quantize import resolve_mode
 from aici_cli.models.quiet import quiet_transformers
@@ -138,6 +138,9 @@ def _note_default_files(path: Path, mode: str, device: torch.device) -> None:
     reads (`entry_files`: prune keeps them); nothing for a model directory."""
     file = path / DENSE_FILE if mode == "none" else packed_file(path, mode, device)
     names = [file.name] if file is not None and is_mode_file(path, file.name) else []
+    vnni = vnni_file(path) if mode != "none" else None
+    if vnni is not None and vnni.is_file():  # the quantised layers' VNNI layouts
+        names.append(vnni.name)
     note_default_files(path, names)
 
 

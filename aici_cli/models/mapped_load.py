@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from aici_cli.core.errors import ModelError
+from aici_cli.models import vnni_layers
 from aici_cli.models.block_embedding import BlockEmbedding
 from aici_cli.models.entry_record import BASE_FILE, DENSE_FILE
 from aici_cli.models.files import missing_tensors_problem
@@ -107,7 +108,9 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
     from_gguf = _from_gguf(model, matrices, blocks)
     _refuse_missing(path, [n for n, t in model.named_parameters() if t.is_meta
                            and n not in from_gguf] + unfilled)
-    quantize_model(model, mode, path, dtype, device, matrices)
+    scales: vnni_layers.Scales = {}
+    quantize_model(model, mode, path, dtype, device, matrices, scales)
+    vnni_layers.attach(model, path, dtype, device, scales)
     if blocks is not None:
         set_module(model, blocks.removesuffix(".weight"),
                    _block_embedding(dense, blocks, dtype, device))

@@ -45,6 +45,7 @@ import torch
 from aici_cli.models.aligned import save_aligned, without_padding
 from aici_cli.models.conversion_cache import models_dir
 from aici_cli.models.entry_files import PACKED_PREFIX
+from aici_cli.models.vnni_kernels import LAYOUT as VNNI_LAYOUT
 
 # Bump when what a layer keeps, or how it is computed, changes.
 LAYOUT_VERSION = "4"  # 2: tensors at 64-byte boundaries (`aligned`); 3: scales as
@@ -59,13 +60,26 @@ KEPT = {"int4": ("packed", "d", "m"), "int8": ("codes", "scale")}
 def packed_file(path: Path, mode: str, device: torch.device) -> Path | None:
     """Where the layers of the model at `path`, quantised in `mode` on `device`, are
     kept; None unless `path` is a conversion-cache entry."""
-    try:
-        path.resolve().relative_to(models_dir().resolve())
-    except (ValueError, OSError):
+    if not _in_cache(path):
         return None
     if mode == "int8":
         return path / f"{PACKED_PREFIX}int8.safetensors"
     return path / f"{PACKED_PREFIX}{mode}-{int4_layout(device.type)}.safetensors"
+
+
+def vnni_file(path: Path) -> Path | None:
+    """Where the layers of the model at `path` are kept in the VNNI kernels' layouts
+    (`vnni_layers`: the same on every CPU that runs them); None unless `path` is a
+    conversion-cache entry."""
+    return path / f"{PACKED_PREFIX}vnni-{VNNI_LAYOUT}.safetensors" if _in_cache(path) else None
+
+
+def _in_cache(path: Path) -> bool:
+    try:
+        path.resolve().relative_to(models_dir().resolve())
+    except (ValueError, OSError):
+        return False
+    return True
 
 
 @functools.cache

@@ -48,7 +48,6 @@ from aici_cli.models.packed_weights import (
     pack_int4_cpu,
     packed_file,
     read_packed,
-    unpack_int4_cpu,
     write_packed,
 )
 
@@ -172,29 +171,6 @@ class Int4Linear(torch.nn.Module):
         self.vnni = True
 
 
-def vnni_int4(layer: Int4Linear, d: torch.Tensor, m: torch.Tensor) -> bool:
-    """Give `layer` the VNNI kernel's layout of its matrix, from its packed codes and the
-    scales they were packed with (weight = q d + m); False where the layout does not
-    unpack here or the shape does not tile."""
-    codes = unpack_int4_cpu(layer.packed, layer.out_features, layer.in_features)
-    tiled = None if codes is None else vnni_kernels.tile_int4(codes, d, m)
-    if tiled is not None:
-        layer.use_vnni(tiled)
-    return tiled is not None
-
-
-def vnni_int8(layer: Int8Linear) -> bool:
-    """Give `layer` the VNNI kernel's layout of its codes and its scales in float32 (as
-    rounded to the activation dtype: the int8 kernel's own); False where it does not
-    tile."""
-    tiled = vnni_kernels.tile_int8(layer.codes)
-    if tiled is not None:
-        layer.register_buffer("vnni_codes", tiled)
-        layer.register_buffer("vnni_scale", layer.scale.float())
-        layer.vnni = True
-    return tiled is not None
-
-
 def scale_zero(d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The kernels' [K/32, N, 2] scales and zeros in `dtype` for weight = q d + m, [N, K/32]
     each: weight = (q - 8) d + (m + 8 d), so the kernels' zero is m + 8 d. Written into
@@ -224,7 +200,7 @@ class Int8Linear(torch.nn.Module):
     codes: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
-    vnni: bool = False  # bf16 passes on the VNNI kernel (`vnni_int8`)
+    vnni: bool = False  # bf16 passes on the VNNI kernel (`use_vnni`)
     vnni_codes: torch.Tensor
     vnni_scale: torch.Tensor
 
@@ -244,6 +220,15 @@ class Int8Linear(torch.nn.Module):
         """A layer over its buffers as another layer holds them (`codes` int8 [N, K],
         `scale` [N] in the activation dtype)."""
         return cls(codes, scale, bias, scale.dtype)
+
+    def use_vnni(self, codes: torch.Tensor) -> None:
+        """Run bf16 passes on the VNNI kernel over `codes` (this layer's, tiled:
+        `vnni_kernels.tile_int8`) and its scales in float32 (as rounded to the activation
+        dtype: the int8 kernel's own)."""
+        assert codes.numel() == self.codes.numel()
+        self.register_buffer("vnni_codes", codes)
+        self.register_buffer("vnni_scale", self.scale.float())
+        self.vnni = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -304,13 +289,15 @@ def resolve_mode(spec: str, path: Path, dtype: torch.dtype) -> str:
 
 def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
                    device: torch.device | None = None,
-                   source: GgufMatrices | None = None) -> int:
+                   source: GgufMatrices | None = None,
+                   scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
     """Replace the linear layers of `model` in place, onto `device` (default: where each
     one is): the decoder layers' in `mode`, the output projection in int8. A matrix
     `source` holds (a conversion's GGUF) is built from there; the others are quantised
     from their dense weights. A conversion-cache entry keeps the layers in their kernels'
-    layout (`packed_weights`): a later run reads them instead. Returns the number of
-    layers replaced."""
+    layout (`packed_weights`): a later run reads them instead. `scales`, where given,
+    gets each int4 layer's d and m (weight = q d + m: `vnni_layers`). Returns the number
+    of layers replaced."""
     if mode == "none":
         return 0
     keep = packed_file(path, mode, device) if device is not None else None
@@ -321,7 +308,6 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     embed_name = module_name(model, model.get_input_embeddings())
     replaced = 0
-    vnni = device is not None and vnni_kernels.wanted(path, dtype, device)
     for name, module in list(model.named_modules()):
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -342,37 +328,13 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
         new: torch.nn.Module = (
             Int4Linear.from_parts(parts["packed"], parts["d"], parts["m"], bias, dtype)
             if kind == "int4" else Int8Linear(parts["codes"], parts["scale"], bias, dtype))
-        if vnni and isinstance(new, Int4Linear):
-            vnni_int4(new, parts["d"], parts["m"])
-        elif vnni and isinstance(new, Int8Linear):
-            vnni_int8(new)
+        if scales is not None and kind == "int4":
+            scales[name] = (parts["d"], parts["m"])
         set_module(model, name, new)
         replaced += 1
     if keep is not None and computed:
         write_packed(keep, to_keep)
-    if vnni:
-        _group_vnni(model)
     return replaced
-
-
-# The layers the compiled step stacks (decode_layer.DecodeLayer, fused_linear): their VNNI
-# layouts are kept back to back, so that stacking them copies nothing (~0.5 s of a 1.1B
-# Llama's first compiled step).
-_STACKED = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-
-
-def _group_vnni(model: Any) -> None:
-    for module in model.modules():
-        for owner, names in _STACKED:
-            parent = getattr(module, owner, None)
-            parts = [getattr(parent, name, None) for name in names]
-            tiled = [p.tiled() for p in parts if isinstance(p, Int4Linear)]
-            if parent is None or len(tiled) != len(names) or None in tiled:
-                continue
-            views = vnni_kernels.group_int4([t for t in tiled if t is not None])
-            for part, view in zip(parts, views or ()):
-                assert isinstance(part, Int4Linear)
-                part.use_vnni(view)
 
 
 def _kept_parts(kept: dict[str, torch.Tensor], name: str, kind: str,

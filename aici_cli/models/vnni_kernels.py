@@ -55,6 +55,7 @@ TILE, GROUP = 16, 32
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 ISA = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
 PROBE_QUANTIZE = "vnni"  # the kernel probe's mode for them (kernel_run)
+LAYOUT = "1"  # of the kept layouts (vnni_layers): bump when tile_int4 or tile_int8 change
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,20 @@ def tile_int8(codes: torch.Tensor) -> torch.Tensor | None:
     biased = (codes.to(torch.int16) + 128).to(torch.uint8)
     return biased.reshape(n // TILE, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4) \
         .contiguous().reshape(-1)
+
+
+def int8_rows_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] times some rows of an int8 matrix (`codes` [n, k], `scale` [n] float32)
+    on the kernel, tiled here (padded to whole tiles): each output equals the whole
+    matrix's on the kernel bit for bit (a row's sum is its own lane's, in group order)."""
+    n = codes.shape[0]
+    pad = -n % TILE
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+        scale = torch.cat([scale, scale.new_zeros(pad)])
+    tiled = tile_int8(codes)
+    assert tiled is not None, "int8_rows_mm: k must be a multiple of 32"
+    return torch.ops.aici.int8_vnni_mm(x.contiguous(), tiled, scale, n + pad)[:, :n]
 
 
 def int4_mm(x: torch.Tensor, t: Tiled4) -> torch.Tensor:

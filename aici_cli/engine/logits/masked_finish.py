@@ -8,9 +8,10 @@ makes full-width logits rows: -inf everywhere but the allowed ids, so masks and 
 downstream run unchanged.
 
 Same tokens as the full projection, by kernel:
-- `Int8Linear` on CPU (`_weight_int8pack_mm`): each output channel is its own dot product
-  over K in a fixed order, so the gathered codes and scales give the full projection's
-  values bit for bit (tests/test_masked_finish.py): greedy and sampled rows alike.
+- `Int8Linear` on CPU (`_weight_int8pack_mm`, or the VNNI kernel for bf16 rows where the
+  head has it): each output channel is its own dot product over K in a fixed order, so
+  the gathered codes and scales give the full projection's values bit for bit
+  (tests/test_masked_finish.py): greedy and sampled rows alike.
 - dense `nn.Linear` (fp32 MKL, bf16 oneDNN): the kernels block K by the matrix's shape,
   so a gathered matrix's values differ from the full one's in the last bits (measured:
   fp32 at every size, bf16 at K=2048). There the finish is taken for greedy rows only,
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from aici_cli.engine.logits.sampling import MIN_TEMPERATURE, Draw
+from aici_cli.models import vnni_kernels
 from aici_cli.models.llama import LlamaCausalLM
 from aici_cli.models.quantize import Int8Linear
 
@@ -67,6 +69,10 @@ class MaskedFinish:
         # Int8: codes [V, K] int8 and scale [V]; dense: weight [V, K]. Bias [V] or None.
         self.codes: torch.Tensor | None = head.codes if isinstance(head, Int8Linear) else None
         self.scale: torch.Tensor | None = head.scale if isinstance(head, Int8Linear) else None
+        # The head's bf16 passes on the VNNI kernel (models/vnni_kernels.py): its rows are
+        # gathered and tiled for that kernel, whose rows' values are the full one's.
+        self.vnni_scale: torch.Tensor | None = head.vnni_scale \
+            if isinstance(head, Int8Linear) and head.vnni else None
         self.weight: torch.Tensor | None = getattr(head, "weight", None)
         self.bias: torch.Tensor | None = getattr(head, "bias", None)
         self.used = 0
@@ -143,7 +149,10 @@ class MaskedFinish:
         """[r, hidden] -> [r, n]: the projection at `ids` alone, by the full one's kernel
         (gathering copies n K weight elements; the product costs n/V of the full one).
         `weight`: the dense rows at `ids`, where the caller gathered them already."""
-        if self.codes is not None and self.scale is not None:
+        if self.codes is not None and self.scale is not None and self.vnni_scale is not None \
+                and hidden.dtype == torch.bfloat16:  # the full projection's VNNI kernel
+            y = vnni_kernels.int8_rows_mm(hidden, self.codes[ids], self.vnni_scale[ids])
+        elif self.codes is not None and self.scale is not None:
             y = torch.ops.aten._weight_int8pack_mm(hidden, self.codes[ids], self.scale[ids])
         else:
             y = F.linear(hidden, weight if weight is not None else self._rows(ids))
