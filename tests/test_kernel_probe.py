@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tiny_model import write_tiny_gguf
 
 from aici_cli.core.errors import ModelError
-from aici_cli.models import kernel_probe
+from aici_cli.models import kernel_probe, vnni_kernels
 from aici_cli.models.kernel_probe import (
     ENV,
     KernelMode,
@@ -185,12 +185,16 @@ def test_doctor_prints_the_fingerprint_every_verdict_and_the_pick(
     report = json.loads(ran.stdout)
     assert report["machine"] == kernel_probe.fingerprint("cpu")
     verdicts = {m["label"]: m for m in report["modes"]}
+    # and the VNNI kernels' mode where this machine runs them (models/vnni_kernels.py)
+    vnni = vnni_kernels.unusable() is None
     assert set(verdicts) == {f"{d}+{q}" for d in ("float32", "bfloat16")
-                             for q in ("none", "int8", "int4")}
+                             for q in ("none", "int8", "int4")} | (
+        {"bfloat16+vnni"} if vnni else set())
+    assert report["vnni"] == {"used": vnni, "why_not": report["vnni"]["why_not"]}
     assert all(m["ok"] != (m["quantize"] == "int4") for m in verdicts.values())
     assert all(m["step_ms"] > 0 for m in verdicts.values() if m["ok"])
     auto = report["auto"]
     assert auto["quantize"] != "int4" and auto["rejected"]
     text = _run(["doctor", "--model", str(gguf)], env, tmp_path)  # cached: no child
-    assert "REJECTED" in text.stdout and "auto picks" in text.stdout
+    assert "REJECTED" in text.stdout and "auto picks" in text.stdout and "VNNI " in text.stdout
     assert report["machine"] in text.stdout

@@ -65,6 +65,9 @@ def _text(report: dict[str, Any]) -> str:
     auto = report["auto"]
     lines += ["", f"auto picks  {auto['dtype']}+{auto['quantize']}"]
     lines += [f"            (rejected {label}: {reason})" for label, reason in auto["rejected"]]
+    vnni = report["vnni"]
+    lines.append("VNNI        " + ("bf16 int4/int8 passes run the VNNI kernels" if vnni["used"]
+                                   else f"off: {vnni['why_not']}"))
     lines.append("step ms: one decode step's linear kernels at 1 row on 1 thread, weights "
                  "in cache")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from aici_cli.models import vnni_kernels
 from aici_cli.models.device import DTYPES, pick_device, pick_dtype
 from aici_cli.models.kernel_probe import (
     KernelChoice,
@@ -69,6 +70,13 @@ def doctor_report(model: str | None, device: str = "auto",
                     mode = KernelMode(mode.device, dtype, quantize, capability)
                 found = verdict(mode, shapes)
                 modes.append({**asdict(mode), "label": mode.label, **asdict(found)})
+    # The VNNI kernels (vnni_kernels): bf16 quantised runs take them where this passes.
+    vnni = vnni_kernels.unusable() if torch_device.type == "cpu" else "not a CPU run"
+    if vnni is None:
+        mode = current_mode("cpu", "bfloat16", vnni_kernels.PROBE_QUANTIZE)
+        found = verdict(mode, shapes)
+        modes.append({**asdict(mode), "label": mode.label, **asdict(found)})
+        vnni = None if found.ok else f"its probe rejected them: {found.reason}"
     auto_dtype = pick_dtype("auto", torch_device)
     choice = auto_kernels(path, torch_device)
     return {
@@ -80,4 +88,5 @@ def doctor_report(model: str | None, device: str = "auto",
         "modes": modes,
         "auto": {"dtype": choice.dtype, "quantize": choice.quantize,
                  "rejected": [list(r) for r in choice.rejected]},
+        "vnni": {"used": vnni is None, "why_not": vnni},
     }
