@@ -74,7 +74,7 @@ def doctor_report(model: str | None, device: str = "auto",
     vnni = vnni_kernels.unusable() if torch_device.type == "cpu" else "not a CPU run"
     if vnni is None:
         mode = current_mode("cpu", "bfloat16", vnni_kernels.PROBE_QUANTIZE)
-        found = verdict(mode, shapes)
+        found = vnni_kernels.probed(shapes)
         modes.append({**asdict(mode), "label": mode.label, **asdict(found)})
         vnni = None if found.ok else f"its probe rejected them: {found.reason}"
     auto_dtype = pick_dtype("auto", torch_device)

@@ -203,12 +203,14 @@ def current_mode(device: str, dtype: str, quantize: str) -> KernelMode:
     return KernelMode(device, dtype, quantize, capability)
 
 
-def verdict(mode: KernelMode, shapes: Shapes) -> Verdict:
+def verdict(mode: KernelMode, shapes: Shapes, code: str = "") -> Verdict:
     """The cached verdict of `mode` for `shapes` on this machine, else the probe's (run
-    in a child now, and cached)."""
+    in a child now, and cached). `code`: a digest of kernels the project builds itself
+    (`vnni_kernels`), so that other code is probed again."""
     key = json.dumps({"probe": PROBE_VERSION, "torch": _torch_version(),
                       "machine": fingerprint(mode.device), "mode": asdict(mode),
-                      "shapes": asdict(shapes)}, sort_keys=True)
+                      "shapes": asdict(shapes), **({"code": code} if code else {})},
+                     sort_keys=True)
     path = cache_dir() / "kernel-probe" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
     try:
         cached = json.loads(path.read_text())

@@ -210,8 +210,19 @@ def wanted(path: Path, dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if not kernel_probe.enabled():
         return True
+    return probed(kernel_probe.Shapes.of(path)).ok
+
+
+def probed(shapes: kernel_probe.Shapes) -> kernel_probe.Verdict:
+    """The kernel probe's verdict on the kernels (mode `vnni`) at `shapes`, per build of
+    their source."""
     mode = kernel_probe.current_mode("cpu", "bfloat16", PROBE_QUANTIZE)
-    return kernel_probe.verdict(mode, kernel_probe.Shapes.of(path)).ok
+    return kernel_probe.verdict(mode, shapes, code=_source_digest())
+
+
+@functools.cache
+def _source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def unusable() -> str | None:
