@@ -13,11 +13,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from aici_cli.cli.main import main
 from aici_cli.engine.forward import compiled, packaged_step
+from aici_cli.models import kernel_probe
 from aici_cli.models.load import load_model
+from aici_cli.models.wide_rows import dense_verdict
 
 
 def _prepare(model_dir: Path, *args: str) -> str:
@@ -69,6 +72,25 @@ def test_where_the_step_cannot_compile_prepare_says_why_and_builds_nothing(
     out = _prepare(tiny_model_dir)
     assert "steps stay eager here: no C++ compiler" in out
     assert _packages(tmp_path / "cache") == []
+
+
+def test_prepare_leaves_the_verdicts_a_quantised_runs_first_passes_ask_for(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 int4 run's first wide pass asks the probe about the dense kernels: prepare
+    asks first, so that the run does not wait for a probe's child (~2 s)."""
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(kernel_probe.ENV, "on")
+    monkeypatch.setattr(compiled, "compiler_problem", lambda device: "no C++ compiler")
+    res = CliRunner().invoke(main, ["prepare", "--model", str(tiny_model_dir), "--device",
+                                    "cpu", "--dtype", "bfloat16", "--quantize", "int4"])
+    assert res.exit_code == 0, res.output
+
+    def no_child(*args: object, **kwargs: object) -> None:
+        raise AssertionError("probed again: prepare left no verdict")
+
+    monkeypatch.setattr(kernel_probe, "run_probe", no_child)
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", quantize="int4")
+    assert dense_verdict(lm.model.config, torch.bfloat16).ok
 
 
 def test_a_model_that_is_not_there_is_a_usage_error(tmp_path: Path) -> None:

@@ -228,12 +228,20 @@ class WideRows:
         dense GEMM that crashes or computes wrong is never used by a wide pass either."""
         if self.config is None or not kernel_probe.enabled():
             return None
-        dtype = str(self.layers[0].scale_zero.dtype).removeprefix("torch.")
-        found = kernel_probe.verdict(kernel_probe.current_mode("cpu", dtype, "none"),
-                                     kernel_probe.Shapes.of_config(self.config))
+        dtype = self.layers[0].scale_zero.dtype
+        found = dense_verdict(self.config, dtype)
         if found.ok:
             return None
-        return f"the kernel probe rejects {dtype}+none here: {found.reason}"
+        return f"the kernel probe rejects {str(dtype).removeprefix('torch.')}+none here: " \
+            f"{found.reason}"
+
+
+def dense_verdict(config: Any, dtype: torch.dtype) -> kernel_probe.Verdict:
+    """The kernel probe's verdict on this machine's dense kernels at `dtype` for a model
+    of `config`: what wide passes ask before their first dense copy (`aici-batch prepare`
+    asks it first, so that a run does not wait for the probe's child)."""
+    mode = kernel_probe.current_mode("cpu", str(dtype).removeprefix("torch."), "none")
+    return kernel_probe.verdict(mode, kernel_probe.Shapes.of_config(config))
 
 
 def _trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:
@@ -250,6 +258,12 @@ def _trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:
             times.append(time.perf_counter() - started)
         return min(times)
 
-    int4 = best(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x, layer.packed, GROUP, layer.scale_zero))
+    def few_rows() -> Any:  # the kernel such a pass runs without the copy
+        if layer.vnni and x.dtype == torch.bfloat16:
+            return torch.ops.aici.int4_vnni_mm(x, layer.vnni_codes, layer.vnni_d,
+                                               layer.vnni_m, layer.out_features)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, GROUP,
+                                                          layer.scale_zero)
+
+    int4 = best(few_rows)
     return int4 / max(best(lambda: torch.nn.functional.linear(x, dense)), 1e-9)

@@ -5,14 +5,17 @@ What a run makes once per model, mode and machine, and keeps in the cache:
 
 - the conversion of a GGUF or a short name (models/gguf_convert.py, ~10-30 s);
 - the quantised layers in their kernels' layout (models/packed_weights.py);
-- the kernel probe's verdict on the mode (models/kernel_probe.py);
+- the kernel probe's verdict on the mode (models/kernel_probe.py), on the VNNI kernels
+  where this CPU has them (models/vnni_kernels.py: their library built too, and their
+  layouts kept, models/vnni_layers.py), and on the dense kernels a quantised run's first
+  wide pass asks about (models/wide_rows.py);
 - the compiled one-token step as AOTInductor packages (engine/forward/packaged_step.py,
   ~40-60 s each on 2 CPU cores). A run takes a ready package at once, `--compile auto`
   included, and then runs its one-token steps ~1.8x faster (docs/speed.md); without
   one, `auto` builds it only in a run long enough to pay for it, so short runs and small
   files stay eager.
 
-The first three happen as the model loads. The packages are keyed by the step's row
+The first three happen as the model loads (the dense verdict right after). The packages are keyed by the step's row
 count, and runs use two counts: 1 (a one-line input, the tail of a file whose last line
 runs alone) and `--batch-size` (every row of the cache, a file of at least that many
 lines). Each is built by driving the engine at `--compile on` over a few tokens of that
@@ -32,7 +35,9 @@ from aici_cli.core.config import EngineConfig, RunConfig, load_quantize
 from aici_cli.core.errors import ModelError
 from aici_cli.core.job import Job
 from aici_cli.engine import Engine
+from aici_cli.models import kernel_probe
 from aici_cli.models.load import LoadedModel, load_model
+from aici_cli.models.wide_rows import dense_verdict
 
 # Tokens each synthetic line generates: the prompt's pass, then one-token steps, the
 # first of which builds (or loads) the bucket's package.
@@ -64,6 +69,8 @@ def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> P
     say("loading the model (converted, packed and probed where it is new here)")
     lm = load_model(config.model, config.device, config.dtype, load_quantize(config),
                     config.model_impl)
+    if lm.device.type == "cpu" and lm.quantize == "int4" and kernel_probe.enabled():
+        dense_verdict(lm.model.config, lm.dtype)  # what a run's first wide pass asks
     loaded = time.perf_counter()
     engine_config = dataclasses.replace(config.engine, deterministic=False)
     rows = tuple(dict.fromkeys((1, engine_config.batch_size)))
