@@ -15,12 +15,12 @@ What a run makes once per model, mode and machine, and keeps in the cache:
   one, `auto` builds it only in a run long enough to pay for it, so short runs and small
   files stay eager.
 
-The first three happen as the model loads (the dense verdict right after). The packages are keyed by the step's row
-count, and runs use two counts: 1 (a one-line input, the tail of a file whose last line
-runs alone) and `--batch-size` (every row of the cache, a file of at least that many
-lines). Each is built by driving the engine at `--compile on` over a few tokens of that
-many synthetic lines, the way a run builds it; a last one-line run at `auto` then checks
-that a run starts compiled.
+The first three happen as the model loads (the dense verdict right after). The packages
+are keyed by the step's row count, and runs use two counts: 1 (a one-line input, the
+tail of a file whose last line runs alone) and `--batch-size` (every row of the cache, a
+file of at least that many lines). Each is built by driving the engine at `--compile on`
+over a few tokens of that many synthetic lines, the way a run builds it; a last one-line
+run at `auto` then checks that a run starts compiled.
 """
 
 from __future__ import annotations
