@@ -140,20 +140,25 @@ class Int4Linear(torch.nn.Module):
         if flat.shape[0] >= DENSE_MIN_ROWS and self.dense is not None \
                 and flat.shape[0] >= self.dense_rows:
             y = F.linear(flat, self.dense)
-        elif self.vnni and flat.dtype == torch.bfloat16:
-            y = torch.ops.aici.int4_vnni_mm(flat.contiguous(), self.vnni_codes, self.vnni_d,
-                                            self.vnni_m, self.out_features)
-        elif self.packed.numel() == 0:
-            raise RuntimeError(f"a VNNI-only int4 layer got {flat.shape[0]} {flat.dtype} rows")
-        elif self.packed.device.type == "cuda":
-            y = torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, self.scale_zero)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP,
-                                                           self.scale_zero)
+            y = self.few_rows(flat)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
+    def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """[rows, K] -> [rows, N] on the quantised kernel a pass without the dense copy
+        runs (`wide_rows` times it against the copy): the VNNI one for bf16 rows where
+        the layer has it, else the int4 kernel."""
+        if self.vnni and flat.dtype == torch.bfloat16:
+            return torch.ops.aici.int4_vnni_mm(flat.contiguous(), self.vnni_codes,
+                                               self.vnni_d, self.vnni_m, self.out_features)
+        if self.packed.numel() == 0:
+            raise RuntimeError(f"a VNNI-only int4 layer got {flat.shape[0]} {flat.dtype} rows")
+        if self.packed.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, self.scale_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP,
+                                                          self.scale_zero)
 
     def tiled(self) -> vnni_kernels.Tiled4 | None:
         """The VNNI kernel's buffers, where the layer has them."""

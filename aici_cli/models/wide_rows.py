@@ -258,12 +258,5 @@ def _trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:
             times.append(time.perf_counter() - started)
         return min(times)
 
-    def few_rows() -> Any:  # the kernel such a pass runs without the copy
-        if layer.vnni and x.dtype == torch.bfloat16:
-            return torch.ops.aici.int4_vnni_mm(x, layer.vnni_codes, layer.vnni_d,
-                                               layer.vnni_m, layer.out_features)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, GROUP,
-                                                          layer.scale_zero)
-
-    int4 = best(few_rows)
+    int4 = best(lambda: layer.few_rows(x))
     return int4 / max(best(lambda: torch.nn.functional.linear(x, dense)), 1e-9)
