@@ -1,7 +1,7 @@
 """What weight alignment costs at load: the default model from its aligned conversion
 against the same weights written by `safetensors`' own writer (tensors at 8-byte
 boundaries, as a user's own model directory usually has them), whose weights `load_model`
-then copies to 64-byte boundaries (`models/aligned.py`).
+then copies to 64-byte boundaries (`models/kernels/aligned.py`).
 
 Each load runs in a fresh process, the two files in turn, `--rounds` times; printed per
 load: seconds in `load_model`, the tensors `align_model` copied, peak RSS.
@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO))
 
 _ONE_LOAD = """
 import json, resource, sys, time
-from aici_cli.models import aligned, load
+from aici_cli.models import load
+from aici_cli.models.kernels import aligned
 counted = []
 real = aligned.align_model
 load.align_model = lambda model: counted.append(real(model)) or counted[-1]
@@ -40,9 +41,9 @@ def copies(out: Path) -> tuple[Path, Path]:
     """The default model's conversion as it is (aligned), and rewritten by safetensors."""
     from safetensors.torch import load_file, save_file
 
-    from aici_cli.models.aligned import without_padding
-    from aici_cli.models.conversion_cache import ensure_dense
-    from aici_cli.models.resolve import resolve_with_name
+    from aici_cli.models.cache.conversions import ensure_dense
+    from aici_cli.models.kernels.aligned import without_padding
+    from aici_cli.models.sources.resolve import resolve_with_name
 
     entry = resolve_with_name(None)[0]
     ensure_dense(entry)  # the bf16 copy of every weight, made on the first run that reads it

@@ -44,7 +44,7 @@ FILE_NAME = "big-llama-1.1b.Q4_0.gguf"
 
 
 def default_gguf() -> Path:
-    from aici_cli.models.sources import default_gguf_path
+    from aici_cli.models.sources.packaged import default_gguf_path
 
     return Path(default_gguf_path())
 

@@ -97,8 +97,8 @@ def main() -> int:
     from aici_cli.control.grammar.early_close import VARIANTS
     from aici_cli.core.constraint import Constraint
     from aici_cli.core.errors import GrammarError
-    from aici_cli.models.hub_tokenizer import read_hub_tokenizer
-    from aici_cli.models.resolve import resolve_model
+    from aici_cli.models.sources.resolve import resolve_model
+    from aici_cli.models.tokenizer.fast_tokenizer import read_hub_tokenizer
 
     tok = read_hub_tokenizer(resolve_model(None))
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []

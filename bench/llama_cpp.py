@@ -180,8 +180,8 @@ def _prefill(lm: Any, config: Any, task: dict[str, Any]) -> dict[str, Any]:
     text = prefill_text(lm.tokenizer, task["prefill_tokens"])
     walls = []
     # Twice, each engine with a fresh prefix cache (nothing of the prompt is cached): the
-    # first pays what a run pays once (the dense copies of wide passes, models/wide_rows.py),
-    # the second is every later long prompt of the run.
+    # first pays what a run pays once (the dense copies of wide passes,
+    # models/quant/dense_copies.py), the second is every later long prompt of the run.
     for _ in range(2):
         engine = Engine(lm, config)
         results: list[dict[str, Any]] = []
@@ -425,7 +425,7 @@ def main() -> int:
 
     global THREADS
     THREADS = args.threads
-    from aici_cli.models.sources import default_gguf_path
+    from aici_cli.models.sources.packaged import default_gguf_path
 
     gguf_path = args.gguf or str(default_gguf_path())
     only = set(args.only.split(","))

@@ -1,4 +1,4 @@
-"""The project's own module (models/llama.py) against transformers' model classes, side by
+"""The project's own module (models/families/llama.py) against transformers' model classes, side by
 side in one process: the engine's eager decode speed on one stream and on a batch, per
 weight form, rounds interleaved (the machine is noisy), plus the two load paths' start-up.
 
@@ -139,7 +139,7 @@ def compare(arch: str, spec: str | None, quantize: str,
             args: argparse.Namespace) -> list[dict[str, Any]]:
     """Both paths on one model and weight form: decode rates per batch size, rounds
     interleaved, and (unless --no-start-up) each path's load in a fresh process."""
-    from aici_cli.models.llama import LlamaCausalLM
+    from aici_cli.models.families.llama import LlamaCausalLM
     from aici_cli.models.load import load_model
 
     impls = ("auto", "transformers")

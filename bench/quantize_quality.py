@@ -13,7 +13,7 @@ Three measures, each for every mode in --modes against `none` (bf16 weights):
 - for a GGUF model, how far each way of putting its quantised matrices on the kernels
   is from the file's own values (`weights`: relative RMS error, and the largest error
   over the matrix's largest value, mean over the matrices of each type): the blocks
-  mapped as runs map them (`aici_cli/models/kquant.py`), min/max int4 per group of 32,
+  mapped as runs map them (`aici_cli/models/gguf/kquant.py`), min/max int4 per group of 32,
   int8 per channel. Q5_K is measured on the file's Q6_K matrices written again as Q5_K
   (the test suite's encoder, `tests/arch_gguf.py`), where the file has none.
 
@@ -119,8 +119,8 @@ def weight_errors(gguf_file: Path) -> dict[str, dict[str, Any]]:
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
-    from aici_cli.models import kquant
-    from aici_cli.models.quantize import quantize_int4, quantize_int8
+    from aici_cli.models.gguf import kquant
+    from aici_cli.models.quant.quantize import quantize_int4, quantize_int8
 
     sys.path.insert(0, str(REPO / "tests"))
     from arch_gguf import quantize_k

@@ -313,7 +313,7 @@ def lm(tiny_model_dir: Path) -> LoadedModel:
 def stub_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
     """A private conversion cache (`tmp_path/cache`), and the ~20 s GGUF conversion
     replaced by writing a stub config; returns the GGUF files converted."""
-    from aici_cli.models import gguf_convert
+    from aici_cli.models.gguf import convert as gguf_convert
 
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
     calls: list[Path] = []

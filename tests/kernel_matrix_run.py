@@ -21,17 +21,17 @@ def main(modes: list[dict[str, str]], lines: list[dict[str, Any]]) -> None:
     from aici_cli.core.config import EngineConfig, JobDefaults
     from aici_cli.engine import Engine
     from aici_cli.formats.jobs import read_jobs
-    from aici_cli.models import wide_rows
     from aici_cli.models.load import load_model
+    from aici_cli.models.quant import dense_copies
 
     capability = torch.backends.cpu.get_cpu_capability()
-    own = (wide_rows.BUILD_AFTER, wide_rows.MIN_SPEEDUP)
+    own = (dense_copies.BUILD_AFTER, dense_copies.MIN_SPEEDUP)
     for mode in modes:
         print(json.dumps({"starting": mode, "capability": capability}), flush=True)
         # "wide": passes of many rows on dense copies of the int4 layers from the first
-        # wide pass, whatever this CPU's trial would say (models/wide_rows.py).
+        # wide pass, whatever this CPU's trial would say (models/quant/dense_copies.py).
         wide = mode.get("wide") == "on"
-        wide_rows.BUILD_AFTER, wide_rows.MIN_SPEEDUP = (0, 0.0) if wide else own
+        dense_copies.BUILD_AFTER, dense_copies.MIN_SPEEDUP = (0, 0.0) if wide else own
         lm = load_model(None, "cpu", mode["dtype"], mode["quantize"])
         for batch in (1, 8):
             jobs = list(read_jobs([json.dumps(line) for line in lines], JobDefaults()))
@@ -59,8 +59,8 @@ def _probe(mode: dict[str, str]) -> dict[str, Any]:
     """The kernel probe's verdict on `mode` on this machine (cached per machine)."""
     from dataclasses import asdict
 
-    from aici_cli.models.kernel_probe import Shapes, current_mode, verdict
-    from aici_cli.models.resolve import resolve_with_name
+    from aici_cli.models.kernels.probe import Shapes, current_mode, verdict
+    from aici_cli.models.sources.resolve import resolve_with_name
 
     shapes = Shapes.of(resolve_with_name(None)[0])
     return asdict(verdict(current_mode("cpu", mode["dtype"], mode["quantize"]), shapes))

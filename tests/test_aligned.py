@@ -1,4 +1,4 @@
-"""Every weight a kernel reads starts at a 64-byte boundary (`models/aligned.py`).
+"""Every weight a kernel reads starts at a 64-byte boundary (`models/kernels/aligned.py`).
 
 PyTorch's AVX-512 `_weight_int8pack_mm` reads its weight with aligned vector loads and
 kills the process (SIGSEGV) on one that starts off a 16-byte boundary, which a tensor
@@ -25,8 +25,10 @@ from safetensors.torch import load_file, save_file
 from tiny_model import write_tiny_gguf
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aici_cli.models import vnni_kernels
-from aici_cli.models.aligned import (
+from aici_cli.models.cache.conversions import converted_gguf
+from aici_cli.models.cache.packed_layers import LAYOUT_VERSION
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.kernels.aligned import (
     ALIGN,
     PAD_PREFIX,
     align_model,
@@ -35,16 +37,14 @@ from aici_cli.models.aligned import (
     save_aligned,
     without_padding,
 )
-from aici_cli.models.conversion_cache import converted_gguf
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.packed_weights import LAYOUT_VERSION
-from aici_cli.models.quantize import Int8Linear, quantize_int8
+from aici_cli.models.quant.quantize import Int8Linear, quantize_int8
 
 # The kernels that read a weight matrix: dense linear layers (as aten decomposes
 # F.linear) and the weight-only int4/int8 kernels.
 KERNELS = {"mm", "addmm", "bmm", "linear", "_weight_int8pack_mm",
            "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu",
-           "int4_vnni_mm", "int8_vnni_mm"}  # models/vnni_kernels.py: bf16, AVX512-VNNI
+           "int4_vnni_mm", "int8_vnni_mm"}  # models/kernels/int_mm.py: bf16, AVX512-VNNI
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.bool]
@@ -175,9 +175,9 @@ def test_a_converted_gguf_and_its_kept_layers_are_aligned_in_their_files_and_in_
         _assert_aligned(load_model(str(gguf), "cpu", dtype, mode), mode)  # packs, keeps
         _assert_aligned(load_model(str(gguf), "cpu", dtype, mode), mode)  # reads the kept
     # what every run reads, the mode's own file (one for both dtypes) and, where the bf16
-    # runs used the VNNI kernels, their layouts (models/vnni_layers.py)
+    # runs used the VNNI kernels, their layouts (models/quant/vnni_layouts.py)
     files = list(entry.glob("*.safetensors"))
-    assert len(files) == (3 if mode != "none" and vnni_kernels.unusable() is None else 2)
+    assert len(files) == (3 if mode != "none" and int_mm.unusable() is None else 2)
     for file in files:
         assert all(offset % ALIGN == 0 for offset in _offsets(file).values()), file.name
 
@@ -216,7 +216,7 @@ def test_padding_names_are_no_model_names() -> None:
 # process. An int8 layer built over the same misaligned codes must run, and compute them.
 _FAULT = """
 import sys, torch
-from aici_cli.models.quantize import Int8Linear
+from aici_cli.models.quant.quantize import Int8Linear
 N, K, M = 49152, 576, 8
 buf = torch.zeros(N * K + 128, dtype=torch.int8)
 off = 40 + (-buf.data_ptr()) % 64

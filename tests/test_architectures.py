@@ -319,7 +319,7 @@ def test_a_missing_weight_is_still_an_error(quantize: str, arch_dirs: dict[str, 
 
 def test_a_buffer_init_leaves_unfilled_is_reported(arch_dirs: dict[str, Path]) -> None:
     """A buffer the model's own init does not compute stays NaN, and is named."""
-    from aici_cli.models.transformers_build import fill_buffers
+    from aici_cli.models.families.transformers_build import fill_buffers
 
     model = reference(arch_dirs["gemma3"])
     clone = type(model)(model.config)

@@ -34,8 +34,8 @@ class Walker:
     """The default model's tokenizer, a grammar compiler and a closer on it."""
 
     def __init__(self) -> None:
-        from aici_cli.models.hub_tokenizer import read_hub_tokenizer
-        from aici_cli.models.resolve import resolve_model
+        from aici_cli.models.sources.resolve import resolve_model
+        from aici_cli.models.tokenizer.fast_tokenizer import read_hub_tokenizer
 
         self.tok = read_hub_tokenizer(resolve_model(None))
         self.compiler = GrammarCompiler(self.tok, len(self.tok), [self.tok.eos_token_id])

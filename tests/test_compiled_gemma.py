@@ -32,7 +32,7 @@ from aici_cli.engine.engine import Engine
 from aici_cli.engine.forward import compiled, packaged_step
 from aici_cli.engine.forward.inputs import _single_group
 from aici_cli.models import LoadedModel, load_model
-from aici_cli.models.llama import LlamaCausalLM
+from aici_cli.models.families.llama import LlamaCausalLM
 
 WINDOW = 5
 LENGTHS = [6, 30, 10]

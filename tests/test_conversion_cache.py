@@ -26,12 +26,14 @@ from rich.console import Console
 from tiny_model import write_tiny_gguf
 
 from aici_cli.cli.main import main
-from aici_cli.models import gguf_convert, gguf_identity, sources
-from aici_cli.models.cache_entries import cache_entries
-from aici_cli.models.entry_record import SOURCE_FILE
+from aici_cli.models.cache.entries import cache_entries
+from aici_cli.models.gguf import convert as gguf_convert
+from aici_cli.models.gguf import identity
+from aici_cli.models.gguf.entry_record import SOURCE_FILE
 from aici_cli.models.progress import LoadProgress, reporting_to
-from aici_cli.models.resolve import resolve_model
-from aici_cli.models.sources import ModelSource
+from aici_cli.models.sources import packaged as sources
+from aici_cli.models.sources.packaged import ModelSource
+from aici_cli.models.sources.resolve import resolve_model
 from aici_cli.run.ui import ConsoleProgress
 
 PROMPTS = "".join(json.dumps({"id": f"p{i}", "prompt": f"Hello {i}", "max_tokens": 3}) + "\n"
@@ -112,8 +114,8 @@ def test_a_file_is_read_once_then_known_by_path_size_and_mtime(
     tiny_gguf: Path, cache: Path, stub_conversion: list[Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reads: list[Path] = []
-    real = gguf_identity._file_sha256
-    monkeypatch.setattr(gguf_identity, "_file_sha256", lambda p: reads.append(p) or real(p))
+    real = identity._file_sha256
+    monkeypatch.setattr(identity, "_file_sha256", lambda p: reads.append(p) or real(p))
 
     first = resolve_model(str(tiny_gguf))
     assert resolve_model(str(tiny_gguf)) == first
@@ -148,7 +150,7 @@ def test_a_packaged_file_is_known_by_its_packages_record_without_reading_it(
     def refuse(path: Path) -> str:
         raise AssertionError(f"read {path}")
 
-    monkeypatch.setattr(gguf_identity, "_file_sha256", refuse)
+    monkeypatch.setattr(identity, "_file_sha256", refuse)
     converted = []
     for venv in ("venv1", "venv2"):  # two environments with the same wheel installed
         site = tmp_path / venv / "site-packages"
@@ -161,7 +163,7 @@ def test_a_packaged_file_is_known_by_its_packages_record_without_reading_it(
         converted.append(resolve_model("tiny-llama"))
         monkeypatch.undo()
         monkeypatch.setenv("AICI_BATCH_CACHE", str(cache))
-        monkeypatch.setattr(gguf_identity, "_file_sha256", refuse)
+        monkeypatch.setattr(identity, "_file_sha256", refuse)
 
     assert converted[0] == converted[1]
     assert len(stub_conversion) == 1

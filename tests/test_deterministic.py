@@ -26,8 +26,7 @@ from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import ModelError
 from aici_cli.core.job import Job
 from aici_cli.core.sampling import Sampling
-from aici_cli.engine import Engine
-from aici_cli.engine import deterministic_check as invariance_check
+from aici_cli.engine import Engine, deterministic_check
 from aici_cli.engine.forward.deterministic import TILE_ROWS, invariant_linear
 from aici_cli.models import LoadedModel, load_model
 
@@ -155,7 +154,7 @@ def test_the_machine_check_passes_here_and_is_cached(lm: LoadedModel, tmp_path: 
     def checked(*args: Any) -> None:
         raise AssertionError("checked again: the verdict was not cached")
 
-    monkeypatch.setattr(invariance_check, "kernel_problem", checked)
+    monkeypatch.setattr(deterministic_check, "kernel_problem", checked)
     Engine(lm, EngineConfig(deterministic=True))
 
 
@@ -172,7 +171,7 @@ def test_a_machine_whose_gemm_rounds_by_row_count_is_refused(
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         return out + (1e-3 if rows % 2 else 0.0)
 
-    monkeypatch.setattr(invariance_check, "invariant_linear", by_row_count)
+    monkeypatch.setattr(deterministic_check, "invariant_linear", by_row_count)
     with pytest.raises(ModelError, match="cannot be guaranteed on this machine: .*rounds"):
         Engine(lm, EngineConfig(deterministic=True))
     src = tmp_path / "in.jsonl"

@@ -1,4 +1,4 @@
-"""Stacked linear layers (models/fused_linear.py): the stacked output is exactly the parts'
+"""Stacked linear layers (models/quant/fused_linear.py): the stacked output is exactly the parts'
 outputs side by side, the parts still give what they gave, and the weights are held once."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aici_cli.models.fused_linear import SideBySide, stack_linears
-from aici_cli.models.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from aici_cli.models.quant.fused_linear import SideBySide, stack_linears
+from aici_cli.models.quant.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 
 KINDS = ("dense", "int4", "int8")
 

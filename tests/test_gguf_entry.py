@@ -20,14 +20,15 @@ from tiny_model import write_tiny_gguf
 
 from aici_cli.cli.main import main
 from aici_cli.core.errors import ModelError
-from aici_cli.models import quantize, vnni_kernels
-from aici_cli.models.aligned import PAD_PREFIX
-from aici_cli.models.conversion_cache import converted_gguf
-from aici_cli.models.entry_record import BASE_FILE, DENSE_FILE, SOURCE_FILE
-from aici_cli.models.gguf_matrices import MATRICES_KEY
+from aici_cli.models.cache.conversions import converted_gguf
+from aici_cli.models.cache.packed_layers import int4_layout
+from aici_cli.models.gguf.entry_record import BASE_FILE, DENSE_FILE, SOURCE_FILE
+from aici_cli.models.gguf.matrices import MATRICES_KEY
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.kernels.aligned import PAD_PREFIX
+from aici_cli.models.kernels.int_mm import LAYOUT
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.packed_weights import int4_layout
-from aici_cli.models.vnni_kernels import LAYOUT
+from aici_cli.models.quant import quantize
 
 PROMPTS = ["the quick brown fox jumps over", "a b c d e f g"]
 
@@ -77,8 +78,8 @@ def test_a_default_run_keeps_the_kernel_layout_and_nothing_dense_of_its_matrices
     assert lm.quantize == "int4"
     entry = converted_gguf(gguf, "tiny")
     weights = sorted(p.name for p in entry.glob("*.safetensors"))
-    # and, where the VNNI kernels run, their layouts (models/vnni_layers.py)
-    vnni = [] if vnni_kernels.unusable() is not None \
+    # and, where the VNNI kernels run, their layouts (models/quant/vnni_layouts.py)
+    vnni = [] if int_mm.unusable() is not None \
         else [f"aici-packed-vnni-{LAYOUT}.safetensors"]
     assert weights == [BASE_FILE, f"aici-packed-int4-{int4_layout('cpu')}.safetensors", *vnni]
     linears = {f"{n}.weight" for n, m in lm.model.named_modules()
@@ -123,7 +124,7 @@ def test_other_modes_build_their_files_on_first_use_and_prune_removes_them(
         "default mode reads)" in dry.stdout
     done = json.loads(CliRunner().invoke(main, ["models", "--prune", "--json"]).stdout)
     assert done["entries"] == [] and len(done["files"]) == 2
-    vnni = [] if vnni_kernels.unusable() is not None \
+    vnni = [] if int_mm.unusable() is not None \
         else [f"aici-packed-vnni-{LAYOUT}.safetensors"]
     assert sorted(p.name for p in entry.glob("*.safetensors")) == sorted([BASE_FILE, kept.name,
                                                                           *vnni])
@@ -180,7 +181,7 @@ def test_a_mode_needs_the_gguf_only_to_build_its_layers(
 
 _LAYOUT = """
 import torch
-from aici_cli.models.packed_weights import _cpu_layout, int4_layout, pack_int4_cpu
+from aici_cli.models.cache.packed_layers import _cpu_layout, int4_layout, pack_int4_cpu
 g = torch.Generator().manual_seed(0)
 for n, k in ((576, 576), (49152, 576), (1536, 64), (80, 32), (16, 64)):
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""A fast tokenizer read without transformers (`models/hub_tokenizer.py`) answers as
+"""A fast tokenizer read without transformers (`models/tokenizer/fast_tokenizer.py`) answers as
 transformers' own class does: the same ids for any text (special tokens inside it too),
 the same text back, the same padded batches, and the same rendered chat for generated
 conversations, tools and templates. Files that ask for more go to transformers."""
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_model import CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE
 
-from aici_cli.models.hub_tokenizer import HubTokenizer, read_hub_tokenizer
+from aici_cli.models.tokenizer.fast_tokenizer import HubTokenizer, read_hub_tokenizer
 
 # Templates exercising what the sandbox provides: loop controls, namespaces, tojson's
 # options, raise_exception, dict(), {% generation %}, and the default model's own.
@@ -191,7 +191,7 @@ _DEFAULT: list[tuple[HubTokenizer, Any]] = []
 
 def _default_pair() -> tuple[HubTokenizer, Any]:
     if not _DEFAULT:
-        from aici_cli.models.resolve import resolve_with_name
+        from aici_cli.models.sources.resolve import resolve_with_name
 
         _DEFAULT.append(_pair(resolve_with_name(None)[0]))
     return _DEFAULT[0]

@@ -1,6 +1,6 @@
 """The kernel-path matrix on the real default model: every ATen CPU capability this host
 supports x dtype (float32, bfloat16) x quantize (none, int8, int4, and int4 with its wide
-passes on dense copies: models/wide_rows.py), at batch 1 and 8, each
+passes on dense copies: models/quant/dense_copies.py), at batch 1 and 8, each
 capability in a process of its own (`kernel_matrix_run.py`). Bounded to keep CI short:
 float32 with int8/int4 (explicit modes only, ~150 ms a step) and the compiled step in the
 mode `auto` picks (a cold compile costs about a minute on 2 cores) run at the host's own
@@ -27,7 +27,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from aici_cli.models.doctor import capabilities
+from aici_cli.models.checks.doctor import capabilities
 
 HERE = Path(__file__).resolve().parent
 SCHEMAS = [
@@ -79,9 +79,9 @@ def _auto_mode(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
     the kernel probe passes."""
     import torch
 
-    from aici_cli.models.doctor import auto_kernels
-    from aici_cli.models.kernel_probe import ENV
-    from aici_cli.models.resolve import resolve_with_name
+    from aici_cli.models.checks.doctor import auto_kernels
+    from aici_cli.models.kernels.probe import ENV
+    from aici_cli.models.sources.resolve import resolve_with_name
 
     monkeypatch.setenv(ENV, "on")
     choice = auto_kernels(resolve_with_name(None)[0], torch.device("cpu"))

@@ -1,8 +1,8 @@
-"""The kernel probe (`models/kernel_probe.py`): a mode whose kernels crash, hang or compute
+"""The kernel probe (`models/kernels/probe.py`): a mode whose kernels crash, hang or compute
 wrong in the probe's child is never used; `auto` walks on to the next mode and says so,
 an explicit mode is refused with the reason, verdicts are cached per machine, and
 `aici-batch doctor` shows them. Faults are injected into the probe child
-(`kernel_run.FAULT_ENV`); the last tests run the real probe through `aici-batch run`."""
+(`probe_child.FAULT_ENV`); the last tests run the real probe through `aici-batch run`."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from tiny_model import write_tiny_gguf
 
-import torch
-
 from aici_cli.core.errors import ModelError
+from aici_cli.models.checks.probe_child import FAULT_ENV
 from aici_cli.models.device import pick_dtype
-from aici_cli.models.quantize import resolve_mode
-from aici_cli.models import kernel_probe, vnni_kernels
-from aici_cli.models.kernel_probe import (
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.kernels import probe as kernel_probe
+from aici_cli.models.kernels.probe import (
     ENV,
     KernelMode,
     Shapes,
@@ -32,7 +32,7 @@ from aici_cli.models.kernel_probe import (
     run_probe,
     verdict,
 )
-from aici_cli.models.kernel_run import FAULT_ENV
+from aici_cli.models.quant.quantize import resolve_mode
 
 TINY = Shapes(hidden=64, intermediate=128, vocab=256, heads=4, kv_heads=2, head_dim=16,
               layers=2)
@@ -189,8 +189,8 @@ def test_doctor_prints_the_fingerprint_every_verdict_and_the_pick(
     report = json.loads(ran.stdout)
     assert report["machine"] == kernel_probe.fingerprint("cpu")
     verdicts = {m["label"]: m for m in report["modes"]}
-    # and the VNNI kernels' mode where this machine runs them (models/vnni_kernels.py)
-    vnni = vnni_kernels.unusable() is None
+    # and the VNNI kernels' mode where this machine runs them (models/kernels/int_mm.py)
+    vnni = int_mm.unusable() is None
     assert set(verdicts) == {f"{d}+{q}" for d in ("float32", "bfloat16")
                              for q in ("none", "int8", "int4")} | (
         {"bfloat16+vnni"} if vnni else set())

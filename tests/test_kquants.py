@@ -1,4 +1,4 @@
-"""GGUF K-quant matrices on PyTorch's int4 and int8 kernels (`aici_cli/models/kquant.py`).
+"""GGUF K-quant matrices on PyTorch's int4 and int8 kernels (`aici_cli/models/gguf/kquant.py`).
 
 Random bytes with finite float16 d and dmin are valid K-quant blocks, so the property
 tests draw raw blocks and compare with `gguf.quants.dequantize`, the reference:
@@ -31,11 +31,12 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from aici_cli.cli.main import main
-from aici_cli.models import kquant, quantize
-from aici_cli.models.block_embedding import BlockEmbedding
-from aici_cli.models.conversion_cache import converted_gguf
-from aici_cli.models.gguf_matrices import GgufMatrices
+from aici_cli.models.cache.conversions import converted_gguf
+from aici_cli.models.gguf import kquant
+from aici_cli.models.gguf.block_embedding import BlockEmbedding
+from aici_cli.models.gguf.matrices import GgufMatrices
 from aici_cli.models.load import LoadedModel, load_model
+from aici_cli.models.quant import quantize
 
 
 def _blocks(kind: str, draw_bytes: bytes, d: float, dmin: float) -> np.ndarray:

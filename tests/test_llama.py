@@ -1,4 +1,4 @@
-"""The project's own Llama model (models/llama.py) against transformers' LlamaForCausalLM:
+"""The project's own Llama model (models/families/llama.py) against transformers' LlamaForCausalLM:
 the same logits bit for bit, in plain passes and in the engine's packed passes, for any
 Llama-shaped config; the run that loads one imports none of transformers' model code."""
 
@@ -20,7 +20,7 @@ from aici_cli.core.job import Job
 from aici_cli.core.sampling import Sampling
 from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel, load_model
-from aici_cli.models.llama import LlamaCausalLM, unsupported
+from aici_cli.models.families.llama import LlamaCausalLM, unsupported
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from aici_cli.engine.forward import compiled
 from aici_cli.engine.logits.masked_finish import MaskedFinish
 from aici_cli.engine.logits.sampling import Draw, sample
 from aici_cli.models import LoadedModel, load_model
-from aici_cli.models.quantize import Int8Linear, quantize_int8
+from aici_cli.models.quant.quantize import Int8Linear, quantize_int8
 
 T = 64  # the allowed sets' sizes: 1..T
 KINDS = ("dense-float32", "dense-bfloat16", "int8-float32", "int8-bfloat16")

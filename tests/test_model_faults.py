@@ -36,9 +36,11 @@ from aici_cli.control.grammar.limits import (
 )
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import ControllerError, GrammarError
-from aici_cli.models import conversion_cache, gguf_convert, sources
-from aici_cli.models.resolve import resolve_model
-from aici_cli.models.sources import DEFAULT_MODEL
+from aici_cli.models.cache import conversions
+from aici_cli.models.gguf import convert as gguf_convert
+from aici_cli.models.sources import packaged as sources
+from aici_cli.models.sources.packaged import DEFAULT_MODEL
+from aici_cli.models.sources.resolve import resolve_model
 
 ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
             "(org/name), or a short name ('aici-batch models' lists them)")
@@ -283,7 +285,7 @@ def test_incomplete_cache_entry_is_replaced_not_trusted(
     tmp_path: Path, private_cache: Path, stub_conversion: list[Path]
 ) -> None:
     gguf = write_gguf(tmp_path / "model.gguf")
-    target = conversion_cache.cache_target(gguf.resolve(), "model")
+    target = conversions.cache_target(gguf.resolve(), "model")
     target.mkdir(parents=True)
     (target / "model.safetensors").write_bytes(b"copied in part")  # no config.json
 
@@ -322,7 +324,8 @@ def test_killed_conversion_does_not_poison_later_runs(
     script = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
-        from aici_cli.models import gguf_convert, resolve
+        from aici_cli.models.gguf import convert as gguf_convert
+        from aici_cli.models.sources.packaged import resolve
         def convert(gguf, out_dir):
             (out_dir / "model.safetensors").write_bytes(b"partial")
             os.kill(os.getpid(), signal.SIGKILL)

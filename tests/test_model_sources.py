@@ -28,12 +28,12 @@ from tiny_model import CHAT_TEMPLATE, write_tiny_gguf
 
 from aici_cli.cli.main import main
 from aici_cli.core.errors import ModelError
-from aici_cli.models import sources
-from aici_cli.models.hub import hub_cache_dir
-from aici_cli.models.listing import available_models
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.resolve import resolve_model
-from aici_cli.models.sources import DEFAULT_MODEL, ModelSource
+from aici_cli.models.sources import packaged as sources
+from aici_cli.models.sources.hub import hub_cache_dir
+from aici_cli.models.sources.listing import available_models
+from aici_cli.models.sources.packaged import DEFAULT_MODEL, ModelSource
+from aici_cli.models.sources.resolve import resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ROWS = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,16 @@ import torch
 from reference import greedy_tokens
 
 from aici_cli.core.errors import ModelError, NoChatTemplateError
-from aici_cli.models import conversion_cache, device, gguf_convert, sources
-from aici_cli.models.chat import render_prompt
-from aici_cli.models.conversion_cache import cache_dir
+from aici_cli.models import device
+from aici_cli.models.cache import conversions
+from aici_cli.models.cache.conversions import cache_dir
 from aici_cli.models.device import pick_device, pick_dtype
+from aici_cli.models.gguf import convert as gguf_convert
 from aici_cli.models.load import load_model
-from aici_cli.models.resolve import resolve_model
-from aici_cli.models.sources import DEFAULT_MODEL
+from aici_cli.models.sources import packaged as sources
+from aici_cli.models.sources.packaged import DEFAULT_MODEL
+from aici_cli.models.sources.resolve import resolve_model
+from aici_cli.models.tokenizer.chat import render_prompt
 
 ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
             "(org/name), or a short name ('aici-batch models' lists them)")
@@ -161,7 +165,8 @@ def test_explicit_dtype_is_honoured_on_cpu(spec: str, expected: torch.dtype) -> 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_auto_dtype_on_cpu_follows_native_bf16(monkeypatch, native_bf16: bool) -> None:
-    monkeypatch.setattr(device, "_cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(device, "cpu_features",
+                        lambda: types.SimpleNamespace(native_bf16=native_bf16))
     expected = torch.bfloat16 if native_bf16 else torch.float32
     assert pick_dtype("auto", torch.device("cpu")) == expected
 
@@ -248,7 +253,7 @@ def test_concurrent_conversion_keeps_the_winners_copy(monkeypatch, tmp_path: Pat
     def convert(gguf: Path, out_dir: Path) -> None:
         (out_dir / "config.json").write_text('{"mine": true}')
         # Another run renames its finished copy into place while this one works.
-        winner = conversion_cache.cache_target(gguf, "x")
+        winner = conversions.cache_target(gguf, "x")
         winner.mkdir()
         (winner / "config.json").write_text('{"winner": true}')
 

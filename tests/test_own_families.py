@@ -1,5 +1,6 @@
-"""Mistral, Qwen 2, Qwen 3 and Gemma 3 built as the project's own module (models/llama.py), not
-transformers' classes, against transformers' own classes (`--model-impl transformers`):
+"""Mistral, Qwen 2, Qwen 3 and Gemma 3 built as the project's own module
+(models/families/llama.py), not transformers' classes, against transformers' own classes
+(`--model-impl transformers`):
 
 - each loads as the own module by default, and as transformers' class when asked;
 - logits bit for bit in float32 and bfloat16, dense and `--quantize int8/int4` (the
@@ -33,7 +34,7 @@ from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
 from aici_cli.engine.engine import Engine
 from aici_cli.models import LoadedModel, load_model
-from aici_cli.models.llama import LlamaCausalLM, unsupported
+from aici_cli.models.families.llama import LlamaCausalLM, unsupported
 
 FAMILIES = ["mistral", "qwen2", "qwen3", "gemma3"]
 COMPILED = ["mistral", "qwen2", "qwen3", "gemma3"]
@@ -195,7 +196,7 @@ def test_config_defaults_are_the_families(family_dirs: dict[str, Path]) -> None:
     reads them: Qwen 3's head_dim, Mistral's window, each one's biases."""
     from transformers import AutoConfig
 
-    from aici_cli.models.decoder_shape import DecoderShape
+    from aici_cli.models.families.decoder_shape import DecoderShape
 
     for arch in FAMILIES:
         raw = json.loads((family_dirs[arch] / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""A conversion's quantised layers kept in their kernels' layout (`packed_weights`): the
+"""A conversion's quantised layers kept in their kernels' layout (`packed_layers`): the
 first load keeps exactly what its layers were built from, a later load reads them instead
 of packing again and gives the same logits bit for bit, in every dtype from one file, and
 a kept file that is damaged or does not fit is computed and written again. A user's own
@@ -13,17 +13,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import write_tiny_gguf
 
-from aici_cli.models import quantize
-from aici_cli.models.aligned import without_padding
-from aici_cli.models.conversion_cache import converted_gguf
-from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.packed_weights import (
+from aici_cli.models.cache.conversions import converted_gguf
+from aici_cli.models.cache.packed_layers import (
     KEPT,
     LAYOUT_VERSION,
     int4_layout,
     packed_file,
     read_packed,
 )
+from aici_cli.models.kernels.aligned import without_padding
+from aici_cli.models.load import LoadedModel, load_model
+from aici_cli.models.quant import quantize
 
 PROMPTS = ["the quick brown fox jumps over", "a b c d e f g", "hello world, hello"]
 
@@ -161,7 +161,7 @@ def test_the_kept_file_is_named_by_what_its_layout_depends_on(cache: Path) -> No
 def test_a_cache_that_cannot_be_written_costs_only_the_packing(
         tiny_model_dir: Path, tmp_path: Path, cache: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from aici_cli.models import packed_weights
+    from aici_cli.models.cache import packed_layers
 
     gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "Q4_1")
     entry = converted_gguf(gguf, "tiny")
@@ -172,6 +172,6 @@ def test_a_cache_that_cannot_be_written_costs_only_the_packing(
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(packed_weights.tempfile, "mkstemp", full)
+    monkeypatch.setattr(packed_layers.tempfile, "mkstemp", full)
     assert torch.equal(want, _logits(load_model(str(gguf), "cpu", "float32", "int4")))
     assert not list(entry.glob("*aici-packed-*"))

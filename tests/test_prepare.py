@@ -18,9 +18,9 @@ from click.testing import CliRunner
 
 from aici_cli.cli.main import main
 from aici_cli.engine.forward import compiled, packaged_step
-from aici_cli.models import kernel_probe
+from aici_cli.models.kernels import probe as kernel_probe
 from aici_cli.models.load import load_model
-from aici_cli.models.wide_rows import dense_verdict
+from aici_cli.models.quant.dense_copies import dense_verdict
 
 
 def _prepare(model_dir: Path, *args: str) -> str:

@@ -17,13 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_model import write_tiny_gguf
 
-from aici_cli.models import gguf_blocks
-from aici_cli.models.aligned import PAD_PREFIX
-from aici_cli.models.conversion_cache import converted_gguf
-from aici_cli.models.entry_record import BASE_FILE
-from aici_cli.models.gguf_matrices import MATRICES_KEY
+from aici_cli.models.cache.conversions import converted_gguf
+from aici_cli.models.gguf import blocks as gguf_blocks
+from aici_cli.models.gguf.entry_record import BASE_FILE
+from aici_cli.models.gguf.matrices import MATRICES_KEY
+from aici_cli.models.kernels.aligned import PAD_PREFIX
 from aici_cli.models.load import load_model
-from aici_cli.models.quantize import (
+from aici_cli.models.quant.quantize import (
     Int4Linear,
     Int8Linear,
     available_blocks,
@@ -196,7 +196,7 @@ def test_a_quantized_run_looks_up_the_ggufs_embedding_blocks_as_a_bf16_table(
     """Quantised, the embedding is only looked up: the conversion keeps the GGUF's Q8_0
     blocks and a lookup dequantises the rows it reads, rounded to bf16 then widened, to
     the same logits bit for bit as the bf16 table an unquantised run reads."""
-    from aici_cli.models.block_embedding import BlockEmbedding
+    from aici_cli.models.gguf.block_embedding import BlockEmbedding
 
     gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "Q4_1")
     table = load_model(str(gguf), "cpu", "bfloat16", "none").model.get_input_embeddings()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aici_cli.models.softcap import softcapped_attention
+from aici_cli.models.families.softcap import softcapped_attention
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 

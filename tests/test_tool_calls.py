@@ -30,7 +30,7 @@ from aici_cli.formats.jobs import load_schema
 from aici_cli.formats.jobs.tools import tool_constraint
 from aici_cli.formats.openai_batch import CHAT, COMPLETIONS
 from aici_cli.models import LoadedModel, load_model, render_prompt
-from aici_cli.models.tool_prompt import template_takes_tools
+from aici_cli.models.tokenizer.tool_prompt import template_takes_tools
 
 DATA = Path(__file__).parent / "data"
 OUTPUT_SCHEMA = load_schema("openai-batch-output")

@@ -1,4 +1,4 @@
-"""The AVX512-VNNI kernels (`models/vnni_kernels.py`): what they compute against a float64
+"""The AVX512-VNNI kernels (`models/kernels/int_mm.py`): what they compute against a float64
 model of their arithmetic over generated shapes, rows and scales; where they run (bf16
 passes of the int4 layers below their dense rows and of the int8 ones, in eager passes and
 in compiled graphs, never float32); and the conditions that keep them off (the CPU,
@@ -18,16 +18,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernel_probe import TINY
 
-from aici_cli.models import kernel_probe, vnni_kernels, vnni_layers
-from aici_cli.models.kernel_run import FAULT_ENV
-from aici_cli.models.quantize import (
+from aici_cli.models.checks.probe_child import FAULT_ENV
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.kernels import probe as kernel_probe
+from aici_cli.models.kernels.cpu_features import cpu_features
+from aici_cli.models.quant import vnni_layouts
+from aici_cli.models.quant.quantize import (
     Int4Linear,
     Int8Linear,
     quantize_int4,
     quantize_int8,
 )
 
-WHY_NOT = vnni_kernels.unusable()
+WHY_NOT = int_mm.unusable()
 needs_kernel = pytest.mark.skipif(WHY_NOT is not None, reason=f"no VNNI kernel: {WHY_NOT}")
 
 
@@ -52,10 +55,10 @@ def test_it_computes_its_model_of_q4_times_q8_for_any_shape_and_rows(
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 1)) * scale
     if zero_group:
         x[:, :32] = 0  # a group of zeros: its scale is 0, its codes 0
-    tiled = vnni_kernels.tile_int4(codes, d, m)
+    tiled = int_mm.tile_int4(codes, d, m)
     assert tiled is not None and (tiled.m.numel() == 0) == symmetric
-    y = vnni_kernels.int4_mm(x, tiled).double()
-    ref = vnni_kernels.reference_int4(x, codes, d, m)
+    y = int_mm.int4_mm(x, tiled).double()
+    ref = int_mm.reference_int4(x, codes, d, m)
     assert y.shape == (rows, n)
     # float32 accumulation of exact integer group sums: a few float32 roundings per term
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-30
@@ -66,19 +69,19 @@ def test_it_computes_its_model_of_q4_times_q8_for_any_shape_and_rows(
 @given(rows=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_bf16_rows_give_the_float32_result_rounded_once(rows: int, seed: int) -> None:
     codes, d, m = _matrix(48, 96, seed, symmetric=False)
-    tiled = vnni_kernels.tile_int4(codes, d, m)
+    tiled = int_mm.tile_int4(codes, d, m)
     assert tiled is not None
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    assert torch.equal(vnni_kernels.int4_mm(x, tiled),
-                       vnni_kernels.int4_mm(x.float(), tiled).bfloat16())
+    assert torch.equal(int_mm.int4_mm(x, tiled),
+                       int_mm.int4_mm(x.float(), tiled).bfloat16())
 
 
 def test_shapes_that_do_not_tile_are_left_to_the_int4_kernel() -> None:
     codes, d, m = _matrix(24, 64, 0, symmetric=True)
-    assert vnni_kernels.tile_int4(codes, d, m) is None  # 24 rows: not whole tiles of 16
-    assert vnni_kernels.tile_int4(codes[:16], d[:16], m[:16]) is not None
-    assert vnni_kernels.tile_int8(codes.to(torch.int8)) is None
-    assert vnni_kernels.tile_int8(codes[:16, :48].to(torch.int8)) is None  # 48 inputs
+    assert int_mm.tile_int4(codes, d, m) is None  # 24 rows: not whole tiles of 16
+    assert int_mm.tile_int4(codes[:16], d[:16], m[:16]) is not None
+    assert int_mm.tile_int8(codes.to(torch.int8)) is None
+    assert int_mm.tile_int8(codes[:16, :48].to(torch.int8)) is None  # 48 inputs
 
 
 @needs_kernel
@@ -88,18 +91,18 @@ def test_a_layer_runs_it_for_bf16_rows_below_its_dense_rows_only() -> None:
     codes, d, m = quantize_int4(w)
     plain = Int4Linear(codes, d, m, None, torch.bfloat16)
     layer = Int4Linear(codes, d, m, None, torch.bfloat16)
-    assert vnni_layers.int4_layer(layer, d, m)
+    assert vnni_layouts.int4_layer(layer, d, m)
     tiled = layer.tiled()
     assert tiled is not None
     x = torch.randn(3, 128)
-    expected = vnni_kernels.reference_int4(x.bfloat16().float(), codes, d, m)
+    expected = int_mm.reference_int4(x.bfloat16().float(), codes, d, m)
     y = layer(x.bfloat16())
-    assert torch.equal(y, vnni_kernels.int4_mm(x.bfloat16(), tiled))
+    assert torch.equal(y, int_mm.int4_mm(x.bfloat16(), tiled))
     assert (y.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
     assert not torch.equal(y, plain(x.bfloat16()))  # another kernel's rounding
     # float32 rows keep the int4 kernel's outputs, exactly
     f32 = Int4Linear(codes, d, m, None, torch.float32)
-    assert vnni_layers.int4_layer(f32, d, m)
+    assert vnni_layouts.int4_layer(f32, d, m)
     assert torch.equal(f32(x), Int4Linear(codes, d, m, None, torch.float32)(x))
     # rows from the dense copy's threshold on run dense
     layer.dense, layer.dense_rows = torch.zeros(64, 128, dtype=torch.bfloat16), 16
@@ -110,16 +113,15 @@ def test_a_layer_runs_it_for_bf16_rows_below_its_dense_rows_only() -> None:
 def test_a_cpu_with_the_flags_runs_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the CPU has every flag, torch runs at AVX512 and a C++ compiler exists, the
     kernels must be usable: their tests cannot all skip on such a machine."""
-    flags = vnni_kernels._cpu_flags()
-    capable = all(f in flags for f in vnni_kernels.NEEDS) \
-        and torch.backends.cpu.get_cpu_capability() == "AVX512" \
+    cpu = cpu_features()
+    capable = not cpu.missing(int_mm.NEEDS) and cpu.capability == "AVX512" \
         and (shutil.which("c++") or shutil.which("g++"))
     if not capable:
-        assert vnni_kernels.unusable() is not None
+        assert int_mm.unusable() is not None
         return
-    assert vnni_kernels.unusable() is None
-    monkeypatch.setenv(vnni_kernels.ENV, "off")
-    assert vnni_kernels.unusable() == f"{vnni_kernels.ENV}=off"
+    assert int_mm.unusable() is None
+    monkeypatch.setenv(int_mm.ENV, "off")
+    assert int_mm.unusable() == f"{int_mm.ENV}=off"
 
 
 @needs_kernel
@@ -129,16 +131,16 @@ def test_the_probe_passes_them_and_a_faulty_kernel_keeps_the_int4_one(
     crash there leaves a model's layers on the int4 and int8 kernels."""
     monkeypatch.setenv(kernel_probe.ENV, "on")
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
-    mode = kernel_probe.current_mode("cpu", "bfloat16", vnni_kernels.PROBE_QUANTIZE)
+    mode = kernel_probe.current_mode("cpu", "bfloat16", int_mm.PROBE_QUANTIZE)
     found = kernel_probe.run_probe(mode, TINY)
     assert found.ok, found.reason
     assert found.max_error is not None and found.max_error < 0.03
     cpu = torch.device("cpu")
-    assert vnni_kernels.wanted(tiny_model_dir, torch.bfloat16, cpu)
-    assert not vnni_kernels.wanted(tiny_model_dir, torch.float32, cpu)
-    monkeypatch.setenv(FAULT_ENV, f"segv:{vnni_kernels.PROBE_QUANTIZE}")
+    assert int_mm.wanted(tiny_model_dir, torch.bfloat16, cpu)
+    assert not int_mm.wanted(tiny_model_dir, torch.float32, cpu)
+    monkeypatch.setenv(FAULT_ENV, f"segv:{int_mm.PROBE_QUANTIZE}")
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "other-cache"))
-    assert not vnni_kernels.wanted(tiny_model_dir, torch.bfloat16, cpu)
+    assert not int_mm.wanted(tiny_model_dir, torch.bfloat16, cpu)
 
 
 @needs_kernel
@@ -147,20 +149,20 @@ def test_the_probe_passes_them_and_a_faulty_kernel_keeps_the_int4_one(
        symmetric=st.booleans(), seed=st.integers(0, 2**16))
 def test_stacked_matrices_give_their_parts_outputs_over_the_same_storage(
         tiles: list[int], rows: int, symmetric: bool, seed: int) -> None:
-    parts = [vnni_kernels.tile_int4(*_matrix(16 * t, 64, seed + i, symmetric))
+    parts = [int_mm.tile_int4(*_matrix(16 * t, 64, seed + i, symmetric))
              for i, t in enumerate(tiles)]
     found = [p for p in parts if p is not None]
     assert len(found) == len(parts)
-    whole = vnni_kernels.stack_int4(found)
+    whole = int_mm.stack_int4(found)
     assert whole is not None
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)).bfloat16()
-    assert torch.equal(vnni_kernels.int4_mm(x, whole),
-                       torch.cat([vnni_kernels.int4_mm(x, p) for p in found], -1))
+    assert torch.equal(int_mm.int4_mm(x, whole),
+                       torch.cat([int_mm.int4_mm(x, p) for p in found], -1))
     start = 0
     for p in found:
-        view = vnni_kernels.int4_rows(whole, start, p.n)
+        view = int_mm.int4_rows(whole, start, p.n)
         assert view.codes.data_ptr() >= whole.codes.data_ptr()  # a view, not a copy
-        assert torch.equal(vnni_kernels.int4_mm(x, view), vnni_kernels.int4_mm(x, p))
+        assert torch.equal(int_mm.int4_mm(x, view), int_mm.int4_mm(x, p))
         start += p.n
 
 
@@ -178,10 +180,10 @@ def test_int8_computes_its_model_of_q8_times_q8_for_any_shape_and_rows(
         codes[-1] = 127
     scale = torch.rand(n, generator=g) * 0.01
     x = torch.randn(rows, k, generator=g)
-    tiled = vnni_kernels.tile_int8(codes)
+    tiled = int_mm.tile_int8(codes)
     assert tiled is not None
     y = torch.ops.aici.int8_vnni_mm(x, tiled, scale, n).double()
-    ref = vnni_kernels.reference_int8(x, codes, scale)
+    ref = int_mm.reference_int8(x, codes, scale)
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-30
 
 
@@ -190,14 +192,14 @@ def test_an_int8_layer_runs_it_for_bf16_rows_and_keeps_float32_exact() -> None:
     torch.manual_seed(0)
     codes, scale = quantize_int8(torch.randn(48, 64))
     layer = Int8Linear(codes, scale, None, torch.bfloat16)
-    assert vnni_layers.int8_layer(layer)
+    assert vnni_layouts.int8_layer(layer)
     x = torch.randn(2, 64).bfloat16()
-    expected = vnni_kernels.reference_int8(x.float(), codes, scale.bfloat16().float())
+    expected = int_mm.reference_int8(x.float(), codes, scale.bfloat16().float())
     y = layer(x)
     assert (y.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
     assert not torch.equal(y, Int8Linear(codes, scale, None, torch.bfloat16)(x))
     f32 = Int8Linear(codes, scale, None, torch.float32)
-    assert vnni_layers.int8_layer(f32)
+    assert vnni_layouts.int8_layer(f32)
     assert torch.equal(f32(x.float()), Int8Linear(codes, scale, None, torch.float32)(x.float()))
 
 
@@ -208,7 +210,7 @@ def test_a_compiled_graph_calls_the_kernels_with_the_eager_outputs() -> None:
     torch.manual_seed(0)
     codes, d, m = quantize_int4(torch.randn(64, 128))
     layer = Int4Linear(codes, d, m, None, torch.bfloat16)
-    assert vnni_layers.int4_layer(layer, d, m)
+    assert vnni_layouts.int4_layer(layer, d, m)
     x = torch.randn(1, 128).bfloat16()
     compiled = torch.compile(layer, fullgraph=True)
     assert torch.equal(compiled(x), layer(x))
@@ -243,13 +245,13 @@ def test_a_loaded_model_stacks_its_layers_for_the_compiled_step_without_a_copy(
 def test_a_conversion_keeps_the_layouts_and_a_later_load_reads_them(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first bf16 load of a conversion makes the layouts and keeps them in one file
-    (`vnni_layers`); a later load reads them (no tiling), gives the same logits bit for
+    (`vnni_layouts`); a later load reads them (no tiling), gives the same logits bit for
     bit and writes nothing; float32 loads make none."""
     from tiny_model import write_tiny_gguf
 
-    from aici_cli.models.conversion_cache import converted_gguf
+    from aici_cli.models.cache.conversions import converted_gguf
+    from aici_cli.models.cache.packed_layers import vnni_file
     from aici_cli.models.load import load_model
-    from aici_cli.models.packed_weights import vnni_file
 
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
     gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "Q4_1")
@@ -269,8 +271,8 @@ def test_a_conversion_keeps_the_layouts_and_a_later_load_reads_them(
         if codes.shape[0] % 16 == 0 and codes.shape[1] % 32 == 0:
             raise AssertionError("tiled again although the layouts were kept")
 
-    monkeypatch.setattr(vnni_kernels, "tile_int4", refuse)
-    monkeypatch.setattr(vnni_kernels, "tile_int8", refuse)
+    monkeypatch.setattr(int_mm, "tile_int4", refuse)
+    monkeypatch.setattr(int_mm, "tile_int8", refuse)
     second = load_model(str(gguf), "cpu", "bfloat16", "int4")
     ids = torch.tensor([first.tokenizer("the quick brown fox")["input_ids"]])
     with torch.inference_mode():

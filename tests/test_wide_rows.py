@@ -1,4 +1,4 @@
-"""Passes of many rows on dense copies of the int4 layers (models/wide_rows.py): the copy
+"""Passes of many rows on dense copies of the int4 layers (models/quant/dense_copies.py): the copy
 is the kernel's own weights; it is made only once wide passes have fed enough rows, only
 where the trial finds it faster and it fits; from then on a pass of many rows runs dense
 and a pass of few rows (a one-token step) keeps the int4 kernel; the engine's outputs stay
@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
 from aici_cli.engine import Engine
-from aici_cli.models import packed_weights, quantize, wide_rows
+from aici_cli.models.cache import packed_layers
 from aici_cli.models.load import load_model
-from aici_cli.models.quantize import GROUP, Int4Linear, quantize_int4
-from aici_cli.models.wide_rows import WideRows, dense_weight
+from aici_cli.models.quant import dense_copies, quantize
+from aici_cli.models.quant.dense_copies import WideRows, dense_weight
+from aici_cli.models.quant.quantize import GROUP, Int4Linear, quantize_int4
 
 
 def _layer(n: int, k: int, seed: int = 0) -> Int4Linear:
@@ -55,9 +56,9 @@ def test_unpacking_undoes_each_layout_exactly(pairs: int, groups: int, block: in
     where it has an inverse."""
     n, k = 2 * pairs, GROUP * groups
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    assert torch.equal(packed_weights._unlanes(block)(packed_weights._lanes(block)(codes),
+    assert torch.equal(packed_layers._unlanes(block)(packed_layers._lanes(block)(codes),
                                                       n, k), codes)
-    unpacked = packed_weights.unpack_int4_cpu(packed_weights.pack_int4_cpu(codes), n, k)
+    unpacked = packed_layers.unpack_int4_cpu(packed_layers.pack_int4_cpu(codes), n, k)
     assert unpacked is None or torch.equal(unpacked, codes)
 
 
@@ -67,11 +68,11 @@ def test_the_unpacked_copy_is_taken_only_where_it_gives_the_kernels_bits(
     widening rounds otherwise, the copy is the kernel's own widening; either way its bits."""
     layer = _layer(128, 64)
     made = dense_weight(layer)
-    monkeypatch.setattr(packed_weights, "unpack_int4_cpu", lambda *_: None)
+    monkeypatch.setattr(packed_layers, "unpack_int4_cpu", lambda *_: None)
     assert torch.equal(dense_weight(layer), made)
     monkeypatch.undo()
-    monkeypatch.setattr(wide_rows, "_unpacked_exact", lambda: False)
-    monkeypatch.setattr(wide_rows, "_widened", lambda *_: pytest.fail("widened unpacked"))
+    monkeypatch.setattr(dense_copies, "_unpacked_exact", lambda: False)
+    monkeypatch.setattr(dense_copies, "_widened", lambda *_: pytest.fail("widened unpacked"))
     assert torch.equal(dense_weight(layer), made)
 
 
@@ -79,8 +80,8 @@ def test_a_copy_is_made_only_after_enough_wide_rows_and_then_used_by_wide_passes
         monkeypatch: pytest.MonkeyPatch) -> None:
     layers = [_layer(128, 64, seed) for seed in range(3)]
     wide = WideRows(layers)
-    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 100)
-    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)  # whatever this CPU measures
+    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 100)
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)  # whatever this CPU measures
     for _ in range(10):
         wide.before_pass(quantize.DENSE_MIN_ROWS - 1)  # narrow passes never count
     assert wide.fed == 0
@@ -105,9 +106,9 @@ def test_a_copy_is_made_only_after_enough_wide_rows_and_then_used_by_wide_passes
 
 def test_no_copy_where_the_trial_finds_no_gain_or_it_does_not_fit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
+    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
     slow = WideRows([_layer(128, 64)])
-    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 1e9)
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 1e9)
     slow.before_pass(64)
     assert slow.state == "int4" and slow.layers[0].dense is None
     assert "against the int4 kernel" in (slow.reason or "")
@@ -115,8 +116,8 @@ def test_no_copy_where_the_trial_finds_no_gain_or_it_does_not_fit(
     assert slow.layers[0].dense is None
 
     big = WideRows([_layer(128, 64)])
-    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
-    monkeypatch.setattr(wide_rows, "budget_bytes", lambda: 1000)
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(dense_copies, "budget_bytes", lambda: 1000)
     big.before_pass(64)
     assert big.state == "int4" and "does not fit" in (big.reason or "")
     assert big.layers[0].dense is None
@@ -133,8 +134,8 @@ def test_a_run_with_wide_passes_keeps_the_int4_runs_tokens_within_rounding(
     def run(dense: bool) -> tuple[list[dict[str, object]], str]:
         lm = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16",
                         quantize="int4")
-        monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1 if dense else 10**9)
-        monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+        monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1 if dense else 10**9)
+        monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
         engine = Engine(lm, EngineConfig(batch_size=2, draft_tokens=0, compile="off"))
         results: list[dict[str, object]] = []
         engine.run([job], results.append)
@@ -165,9 +166,9 @@ def test_a_containers_memory_limit_bounds_the_copy(tmp_path: Path, files: dict[s
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
-    assert wide_rows.cgroup_room(str(tmp_path)) == room
-    monkeypatch.setattr(wide_rows, "cgroup_room", lambda: 4000)
-    assert wide_rows.budget_bytes() == 1000  # a quarter of the cgroup's room
+    assert dense_copies.cgroup_room(str(tmp_path)) == room
+    monkeypatch.setattr(dense_copies, "cgroup_room", lambda: 4000)
+    assert dense_copies.budget_bytes() == 1000  # a quarter of the cgroup's room
 
 
 def test_a_copy_that_cannot_be_made_leaves_the_int4_kernel(
@@ -181,9 +182,9 @@ def test_a_copy_that_cannot_be_made_leaves_the_int4_kernel(
             raise RuntimeError("DefaultCPUAllocator: not enough memory")
         return torch.zeros(layer.out_features, layer.in_features, dtype=torch.bfloat16)
 
-    monkeypatch.setattr(wide_rows, "dense_weight", fails_on_the_third)
-    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
-    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(dense_copies, "dense_weight", fails_on_the_third)
+    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     wide = WideRows(layers)
     wide.before_pass(64)
     assert wide.state == "int4" and "not enough memory" in (wide.reason or "")
@@ -195,7 +196,7 @@ def test_a_copy_that_cannot_be_made_leaves_the_int4_kernel(
 @pytest.mark.parametrize("ok", [True, False])
 def test_the_dense_kernels_run_only_where_the_kernel_probe_passes_them(
         ok: bool, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aici_cli.models import kernel_probe
+    from aici_cli.models.kernels import probe as kernel_probe
 
     asked: list[tuple[kernel_probe.KernelMode, kernel_probe.Shapes]] = []
 
@@ -208,8 +209,8 @@ def test_the_dense_kernels_run_only_where_the_kernel_probe_passes_them(
     lm = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", quantize="int4")
     monkeypatch.setenv(kernel_probe.ENV, "on")  # after the load: its own probe is not asked
     monkeypatch.setattr(kernel_probe, "verdict", verdict)
-    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
-    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     wide = WideRows.for_model(lm.model)
     assert wide is not None
     wide.before_pass(64)
@@ -227,8 +228,8 @@ def test_the_dense_copy_serves_passes_from_the_smallest_row_count_where_it_pays(
     """An AVX2 or AVX512-BF16 CPU without AMX wins with the dense GEMM only at more rows
     than AMX does: the trial's row counts pick where passes start to use it."""
     measured = {16: 1.6, 32: 1.2, 64: 1.7, 128: 2.5, 256: 4.0, 300: 4.5}
-    monkeypatch.setattr(wide_rows, "_trial", lambda layer, dense, rows: measured[rows])
-    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
+    monkeypatch.setattr(dense_copies, "_trial", lambda layer, dense, rows: measured[rows])
+    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
     layers = [_layer(128, 64, seed) for seed in range(2)]
     wide = WideRows(layers)
     wide.before_pass(300)
@@ -249,11 +250,11 @@ def test_layers_with_dense_copies_still_stack_for_the_compiled_step(
     """Wide passes may make the copies before the first compiled step stacks q/k/v: the
     stack's probe compares the kernels the stack runs, so it still stacks (a package
     built with stacked layers needs them)."""
-    from aici_cli.models import fused_linear
+    from aici_cli.models.quant import fused_linear
 
     monkeypatch.setattr(fused_linear, "_VERDICTS", {})
-    monkeypatch.setattr(wide_rows, "BUILD_AFTER", 1)
-    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     parts = [_layer(n, 64, seed) for seed, n in enumerate((128, 64, 64))]
     # Copies that differ from the kernel's weights: a probe that reached them would fail.
     WideRows(parts).before_pass(64)
@@ -271,8 +272,8 @@ def test_the_copy_is_made_once_the_rows_fed_cost_what_it_costs(
     """Ski rental: making the copy costs one pass of K rows through each layer's kernel,
     so it is made once wide passes fed the size-weighted mean of the K's (where the codes
     do not unpack: from unpacked codes it costs `UNPACKED_COPY_ROWS`)."""
-    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
-    monkeypatch.setattr(wide_rows, "_unpacked_exact", lambda: False)
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(dense_copies, "_unpacked_exact", lambda: False)
     layers = [_layer(128, 64), _layer(64, 256)]  # 8,192 and 16,384 weights
     wide = WideRows(layers)
     assert wide.copy_rows == (8192 * 64 + 16384 * 256) // (8192 + 16384) == 192
@@ -281,9 +282,9 @@ def test_the_copy_is_made_once_the_rows_fed_cost_what_it_costs(
     wide.before_pass(100)
     assert wide.state == "dense"
     monkeypatch.undo()
-    monkeypatch.setattr(wide_rows, "MIN_SPEEDUP", 0.0)
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     unpacked = WideRows([_layer(128, 64, 1), _layer(64, 256, 1)])
-    if wide_rows._unpacked_exact():  # this machine's layout unpacks
-        assert unpacked.copy_rows == wide_rows.UNPACKED_COPY_ROWS
-        unpacked.before_pass(wide_rows.UNPACKED_COPY_ROWS)
+    if dense_copies._unpacked_exact():  # this machine's layout unpacks
+        assert unpacked.copy_rows == dense_copies.UNPACKED_COPY_ROWS
+        unpacked.before_pass(dense_copies.UNPACKED_COPY_ROWS)
         assert unpacked.state == "dense"

@@ -1,5 +1,5 @@
 """`aici-batch doctor`: what runs on this machine, to read or to paste into a bug report
-(thin: the work is in `aici_cli.models.doctor`, imported on use)."""
+(thin: the work is in `aici_cli.models.checks.doctor`, imported on use)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def doctor_command(model: str | None, device: str, all_capabilities: bool,
       aici-batch doctor --all-capabilities --json > doctor.json
     """
     from aici_cli.core.errors import ModelError
-    from aici_cli.models.doctor import doctor_report
+    from aici_cli.models.checks.doctor import doctor_report
 
     try:
         report = doctor_report(model, device, all_capabilities)

@@ -115,7 +115,7 @@ def _start_up(config: RunConfig) -> ModelLoading:
     """A model spec that names nothing is refused before the heavy imports (one line, at
     once); then the start-up note starts, so that the seconds of imports and loading are
     said on stderr (`ui.ModelLoading`)."""
-    from aici_cli.models.resolve import spec_problem
+    from aici_cli.models.sources.resolve import spec_problem
     from aici_cli.run.ui import ModelLoading, loading_what
 
     if config.ray is None:

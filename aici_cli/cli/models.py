@@ -1,6 +1,6 @@
 """`aici-batch models`: the models `--model` can name on this machine, and `--prune` of the
-converted ones nothing uses (thin: the work is in `aici_cli.models.listing` and
-`aici_cli.models.cache_entries`, imported on use; neither loads torch)."""
+converted ones nothing uses (thin: the work is in `aici_cli.models.sources.listing` and
+`aici_cli.models.cache.entries`, imported on use; neither loads torch)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def models_command(as_json: bool, prune: bool, dry_run: bool) -> None:
     if prune:
         _prune(as_json, dry_run)
         return
-    from aici_cli.models.listing import available_models
+    from aici_cli.models.sources.listing import available_models
 
     listing = available_models()
     if as_json:
@@ -57,7 +57,7 @@ def models_command(as_json: bool, prune: bool, dry_run: bool) -> None:
 
 def _prune(as_json: bool, dry_run: bool) -> None:
     """`aici-batch models --prune [--dry-run]`."""
-    from aici_cli.models.cache_entries import prune
+    from aici_cli.models.cache.entries import prune
 
     entries, files = prune(dry_run=dry_run)
     freed = sum(e.size_bytes for e in entries) + sum(f.size_bytes for _, f in files)

@@ -1,6 +1,6 @@
 """`aici-batch report`: a finished run's summary from its results, and in CI its gates,
-baseline comparison, JUnit and Markdown (thin: the work is in `aici_cli.report.summarize*`, imported
-on use, none of which loads torch)."""
+baseline comparison, JUnit and Markdown (thin: the work is in `aici_cli.report`
+(`summarize.py` and its neighbours), imported on use, none of which loads torch)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ AICI_BATCH_<LONG_NAME>. The sampling options (`--temperature` to `--min-tokens`)
 from their one declaration, core/sampling.py.
 
 Declaring them here keeps `cli/main.py` about what a run does; what each option means for the
-run is `cli_run_config.run_config`, which takes them by these names."""
+run is `run_config.run_config`, which takes them by these names."""
 
 from __future__ import annotations
 

@@ -114,10 +114,10 @@ class RunConfig:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    # Weight-only quantisation (models/quantize.py): auto, none, int8, int4.
+    # Weight-only quantisation (models/quant/quantize.py): auto, none, int8, int4.
     quantize: str = "auto"
     # Who builds the model (models/load.py): auto (the families of
-    # models/decoder_shape.py: models/llama.py), or
+    # models/families/decoder_shape.py: models/families/llama.py), or
     # transformers. The logits are the same either way.
     model_impl: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -8,6 +8,19 @@ stop the whole run with one line on stderr (exit code 2).
 from __future__ import annotations
 
 
+def one_line(exc: BaseException, limit: int | None = None) -> str:
+    """An exception as the one line a user reads: `TypeName: first line of the message`,
+    or just `TypeName` when the message is empty, cut to `limit` characters.
+
+    Library errors (transformers, huggingface_hub, jinja, numpy, torch.compile) often span
+    many lines or say nothing at all; every fatal error and every recorded reason is one line.
+    """
+    text = str(exc).strip().splitlines()
+    first = text[0].strip() if text else ""
+    line = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return line if limit is None else line[:limit]
+
+
 class UsageError(Exception):
     """A problem with how the CLI was invoked (e.g. unreadable input); the CLI prints it
     as one line and exits with a usage status instead of showing a traceback."""

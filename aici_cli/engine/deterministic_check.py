@@ -1,9 +1,9 @@
 """Whether this machine keeps `--deterministic`'s promise, checked on first use.
 
-The batch-invariant mode (invariant.py) rests on kernel behaviour that differs between
-CPUs, BLAS builds, thread counts and GPUs: that a GEMM rounds a row alike whatever the
-number of rows beside it (from TILE_ROWS up), that a norm reduces each token alone, and
-that nothing else in the model's forward pass depends on the shape of the whole pass.
+The batch-invariant mode (engine/forward/deterministic.py) rests on kernel behaviour that
+differs between CPUs, BLAS builds, thread counts and GPUs: that a GEMM rounds a row alike
+whatever the number of rows beside it (from TILE_ROWS up), that a norm reduces each token
+alone, and that nothing else in the model's forward pass depends on the shape of the whole pass.
 So before the first deterministic run on a machine, for the model's real shapes and dtype:
 
 1. every distinct linear layer (its own weights) computes rows alike in GEMMs of 1 to
@@ -37,7 +37,7 @@ import torch
 from aici_cli.core.cache_paths import cache_dir
 from aici_cli.core.errors import ModelError
 from aici_cli.engine.forward.deterministic import TILE_ROWS, invariant_linear
-from aici_cli.models.kernel_probe import cpu_model
+from aici_cli.models.kernels.cpu_features import cpu_features
 from aici_cli.models.load import LoadedModel
 
 CHECK_VERSION = 2
@@ -171,7 +171,7 @@ def _key(lm: LoadedModel) -> str:
         idx = lm.device.index or 0
         device = f"cuda:{torch.cuda.get_device_name(idx)}:{torch.cuda.get_device_capability(idx)}"
     else:
-        device = f"cpu:{cpu_model()}"
+        device = f"cpu:{cpu_features().fingerprint}"
     return json.dumps({
         "check": CHECK_VERSION, "torch": torch.__version__, "device": device,
         "dtype": str(lm.dtype), "threads": torch.get_num_threads(),

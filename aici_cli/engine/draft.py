@@ -111,7 +111,7 @@ def propose(prompt: Sequence[int], output: Sequence[int], k: int,
     """A draft of up to `k` tokens (empty: none) for a greedy row past its prefill:
     trimmed to before any end-of-sequence or stop token id, and to what its controller
     `accepts` (a wasm guest's next answer cannot be predicted: it accepts none). A row
-    with logit rules is checked under them (`penalties.draft_picks`)."""
+    with logit rules is checked under them (`logit_rules.draft_picks`)."""
     draft = lookup(prompt, output, k)
     for j, token in enumerate(draft):
         if token in eos or token in stop_ids:

@@ -4,7 +4,7 @@ branch of a fork): its tokens, its cache row's fill, its controller and its stat
 The state of each feature that only some generations use is a small object owned by the
 module that changes it: a scored choice's (`scoring.ScoredChoice`), a forking line's
 sequence (`branches.Branch`), the prompt-lookup draft gate (`draft.DraftGate`), the stop
-scan (`stops.StopScan`), the logit rules (`penalties.LogitRules`).
+scan (`stops.StopScan`), the logit rules (`logit_rules.LogitRules`).
 
 `finish` is set in one place, `finish_with`.
 """

@@ -23,8 +23,8 @@ from aici_cli.core.config import EngineConfig
 from aici_cli.core.errors import ControllerError, GrammarError, ModelError
 from aici_cli.core.job import BadLine, Job, error_result
 from aici_cli.engine.rows import Prepared, common_prefix
-from aici_cli.models.chat import render_prompt
 from aici_cli.models.load import LoadedModel
+from aici_cli.models.tokenizer.chat import render_prompt
 
 ControllerFactory = Callable[[Job], "Controller | None"]
 Emit = Callable[[dict[str, Any]], None]

@@ -148,7 +148,7 @@ def checked_draft_picks(out: PassOutput, rules: Sequence[LogitRules | None],
                         outputs: Sequence[int], drafts: Sequence[Sequence[int]], b: int,
                         failed: Collection[int]) -> list[int]:
     """`PassOutput.draft_picks`, with the picks of rows that have rules (and did not
-    fail) taken under them (`penalties.draft_picks`), so drafts check against the
+    fail) taken under them (`logit_rules.draft_picks`), so drafts check against the
     penalised argmax."""
     picks = out.draft_picks(b)
     ruled = [k for k, r in enumerate(rules) if r is not None and drafts[k] and k not in failed]

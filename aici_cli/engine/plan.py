@@ -7,7 +7,7 @@ data: token ids, lengths, positions to read, how to sample; the runner never see
 generation. Two kinds of live object ride along, each behind a narrow interface: a row's
 mask source (its controller's `masks.MaskSource` side, called on the mask worker) and its
 random stream (`sampling.Draw.generator`, advanced by the sampler); its logit rules
-(`penalties.LogitRules`) are read only.
+(`logit_rules.LogitRules`) are read only.
 """
 
 from __future__ import annotations

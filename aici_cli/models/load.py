@@ -14,28 +14,27 @@ from typing import Any
 
 import torch
 
-from aici_cli.core.errors import ModelError
-from aici_cli.models.aligned import align_model
-from aici_cli.models.chat import MODEL_NAME_ATTR
-from aici_cli.models.conversion_cache import cache_hint, ensure_dense
+from aici_cli.core.errors import ModelError, one_line
+from aici_cli.models.cache.conversions import cache_hint, ensure_dense
+from aici_cli.models.cache.entry_files import is_mode_file, note_default_files
+from aici_cli.models.cache.packed_layers import packed_file, vnni_file
 from aici_cli.models.device import DTYPES, pick_device, pick_dtype
-from aici_cli.models.entry_files import is_mode_file, note_default_files
-from aici_cli.models.entry_record import BASE_FILE, DENSE_FILE
-from aici_cli.models.files import (
+from aici_cli.models.families.llama import unsupported
+from aici_cli.models.families.transformers_build import attention_implementation, fill_buffers
+from aici_cli.models.gguf.entry_record import BASE_FILE, DENSE_FILE
+from aici_cli.models.kernels.aligned import align_model
+from aici_cli.models.kernels.probe import KernelChoice, choose_kernels
+from aici_cli.models.progress import current_progress
+from aici_cli.models.quant.quantize import resolve_mode
+from aici_cli.models.quiet import quiet_transformers
+from aici_cli.models.sources.model_files import (
     missing_tensors_problem,
     model_files_problem,
     tokenizer_files_problem,
 )
-from aici_cli.models.hub_tokenizer import read_hub_tokenizer
-from aici_cli.models.kernel_probe import KernelChoice, choose_kernels
-from aici_cli.models.llama import unsupported
-from aici_cli.models.one_line import one_line
-from aici_cli.models.packed_weights import packed_file, vnni_file
-from aici_cli.models.progress import current_progress
-from aici_cli.models.quantize import resolve_mode
-from aici_cli.models.quiet import quiet_transformers
-from aici_cli.models.resolve import resolve_with_name
-from aici_cli.models.transformers_build import attention_implementation, fill_buffers
+from aici_cli.models.sources.resolve import resolve_with_name
+from aici_cli.models.tokenizer.chat import MODEL_NAME_ATTR
+from aici_cli.models.tokenizer.fast_tokenizer import read_hub_tokenizer
 
 
 @dataclass
@@ -53,7 +52,7 @@ class LoadedModel:
     dtype: torch.dtype
     vocab_size: int
     eos_token_ids: frozenset[int]
-    quantize: str = "none"  # the weights' form: none, int8 or int4 (models/quantize.py)
+    quantize: str = "none"  # the weights' form: none, int8 or int4 (models/quant/quantize.py)
     kernels: KernelChoice | None = None  # the mode the kernel probe passed, and why
 
 
@@ -63,7 +62,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     """Resolve `spec`, then load model and tokenizer onto the chosen device and dtype,
     with the linear layers quantised as `quantize` says (`quantize.resolve_mode`: none,
     int8, int4, or auto). `implementation`: "auto" builds a model of the families
-    `decoder_shape` names (Llama, Mistral, Qwen 2/3, Gemma 3) as `models/llama.py`
+    `decoder_shape` names (Llama, Mistral, Qwen 2/3, Gemma 3) as `models/families/llama.py`
     (transformers' own logits, without importing its model classes), any other through
     transformers; "transformers" always through transformers (for
     comparisons with its `generate`). `tokenizer`: "auto" reads a plain fast tokenizer
@@ -145,7 +144,7 @@ def _note_default_files(path: Path, mode: str, device: torch.device) -> None:
 
 
 def _own_llama(path: Path) -> bool:
-    """Whether the model at `path` is built as `models/llama.py`: one safetensors file (or
+    """Whether the model at `path` is built as `models/families/llama.py`: one safetensors file (or
     a conversion's) and a config.json of that architecture (anything else, unreadable
     files included, goes through transformers, whose errors `files` rewords)."""
     if not (path / DENSE_FILE).is_file() and not (path / BASE_FILE).is_file():
@@ -214,7 +213,7 @@ def _load_tokenizer(path: Path, config: Any = None, hub: bool = True) -> Any:
     importing AutoTokenizer itself ~0.3 s. Where the file names a class and no remote
     code, the class comes from the file either way: `TokenizersBackend` (what
     transformers writes) is loaded directly, another through AutoTokenizer with the
-    model's own `config` (a `models/llama.py` model's) handed over."""
+    model's own `config` (a `models/families/llama.py` model's) handed over."""
     if hub:
         try:
             found = read_hub_tokenizer(path)

@@ -2,7 +2,7 @@
 loader and, when quantised, without ever holding its dense linear weights.
 
 The model is built on the meta device (no memory): a Llama-architecture model as this
-project's own `models/llama.py` (no `transformers.modeling_utils` import: ~1.8 s and
+project's own `models/families/llama.py` (no `transformers.modeling_utils` import: ~1.8 s and
 ~130 MB less), any other through transformers' `from_config`. Its tensors are then mapped
 from the file without a copy where the dtype matches (`mmap`: an embedding lookup pages in
 the rows it reads only). Quantised, its linear layers are made from the GGUF blocks or
@@ -23,14 +23,18 @@ from typing import Any
 import torch
 
 from aici_cli.core.errors import ModelError
-from aici_cli.models import vnni_layers
-from aici_cli.models.block_embedding import BlockEmbedding
-from aici_cli.models.entry_record import BASE_FILE, DENSE_FILE
-from aici_cli.models.files import missing_tensors_problem
-from aici_cli.models.gguf_matrices import GgufMatrices
-from aici_cli.models.llama import LlamaShape, RotaryEmbedding, build_on_meta
-from aici_cli.models.quantize import module_name, quantize_model, set_module
-from aici_cli.models.transformers_build import attention_implementation, fill_buffers, meta_buffers
+from aici_cli.models.families.llama import LlamaShape, RotaryEmbedding, build_on_meta
+from aici_cli.models.families.transformers_build import (
+    attention_implementation,
+    fill_buffers,
+    meta_buffers,
+)
+from aici_cli.models.gguf.block_embedding import BlockEmbedding
+from aici_cli.models.gguf.entry_record import BASE_FILE, DENSE_FILE
+from aici_cli.models.gguf.matrices import GgufMatrices
+from aici_cli.models.quant import vnni_layouts
+from aici_cli.models.quant.quantize import module_name, quantize_model, set_module
+from aici_cli.models.sources.model_files import missing_tensors_problem
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
               "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
@@ -72,7 +76,7 @@ class MappedSafetensors:
 def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
                 own: bool) -> Any:
     """The model at `path` with its linear layers in `mode` (none, int8 or int4), the
-    rest in `dtype` on `device`; `own`: built as `models/llama.py`'s model (the caller has
+    rest in `dtype` on `device`; `own`: built as `models/families/llama.py`'s model (the caller has
     checked `llama.unsupported`). A tensor the files lack is an error, as in
     `load._load_weights`. Quantised, a conversion's matrices come from its GGUF (or the
     layers kept from it) and its other tensors from `BASE_FILE`; unquantised, and for a
@@ -108,9 +112,9 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
     from_gguf = _from_gguf(model, matrices, blocks)
     _refuse_missing(path, [n for n, t in model.named_parameters() if t.is_meta
                            and n not in from_gguf] + unfilled)
-    scales: vnni_layers.Scales = {}
+    scales: vnni_layouts.Scales = {}
     quantize_model(model, mode, path, dtype, device, matrices, scales)
-    vnni_layers.attach(model, path, dtype, device, scales)
+    vnni_layouts.attach(model, path, dtype, device, scales)
     if blocks is not None:
         set_module(model, blocks.removesuffix(".weight"),
                    _block_embedding(dense, blocks, dtype, device))
@@ -264,7 +268,7 @@ def _to(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch
 
 
 def _rebuild_rotary(model: Any, device: torch.device) -> None:
-    """A `models/llama.py` model's rotary inverse frequencies are computed at construction,
+    """A `models/families/llama.py` model's rotary inverse frequencies are computed at construction,
     not stored: construct that module again, for real."""
     for name, module in list(model.named_modules()):
         if isinstance(module, RotaryEmbedding) and any(b.is_meta for b in module.buffers()):

@@ -3,12 +3,12 @@ first use, so that the next run at the same options starts at full speed.
 
 What a run makes once per model, mode and machine, and keeps in the cache:
 
-- the conversion of a GGUF or a short name (models/gguf_convert.py, ~10-30 s);
-- the quantised layers in their kernels' layout (models/packed_weights.py);
-- the kernel probe's verdict on the mode (models/kernel_probe.py), on the VNNI kernels
-  where this CPU has them (models/vnni_kernels.py: their library built too, and their
-  layouts kept, models/vnni_layers.py), and on the dense kernels a quantised run's first
-  wide pass asks about (models/wide_rows.py);
+- the conversion of a GGUF or a short name (models/gguf/convert.py, ~10-30 s);
+- the quantised layers in their kernels' layout (models/cache/packed_layers.py);
+- the kernel probe's verdict on the mode (models/kernels/probe.py), on the VNNI kernels
+  where this CPU has them (models/kernels/int_mm.py: their library built too, and their
+  layouts kept, models/quant/vnni_layouts.py), and on the dense kernels a quantised run's first
+  wide pass asks about (models/quant/dense_copies.py);
 - the compiled one-token step as AOTInductor packages (engine/forward/packaged_step.py,
   ~40-60 s each on 2 CPU cores). A run takes a ready package at once, `--compile auto`
   included, and then runs its one-token steps ~1.8x faster (docs/speed.md); without
@@ -35,9 +35,9 @@ from aici_cli.core.config import EngineConfig, RunConfig, load_quantize
 from aici_cli.core.errors import ModelError
 from aici_cli.core.job import Job
 from aici_cli.engine import Engine
-from aici_cli.models import kernel_probe
+from aici_cli.models.kernels import probe
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.wide_rows import dense_verdict
+from aici_cli.models.quant.dense_copies import dense_verdict
 
 # Tokens each synthetic line generates: the prompt's pass, then one-token steps, the
 # first of which builds (or loads) the bucket's package.
@@ -69,7 +69,7 @@ def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> P
     say("loading the model (converted, packed and probed where it is new here)")
     lm = load_model(config.model, config.device, config.dtype, load_quantize(config),
                     config.model_impl)
-    if lm.device.type == "cpu" and lm.quantize == "int4" and kernel_probe.enabled():
+    if lm.device.type == "cpu" and lm.quantize == "int4" and probe.enabled():
         dense_verdict(lm.model.config, lm.dtype)  # what a run's first wide pass asks
     loaded = time.perf_counter()
     engine_config = dataclasses.replace(config.engine, deterministic=False)

@@ -58,7 +58,7 @@ def static_batches(n: int, batch_size: int) -> Iterator[list[int]]:
 
 def render(tokenizer: Any, messages: Messages) -> str:
     """The chat-template rendering aici-batch itself uses, so every contender sees one prompt."""
-    from aici_cli.models.chat import render_prompt
+    from aici_cli.models.tokenizer.chat import render_prompt
 
     return render_prompt(tokenizer, messages)
 

@@ -12,7 +12,7 @@ that needs to know which row a token belongs to, is done here per row group:
   or repeated for grouped-query attention;
 - rows feeding several tokens: one call each, over that row's cache slots only.
 
-The model's attention layers call `rows_attention`: a `models/llama.py` model's directly,
+The model's attention layers call `rows_attention`: a `models/families/llama.py` model's directly,
 a transformers model's through transformers' attention registry (`install`). Outside a
 `packed(plan)` block it falls back to plain causal SDPA attention (transformers' own for
 its models), so the same model object still runs ordinary forward passes.
@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from aici_cli.engine.forward.deterministic import per_query_attention
-from aici_cli.models.llama import Attention as OwnAttention
-from aici_cli.models.llama import LlamaCausalLM, causal_attention
-from aici_cli.models.softcap import softcapped_attention
+from aici_cli.models.families.llama import Attention as OwnAttention
+from aici_cli.models.families.llama import LlamaCausalLM, causal_attention
+from aici_cli.models.families.softcap import softcapped_attention
 
 NAME = "aici_rows"
 
@@ -76,8 +76,8 @@ class PackedPlan:
     kv_len: int  # max over rows of length + n
     single: SingleGroup | None
     runs: list[RowRun]
-    # Batch-invariant mode (invariant.py): one attention call per token, from these lists
-    # (the tensors above as Python ints), and linear layers in fixed tiles.
+    # Batch-invariant mode (engine/forward/deterministic.py): one attention call per token,
+    # from these lists (the tensors above as Python ints), and linear layers in fixed tiles.
     invariant: bool = False
     token_row_list: list[int] | None = None
     token_slot_list: list[int] | None = None

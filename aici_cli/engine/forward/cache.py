@@ -29,9 +29,9 @@ from aici_cli.engine.forward.attention import PackedPlan
 
 def row_cache(model: Any, num_layers: int, rows: int, capacity: int) -> RowCache:
     """The cache for `model`: a transformers `Cache` too where the model is transformers'
-    (its classes check), a plain `RowCache` for `models/llama.py`'s (importing
+    (its classes check), a plain `RowCache` for `models/families/llama.py`'s (importing
     transformers' cache module would import transformers, ~0.45 s at start-up)."""
-    from aici_cli.models.llama import LlamaCausalLM
+    from aici_cli.models.families.llama import LlamaCausalLM
 
     if isinstance(model, LlamaCausalLM):
         return RowCache(num_layers, rows, capacity)

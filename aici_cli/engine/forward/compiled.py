@@ -31,7 +31,7 @@ The families compiled:
   transformers' classes, with one sliding window for every layer at most (Mistral
   v0.1's: the mask by position also hides the slots before it; Qwen's window on some
   layers only is not);
-- Gemma 3 (text), only as the project's own module builds it (models/llama.py;
+- Gemma 3 (text), only as the project's own module builds it (models/families/llama.py;
   transformers' Gemma 3 classes, and the configs that module refuses, stay eager): its
   four norms a layer, q/k norms, query scale and GELU are the layer's (decode_layer.py),
   its embedding scale the eager embedding's, and its two layer kinds each take a RoPE
@@ -46,7 +46,7 @@ by default under the system temp directory), so a second run pays tracing, not c
 generation. On CUDA the same functions run in `reduce-overhead` mode (CUDA graphs).
 
 `--deterministic` never uses this path: its passes are batch-invariant by construction
-(invariant.py), which compiled kernels are not shown to be.
+(engine/forward/deterministic.py), which compiled kernels are not shown to be.
 """
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ from typing import Any
 
 import torch
 
+from aici_cli.core.errors import one_line
 from aici_cli.engine.forward import packaged_step
 from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.decode_layer import LayerGraphs, Tables, layer_graphs
-from aici_cli.models.llama import LlamaCausalLM
+from aici_cli.models.families.llama import LlamaCausalLM
 
 # Row-count buckets of the compiled step: each is compiled once, on first use.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -68,7 +69,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Model types whose decoder layer is the Llama layer (with or without projection biases).
 _LLAMA_SHAPED = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # Model types compiled only as the project's own module builds them (Gemma 3 text: its
-# layer kinds, RoPE tables and norms are read as models/llama.py names them).
+# layer kinds, RoPE tables and norms are read as models/families/llama.py names them).
 _OWN_MODULE_ONLY = frozenset({"gemma3_text"})
 
 
@@ -283,8 +284,7 @@ class CompiledDecode:
             if step is None and self.build_packages:
                 step = packaged_step.build(path, graphs.layers, example)
         except Exception as e:  # a toolchain or export problem: torch.compile instead
-            first = str(e).splitlines()[0] if str(e) else ""
-            self.package_problem = f"{type(e).__name__}: {first}"[:300]
+            self.package_problem = one_line(e, 300)
             return
         if step is not None:
             graphs.packaged[rows] = step
@@ -343,8 +343,7 @@ class DecodeSteps:
     def give_up(self, error: BaseException) -> None:
         """Compiling failed: every later step runs eagerly, and `reason` says why."""
         self.compiled = None
-        first = str(error).splitlines()[0] if str(error) else ""
-        self.reason = f"compiling failed: {type(error).__name__}: {first}"[:300]
+        self.reason = f"compiling failed: {one_line(error)}"[:300]
 
     def pick(self, steps_ahead: int, span_end: int = 0,
              rows_bound: int = 0) -> CompiledDecode | None:

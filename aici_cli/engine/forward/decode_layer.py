@@ -1,8 +1,8 @@
 """One Llama-family decoder layer (Llama, Mistral, Qwen 2, Qwen 3, and Gemma 3 as
-models/llama.py builds it) for B rows of one token each, as the compiled step runs it,
+models/families/llama.py builds it) for B rows of one token each, as the compiled step runs it,
 and the compiled graphs of a model's layers (kept per model, for every engine on it).
 
-Per layer and step: norm, q/k/v as one stacked matrix (models/fused_linear.py), HF's own
+Per layer and step: norm, q/k/v as one stacked matrix (models/quant/fused_linear.py), HF's own
 RoPE, the new key and value written into the row cache, attention over the whole cache
 capacity with a mask by position, o, norm, gate/up as one stacked matrix, down, both
 residuals: 4 weight reads, not 7. Qwen 3's and Gemma 3's q/k norms run between the split
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from aici_cli.models.fused_linear import stack_linears
+from aici_cli.models.quant.fused_linear import stack_linears
 
 
 def slides(layer: Any) -> bool:

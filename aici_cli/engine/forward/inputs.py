@@ -119,8 +119,8 @@ def build_inputs(
     """Inputs for rows `first_row ..` whose cache holds `lengths[i]` tokens and which feed
     `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty.
     `readouts[i]` (default: the last position) says which of row i's positions to
-    return logits for. `invariant`: the batch-invariant pass (invariant.py), which needs
-    no masks.
+    return logits for. `invariant`: the batch-invariant pass
+    (engine/forward/deterministic.py), which needs no masks.
 
     One walk over the rows fills every per-token and per-row list at once (this runs
     every step); hence its length."""

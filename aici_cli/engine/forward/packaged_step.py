@@ -47,7 +47,8 @@ from aici_cli.core.cache_paths import cache_dir
 from aici_cli.core.file_lock import exclusive_lock
 from aici_cli.engine.forward import decode_layer
 from aici_cli.engine.forward.decode_layer import DecodeLayer, Tables, all_layers_step, slides
-from aici_cli.models.kernel_probe import fingerprint
+from aici_cli.models.kernels.cpu_features import cpu_features
+from aici_cli.models.kernels.probe import fingerprint
 
 # 2: the step takes the sliding layers' tables (Gemma 3) after the caches.
 PACKAGE_VERSION = 2
@@ -107,7 +108,7 @@ def package_file(model: Any, rows: int, cache_rows: int) -> Path:
     key = json.dumps({
         "version": PACKAGE_VERSION, "torch": torch.__version__, "rows": rows,
         "cache_rows": cache_rows if cache_rows < 2 else "2+",
-        "machine": fingerprint("cpu"), "capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": fingerprint("cpu"), "capability": cpu_features().capability,
         "layers": shapes, "types": [type(m).__name__ for m in layers[0].modules()],
         "config": [getattr(config, name, None) for name in (
             "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",

@@ -25,7 +25,7 @@ from aici_cli.engine.forward.inputs import (
     forward,
 )
 from aici_cli.models.load import LoadedModel
-from aici_cli.models.wide_rows import WideRows
+from aici_cli.models.quant.dense_copies import WideRows
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -74,7 +74,8 @@ class PassOutput:
 class ModelPass:
     def __init__(self, lm: LoadedModel, cache: RowCache, invariant: bool = False,
                  compile: str = "off") -> None:
-        """`invariant`: batch-invariant passes (`--deterministic`, see invariant.py);
+        """`invariant`: batch-invariant passes (`--deterministic`, see
+        engine/forward/deterministic.py);
         `compile`: when one-token steps run compiled (compiled.py)."""
         self.lm = lm
         self.cache = cache

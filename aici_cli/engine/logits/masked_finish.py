@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from aici_cli.engine.logits.sampling import MIN_TEMPERATURE, Draw
-from aici_cli.models import vnni_kernels
-from aici_cli.models.llama import LlamaCausalLM
-from aici_cli.models.quantize import Int8Linear
+from aici_cli.models.families.llama import LlamaCausalLM
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.quant.quantize import Int8Linear
 
 # A row takes the masked finish when its mask allows at most this many tokens. Measured on
 # the default model's projection (49,152 x 576; bench/masked_finish.py, docs/speed.md):
@@ -69,7 +69,7 @@ class MaskedFinish:
         # Int8: codes [V, K] int8 and scale [V]; dense: weight [V, K]. Bias [V] or None.
         self.codes: torch.Tensor | None = head.codes if isinstance(head, Int8Linear) else None
         self.scale: torch.Tensor | None = head.scale if isinstance(head, Int8Linear) else None
-        # The head's bf16 passes on the VNNI kernel (models/vnni_kernels.py): its rows are
+        # The head's bf16 passes on the VNNI kernel (models/kernels/int_mm.py): its rows are
         # gathered and tiled for that kernel, whose rows' values are the full one's.
         self.vnni_scale: torch.Tensor | None = head.vnni_scale \
             if isinstance(head, Int8Linear) and head.vnni else None
@@ -151,7 +151,7 @@ class MaskedFinish:
         `weight`: the dense rows at `ids`, where the caller gathered them already."""
         if self.codes is not None and self.scale is not None and self.vnni_scale is not None \
                 and hidden.dtype == torch.bfloat16:  # the full projection's VNNI kernel
-            y = vnni_kernels.int8_rows_mm(hidden, self.codes[ids], self.vnni_scale[ids])
+            y = int_mm.int8_rows_mm(hidden, self.codes[ids], self.vnni_scale[ids])
         elif self.codes is not None and self.scale is not None:
             y = torch.ops.aten._weight_int8pack_mm(hidden, self.codes[ids], self.scale[ids])
         else:

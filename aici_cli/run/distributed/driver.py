@@ -34,7 +34,7 @@ from typing import Any
 import ray
 
 from aici_cli.core.config import RunConfig
-from aici_cli.core.errors import ClusterError
+from aici_cli.core.errors import ClusterError, one_line
 from aici_cli.core.job import BadLine, Job, error_result
 from aici_cli.engine import Emit
 from aici_cli.run.distributed.placement import (
@@ -291,7 +291,7 @@ class RayBackend:
             self.retry.extend(self.open[worker.name])
             self.open[worker.name].clear()
             self.probes[worker.actor.ready.remote()] = worker
-            self.note(f"Ray worker {worker.name} lost ({_reason(error)}); its unfinished "
+            self.note(f"Ray worker {worker.name} lost ({one_line(error, 200)}); its unfinished "
                       "lines go to other workers")
         for job in chunk.lines.values():
             self._strike(job, worker)
@@ -337,7 +337,7 @@ class RayBackend:
             if worker.probe_failures < PROBES:
                 self.reprobe[worker.name] = time.monotonic() + REPROBE_S
                 return
-            info = {"error": ("gone", f"no restart ({_reason(e)})")}
+            info = {"error": ("gone", f"no restart ({one_line(e, 200)})")}
         worker.probe_failures = 0
         if "error" in info:
             worker.dead = True
@@ -378,6 +378,3 @@ def _absolute(model: str | None) -> str | None:
     return str(path.resolve()) if path.exists() else model
 
 
-def _reason(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:160]}" if text else type(error).__name__

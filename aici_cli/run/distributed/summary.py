@@ -3,7 +3,7 @@
 The workers' engine figures come with each chunk's end (`worker.Figures`: a lost chunk's
 are lost with it); the driver adds per worker lines and tokens, its own cost per line (a
 result's yield on its worker to its line written, transfer included) and the lines it
-handed out again after a loss. The summary is a local run's (`run_summary.summarize`)
+handed out again after a loss. The summary is a local run's (`summary.summarize`)
 with a `ray` section.
 """
 

@@ -23,7 +23,7 @@ from aici_cli.run.registry.refs import OciRef
 
 
 def oci_cache_dir() -> Path:
-    from aici_cli.models.conversion_cache import cache_dir
+    from aici_cli.models.cache.conversions import cache_dir
 
     return cache_dir() / "oci"
 

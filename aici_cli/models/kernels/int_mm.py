@@ -1,0 +1,301 @@
+"""Quantised layers' bf16 passes on AVX512-VNNI: group-32 int4 and per-channel int8 weights
+times activations quantised to int8 per group of 32, as llama.cpp's Q4/Q8 x Q8_0 dot
+products, as PyTorch operators (`torch.ops.aici.int4_vnni_mm`, `int8_vnni_mm`).
+
+PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) widens every weight to float
+before multiplying, so it is bound by that work, not by reading the weights: 23 GB/s on a
+5632 x 2048 layer that sits in the cache of the 2-core AMX Xeon, 12.3 GB/s from memory.
+`models/kernels/int_mm.cpp` multiplies the codes as bytes (vpdpbusd: 64 products an instruction,
+16 output rows a register) and applies the scales once per group: 54 GB/s on the same
+layer (0.134 against 0.309 ms), so a 1B model's step is bound by memory.
+
+Being operators, they run in eager passes, in `torch.compile` graphs and in the compiled
+step's AOTInductor packages alike (the package calls them through the dispatcher), with
+the layouts as the layers' buffers: the packaged step of a model whose layers have them is
+another package (its key holds the buffers' names).
+
+What it changes: the activations are rounded to 8 bits per group of 32 (x = xd x8, xd =
+amax / 127) before the product, as llama.cpp does at every quantisation. Against float32
+over the same weights a layer's outputs are ~5e-3 off (relative to their largest), the
+int4 kernel's ~3e-3 (bf16 inputs). So it runs only where the run already rounds to bf16
+(`--dtype bfloat16`, the CPU's default): float32 runs keep the int4 and int8 kernels'
+outputs, and `--deterministic` runs are unquantised.
+
+Where it runs: x86-64 Linux CPUs with AVX-512 F/BW/VL/VNNI and F16C, where torch's own
+kernels run at AVX512 (`ATEN_CPU_CAPABILITY=avx2` forces both down), a C++ compiler
+builds the library against torch's headers (once per machine, source and torch version:
+`$AICI_BATCH_CACHE/kernels/`, ~6 s), and the kernel probe passes it (mode `vnni`: its
+layers at the model's shapes in a child process, `probe`). Elsewhere, or with
+`AICI_BATCH_VNNI=off`, the int4 and int8 kernels.
+
+Cost: a second copy of the quantised matrices in this layout (int4: 4.5 bits a weight,
+5 where the layer has zeros; int8: a byte), made from the kept codes as the model loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aici_cli.core.cache_paths import cache_dir
+from aici_cli.models.kernels import probe
+from aici_cli.models.kernels.cpu_features import cpu_features
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+ENV = "AICI_BATCH_VNNI"  # "off": never these kernels
+TILE, GROUP = 16, 32
+NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+ISA = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
+PROBE_QUANTIZE = "vnni"  # the kernel probe's mode for them (kernel_run)
+LAYOUT = "1"  # of the kept layouts (vnni_layers): bump when tile_int4 or tile_int8 change
+
+
+@dataclass(frozen=True)
+class Tiled4:
+    """An [n, k] int4 matrix in the kernel's layout: `codes` [n/16 * k/32 * 256] uint8,
+    `d` and `m` [n/16, k/32, 16] float16 (`m` empty: symmetric, m = -8 d)."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    n: int
+    k: int
+
+
+def tile_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Tiled4 | None:
+    """[n, k] codes in 0..15 and their [n, k/32] scales d and zeros m (weight = q d + m)
+    in the kernel's layout; None where n is not a multiple of 16 or k of 32."""
+    n, k = codes.shape
+    if n % TILE or k % GROUP or n == 0:
+        return None
+    g = k // GROUP
+    # [tile, row, group, sub-block j, half, i]: code k = 32 g + 8 j + 4 half + i
+    c = codes.to(torch.uint8).reshape(n // TILE, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous().reshape(-1)
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float16).reshape(n // TILE, TILE, g).permute(0, 2, 1).contiguous()
+
+    symmetric = bool(torch.equal(m.float(), -8 * d.float()))
+    empty = torch.empty(0, dtype=torch.float16)
+    return Tiled4(packed, per_tile(d), empty if symmetric else per_tile(m), n, k)
+
+
+def tile_int8(codes: torch.Tensor) -> torch.Tensor | None:
+    """[n, k] int8 codes in the kernel's layout, each as the unsigned byte c + 128:
+    [n/16 * k/32 * 512] uint8; None where n is not a multiple of 16 or k of 32."""
+    n, k = codes.shape
+    if n % TILE or k % GROUP or n == 0:
+        return None
+    # [tile, row, group, sub-block j, i]: k = 32 g + 4 j + i
+    biased = (codes.to(torch.int16) + 128).to(torch.uint8)
+    return biased.reshape(n // TILE, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4) \
+        .contiguous().reshape(-1)
+
+
+def int8_rows_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] times some rows of an int8 matrix (`codes` [n, k], `scale` [n] float32)
+    on the kernel, tiled here (padded to whole tiles): each output equals the whole
+    matrix's on the kernel bit for bit (a row's sum is its own lane's, in group order)."""
+    n = codes.shape[0]
+    pad = -n % TILE
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, codes.shape[1])])
+        scale = torch.cat([scale, scale.new_zeros(pad)])
+    tiled = tile_int8(codes)
+    assert tiled is not None, "int8_rows_mm: k must be a multiple of 32"
+    return torch.ops.aici.int8_vnni_mm(x.contiguous(), tiled, scale, n + pad)[:, :n]
+
+
+def int4_mm(x: torch.Tensor, t: Tiled4) -> torch.Tensor:
+    """x [rows, k] (bfloat16 or float32) times the matrix: [rows, n] in x's dtype."""
+    return torch.ops.aici.int4_vnni_mm(x.contiguous(), t.codes, t.d, t.m, t.n)
+
+
+def stack_int4(parts: list[Tiled4]) -> Tiled4 | None:
+    """The matrices of `parts` (one input width) stacked by rows: tiles are independent,
+    so its outputs are the parts' side by side, bit for bit. Over their own storage where
+    they lie back to back in one (`group_int4` left them so), else a copy. None where they
+    do not all have zeros or all lack them."""
+    if len({p.k for p in parts}) != 1 or len({p.m.numel() == 0 for p in parts}) != 1:
+        return None
+    def one(tensors: list[torch.Tensor]) -> torch.Tensor:
+        joined = _joined(tensors)
+        return joined if joined is not None else torch.cat(tensors)
+
+    m = torch.empty(0, dtype=torch.float16) if parts[0].m.numel() == 0 \
+        else one([p.m for p in parts])
+    return Tiled4(one([p.codes for p in parts]), one([p.d for p in parts]), m,
+                  sum(p.n for p in parts), parts[0].k)
+
+
+def group_int4(parts: list[Tiled4]) -> list[Tiled4] | None:
+    """`parts` copied once into one storage, back to back, each a view of its rows: a
+    later `stack_int4` of them (the compiled step's q/k/v and gate/up) copies nothing.
+    None where they do not stack."""
+    whole = stack_int4(parts)
+    if whole is None:
+        return None
+    views, start = [], 0
+    for p in parts:
+        views.append(int4_rows(whole, start, p.n))
+        start += p.n
+    return views
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Contiguous tensors that lie back to back in one storage, as one tensor over it
+    (rows of the first's trailing shape), or None."""
+    first = tensors[0]
+    end = first.data_ptr()
+    for t in tensors:
+        if not t.is_contiguous() or t.data_ptr() != end \
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        end += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def int4_rows(stacked: Tiled4, start: int, n: int) -> Tiled4:
+    """Rows start..start+n of `stacked` (multiples of 16) over its storage."""
+    t0, t1 = start // TILE, (start + n) // TILE
+    per_tile = stacked.codes.numel() // (stacked.n // TILE)
+    # An empty m of its own: a tensor shared by two layers is one buffer to
+    # `named_buffers`, which would change the packaged step's key (packaged_step).
+    m = torch.empty(0, dtype=torch.float16) if stacked.m.numel() == 0 else stacked.m[t0:t1]
+    return Tiled4(stacked.codes[t0 * per_tile:t1 * per_tile], stacked.d[t0:t1], m, n,
+                  stacked.k)
+
+
+def quantised_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] as the kernels round it: per group of 32, x8 = round(x / xd) (nearest,
+    ties away from zero) in -127..127 with xd = amax / 127, returned as x8 xd in float64."""
+    rows, k = x.shape
+    xg = x.float().reshape(rows, k // GROUP, GROUP)
+    xd = xg.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(xd != 0, 1 / xd, torch.zeros_like(xd))
+    r = xg * inv
+    x8 = torch.where(r < 0, r - 0.5, r + 0.5).trunc().clamp(-127, 127)
+    return (x8.double() * xd.double()).reshape(rows, k)
+
+
+def reference_int4(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor,
+                   m: torch.Tensor) -> torch.Tensor:
+    """What `int4_mm` computes, in float64: the quantised activations times q d + m with
+    d and m rounded to float16."""
+    k = x.shape[1]
+    w = (codes.double().reshape(-1, k // GROUP, GROUP) * d.half().double()[..., None]
+         + m.half().double()[..., None]).reshape(-1, k)
+    return quantised_activations(x) @ w.t()
+
+
+def reference_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What `int8_vnni_mm` computes, in float64: the quantised activations times c scale."""
+    return quantised_activations(x) @ (codes.double() * scale.double()[:, None]).t()
+
+
+def wanted(path: Path, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model's quantised layers at `path` run these kernels here: bf16 on a CPU
+    that runs them and whose probe passed them at the model's shapes."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or unusable() is not None:
+        return False
+    if not probe.enabled():
+        return True
+    return probed(probe.Shapes.of(path)).ok
+
+
+def probed(shapes: probe.Shapes) -> probe.Verdict:
+    """The kernel probe's verdict on the kernels (mode `vnni`) at `shapes`, per build of
+    their source."""
+    mode = probe.current_mode("cpu", "bfloat16", PROBE_QUANTIZE)
+    return probe.verdict(mode, shapes, code=_source_digest())
+
+
+@functools.cache
+def _source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def unusable() -> str | None:
+    """Why this machine or process cannot run the kernels, or None (builds the library
+    the first time)."""
+    if os.environ.get(ENV, "").lower() in ("off", "0", "false", "no"):
+        return f"{ENV}=off"
+    cpu = cpu_features()
+    if cpu.system != "Linux" or not cpu.x86:
+        return "not an x86-64 Linux machine"
+    missing = cpu.missing(NEEDS)
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    if cpu.capability != "AVX512":
+        return f"torch runs its kernels at {cpu.capability}"
+    return _load()
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds (where the cache lacks it) and loads the operators' library, once a process:
+    None, or why not."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return "no C++ compiler (c++, g++ or $CXX)"
+    root = Path(torch.__file__).parent
+    # -fopenmp: at::parallel_for is inlined from the headers as OpenMP (torch's build), and
+    # libgomp.so.1 resolves to the one torch loaded (one pool).
+    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", *ISA,
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             "-isystem", str(root / "include"),
+             "-isystem", str(root / "include" / "torch" / "csrc" / "api" / "include")]
+    # After the source: a linker that drops libraries no earlier input needs (--as-needed)
+    # would drop them before it.
+    libraries = [f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu"]
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + libraries).encode()
+                                + version.encode() + torch.__version__.encode()).hexdigest()
+        built = cache_dir() / "kernels" / f"vnni-{digest[:16]}.so"
+        if not built.is_file():
+            built.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".vnni.", suffix=".so", dir=built.parent)
+            os.close(fd)
+            try:
+                done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), *libraries],
+                                      capture_output=True, text=True, timeout=300)
+                if done.returncode != 0:
+                    tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+                    return f"building its library failed ({tail})"
+                os.replace(tmp, built)
+            finally:
+                Path(tmp).unlink(missing_ok=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"building its library failed ({type(e).__name__}: {str(e)[:200]})"
+    try:
+        torch.ops.load_library(str(built))
+    except (OSError, RuntimeError) as e:
+        built.unlink(missing_ok=True)  # built again by the next process
+        return f"its library did not load ({type(e).__name__}: {str(e)[:200]})"
+    _register_fakes()
+    return None
+
+
+def _register_fakes() -> None:
+    """Shapes for tracing (torch.compile, torch.export): [rows, n] in x's dtype."""
+    @torch.library.register_fake("aici::int4_vnni_mm")
+    def _int4(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+              n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("aici::int8_vnni_mm")
+    def _int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+              n: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)

@@ -1,0 +1,16 @@
+"""Quantised linear layers (`--quantize int8|int4`), one module per concern: the layers on
+PyTorch's kernels or the project's own, their stacks for the compiled step, and dense
+copies for passes of many rows.
+
+A layer's few-row passes (decode) run its int kernel: the project's own (`kernels/`)
+where this machine runs and the probe passed it, else PyTorch's int4/int8 kernels. Passes
+of many rows (prefill) run on a dense copy where a trial shows this machine's dense GEMM
+faster (`dense_copies.py`). Each choice is made once per layer kind, in its layer class.
+
+Modules (all import torch):
+
+    quantize.py      Int4Linear, Int8Linear, quantize_model, the --quantize modes
+    fused_linear.py  q/k/v and gate/up as one matrix each, for the compiled step
+    dense_copies.py  passes of many rows on dense copies of the int4 layers
+    vnni_layouts.py  the layers' VNNI tile layouts, made once and kept in the cache
+"""

@@ -1,0 +1,182 @@
+"""Linear layers that read one input side by side (q/k/v, gate/up) as one matrix.
+
+At one token a step, a small model's matmuls are short: the default model's k and v
+projections are 192 x 576, and each call pays a kernel launch and a thread fork/join for
+a few microseconds of work. Stacking the parts along their output dimension makes one
+call of the summed width: a Llama layer's 7 weight reads become 4 (q/k/v, o, gate/up,
+down). Measured on the 2-core Xeon at int4, one token: a step's linear layers 14.3 ->
+11.5 ms (p50).
+
+The stacked matrix is built once from the parts' own storage (int4 codes stay codes) and
+the parts are then re-pointed at slices of it, so the weights are held once, not twice:
+the eager (ragged) passes keep calling the parts and read the same bytes.
+
+Every kernel here computes each output column from its own weight row, so the stacked
+output is bit for bit the parts' outputs side by side. `stack_linears` checks that on a
+probe input before it keeps a stacked layer (a kernel layout that blocks rows across a
+part's edge would fail it); where it fails, or a part is of another kind, the parts are
+called one after another (`SideBySide`). A 16-bit dense layer with a bias is never stacked:
+its bias is added inside the GEMM (addmm), and on a CPU with native bf16 that epilogue
+rounds by the output width (a 96-wide stack of three 32-wide parts differs in the last
+bit for some inputs, which a probe input need not show).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.quant.quantize import DENSE_MIN_ROWS, Int4Linear, Int8Linear
+
+
+class SideBySide(torch.nn.Module):
+    """The parts called in turn, their outputs concatenated: y [.., sum of N]."""
+
+    def __init__(self, parts: Sequence[torch.nn.Module]) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def stack_linears(parts: Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """One module computing `cat([p(x) for p in parts], -1)`: a stacked matrix where the
+    parts are all `nn.Linear`, all `Int4Linear` or all `Int8Linear` of one input width
+    (the parts then read slices of it), else `SideBySide`. Idempotent per set of parts:
+    stacking the same parts again re-stacks their (already sliced) storage."""
+    kinds = {type(p) for p in parts}
+    widths = {_in_features(p) for p in parts}
+    if len(kinds) != 1 or len(widths) != 1 or None in widths:
+        return SideBySide(parts)
+    kind = kinds.pop()
+    if kind is torch.nn.Linear and any(getattr(p, "bias", None) is not None for p in parts) \
+            and any(p.weight.dtype != torch.float32 for p in parts):  # see the docstring
+        return SideBySide(parts)
+    stacked: torch.nn.Module
+    with torch.no_grad():
+        if kind is torch.nn.Linear:
+            stacked = _stack_dense([p for p in parts if isinstance(p, torch.nn.Linear)])
+        elif kind is Int4Linear:
+            stacked = _stack_int4([p for p in parts if isinstance(p, Int4Linear)])
+        elif kind is Int8Linear:
+            stacked = _stack_int8([p for p in parts if isinstance(p, Int8Linear)])
+        else:
+            return SideBySide(parts)
+        if not _same_outputs(stacked, parts):
+            return SideBySide(parts)
+        _share_storage(stacked, parts)
+    return stacked
+
+
+def _in_features(p: torch.nn.Module) -> int | None:
+    value = getattr(p, "in_features", None)
+    return int(value) if isinstance(value, int) else None
+
+
+def _out_features(p: torch.nn.Module) -> int:
+    value = p.out_features
+    assert isinstance(value, int)
+    return value
+
+
+def _bias(parts: Sequence[torch.nn.Module], like: torch.Tensor) -> torch.Tensor | None:
+    """The parts' biases stacked (zeros for a part without one); None if none has one."""
+    biases = [getattr(p, "bias", None) for p in parts]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.detach() if b is not None else
+                      like.new_zeros(_out_features(p))
+                      for b, p in zip(biases, parts)])
+
+
+def _stack_dense(parts: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
+    weight = torch.cat([p.weight.detach() for p in parts])  # [sum N, K]
+    has_bias = any(p.bias is not None for p in parts)
+    out = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
+                          device="meta", dtype=weight.dtype)
+    out.weight = torch.nn.Parameter(weight, requires_grad=False)
+    bias = _bias(parts, weight[0])
+    if bias is not None:
+        out.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return out
+
+
+def _stack_int4(parts: Sequence[Int4Linear]) -> Int4Linear:
+    bias = _bias(parts, parts[0].scale_zero[0, 0])
+    # Parts on the VNNI kernel (bf16 passes of few rows: every pass of the compiled step)
+    # stack only its layout, over their own storage where the load left them back to
+    # back (quantize._group_vnni): the int4 kernel's buffers would be a copy no pass of
+    # the stack reads (~0.25 s of a 1.1B Llama's first compiled step).
+    tiled = [t for t in (p.tiled() for p in parts) if t is not None]
+    whole = int_mm.stack_int4(tiled) if len(tiled) == len(parts) else None
+    if whole is not None:
+        return Int4Linear.vnni_only(whole, parts[0].scale_zero.dtype, bias)
+    # packed: [N, ...] rows first in both kernels' layouts; scale_zero: [K/32, N, 2].
+    return Int4Linear.from_buffers(torch.cat([p.packed for p in parts]),
+                                   torch.cat([p.scale_zero for p in parts], dim=1), bias)
+
+
+def _stack_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
+    return Int8Linear.from_buffers(torch.cat([p.codes for p in parts]),
+                                   torch.cat([p.scale for p in parts]),
+                                   _bias(parts, parts[0].scale))
+
+
+# The probe's verdict per kind, part shapes, dtype and device: what it checks (a kernel
+# layout blocking rows across a part's edge) depends on those and this machine alone, and
+# a model's layers repeat one shape (probing each of the default model's 60 stacks took
+# 92 ms of the compiled step's first call; one per shape takes 3 ms).
+_VERDICTS: dict[tuple[object, ...], bool] = {}
+
+
+def _same_outputs(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -> bool:
+    """The stacked layer gives exactly the parts' outputs side by side, at 1, 3 and 15 rows
+    (probed once per shape of parts in a process: `_VERDICTS`)."""
+    # The input the layer's kernel takes: the dense weight's dtype, or a quantized
+    # layer's scales' (the int4/int8 kernels require activations of that dtype).
+    p = parts[0]
+    like = p.weight if isinstance(p, torch.nn.Linear) else (
+        p.scale_zero if isinstance(p, Int4Linear) else p.scale)
+    assert isinstance(like, torch.Tensor)
+    key = (type(p), tuple((_out_features(q), _in_features(q)) for q in parts),
+           like.dtype, like.device, getattr(stacked, "bias", None) is not None,
+           getattr(p, "vnni", False))
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _probe(stacked, parts, like)
+    return _VERDICTS[key]
+
+
+def _probe(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module],
+           like: torch.Tensor) -> bool:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    # Fewer rows than a part's dense copy serves (quantize.DENSE_MIN_ROWS): both sides on
+    # the kernel the stacked layer runs, whether or not wide passes made copies already.
+    for rows in (1, 3, DENSE_MIN_ROWS - 1):
+        x = torch.randn(rows, _in_features(parts[0]) or 0, generator=gen).to(like.device,
+                                                                             like.dtype)
+        if not torch.equal(stacked(x), torch.cat([q(x) for q in parts], dim=-1)):
+            return False
+    return True
+
+
+def _share_storage(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -> None:
+    """Re-point each part's large tensor at its rows of the stacked one (a view: rows are
+    the first dimension, so a slice stays contiguous); the parts' own copies are freed."""
+    name = {Int4Linear: "packed", Int8Linear: "codes"}.get(type(stacked), "weight")
+    big = getattr(stacked, name)
+    whole = stacked.tiled() if isinstance(stacked, Int4Linear) else None
+    start = 0
+    for p in parts:
+        rows = getattr(p, name).shape[0]
+        if isinstance(p, Int4Linear) and p.vnni and whole is not None:
+            # A VNNI-only stack: the parts keep their int4 buffers, and their VNNI
+            # layouts are (or become) its rows.
+            p.use_vnni(int_mm.int4_rows(whole, start, rows))
+        elif name == "weight":
+            p.weight = torch.nn.Parameter(big[start:start + rows], requires_grad=False)
+        else:
+            setattr(p, name, big[start:start + rows])
+        start += rows

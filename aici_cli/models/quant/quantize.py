@@ -1,0 +1,426 @@
+"""Weight-only quantised linear layers (`--quantize int8|int4`) on PyTorch's own kernels.
+
+Decode is bound by reading weights: a bf16 step of the default model reads ~270 MB, an
+int4 one ~80 MB. PyTorch ships the weight-only kernels gpt-fast uses, so nothing here is a
+hand-written kernel:
+
+- int4: `_weight_int4pack_mm_for_cpu` (CUDA: `_weight_int4pack_mm`, tinygemm), group-32
+  asymmetric: weight = (q - 8) * scale + zero per group of 32 inputs, q in 0..15. A GGUF
+  Q4_0/Q4_1 block, or a Q4_K sub-block, is exactly such a group (`blocks`,
+  `kquant`): its codes are used as they are; a Q5_0 block or Q5_K sub-block loses at
+  most its codes' low bit (`kquant`).
+- int8: `_weight_int8pack_mm` (CPU), per output channel symmetric: weight = q * scale.
+  On CUDA, where PyTorch has no such kernel, the int8 weights are widened per call.
+
+In both modes the output projection (`lm_head`, the largest matrix: 49,152 x 576 in the
+default model) is int8: the GGUF keeps it in 8 bits too (Q8_0), and 4 bits there cost
+more quality than anywhere else. So is a GGUF's Q6_K matrix (the more-bits matrices of
+a Q4_K_M or Q5_K_M file): int4 would take ~8x its int8 error from it. Embeddings are
+not quantised (a lookup reads a few rows): a GGUF's stays in its own blocks, its rows
+widened as read (`block_embedding`).
+
+A conversion's matrices are built from its GGUF (`gguf_matrices`) on a mode's first run
+and kept in the kernels' layout (`packed_weights`); a model directory's are quantised
+from its dense weights at each load.
+
+torchao was measured as the alternative: 0.18.0 takes 6.6 s to import here (against the
+run's whole start-up budget of 1.5 s) and its CPU int4 layout refuses torch 2.13.
+
+Measured on the 2-core Xeon (bf16 activations, one thread, M = rows):
+576x1536 M=1: bf16 297 us, int8 125 us, int4 112 us; the 49,152-row projection M=1:
+bf16 10.7 ms, int8 4.0 ms, int4 2.2 ms (see docs/speed.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from aici_cli.core.errors import ModelError
+from aici_cli.models.cache.packed_layers import (
+    KEPT,
+    pack_int4_cpu,
+    packed_file,
+    read_packed,
+    write_packed,
+)
+from aici_cli.models.gguf import blocks
+from aici_cli.models.gguf.matrices import GgufMatrices
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.kernels.aligned import aligned
+
+GROUP = blocks.BLOCK  # int4 group size: one GGUF block
+MODES = ("none", "int8", "int4")
+# A CPU pass of fewer rows never runs an int4 layer on its dense copy (`wide_rows`: from
+# the layer's `dense_rows` on, where this machine's dense GEMM is faster at such rows).
+# Above the compiled step's buckets of one-token steps at the default batch size.
+DENSE_MIN_ROWS = 16
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W as group-32 int4 codes packed for the device's kernel.
+
+    `packed`: the kernel's layout of the [N, K] codes; `scale_zero`: [K/32, N, 2] in the
+    activation dtype (the kernels require it to match)."""
+
+    packed: torch.Tensor
+    scale_zero: torch.Tensor
+    bias: torch.Tensor | None
+    # [N, K] in the activation dtype, for passes of `dense_rows` rows or more (wide_rows;
+    # never fewer than DENSE_MIN_ROWS): attributes, not buffers (no state dict, no
+    # package, no stacked layer has one).
+    dense: torch.Tensor | None = None
+    dense_rows: int = 1 << 62
+    # Whether bf16 passes below `dense_rows` run the AVX512-VNNI kernel (int_mm) on
+    # the same matrix in its layout: buffers `vnni_codes`, `vnni_d`, `vnni_m` (`use_vnni`).
+    vnni: bool = False
+    vnni_codes: torch.Tensor
+    vnni_d: torch.Tensor
+    vnni_m: torch.Tensor
+
+    def __init__(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                 bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """`codes` [N, K] int32 in 0..15, `d`, `m` [N, K/32]: weight = codes * d + m."""
+        super().__init__()
+        n, k = codes.shape
+        self.in_features, self.out_features = k, n
+        if codes.device.type == "cuda":
+            self.inner_k_tiles = _cuda_inner_k_tiles(k)
+        self.register_buffer("scale_zero", scale_zero(d, m, dtype))
+        self.register_buffer("packed", pack_int4(codes))
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_buffers(cls, packed: torch.Tensor, scale_zero: torch.Tensor,
+                     bias: torch.Tensor | None) -> Int4Linear:
+        """A layer over buffers already in the kernel's layout (another layer's, stacked
+        or kept: `fused_linear`, `packed_weights`); `scale_zero` [K/32, N, 2]."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        k, n = scale_zero.shape[0] * GROUP, scale_zero.shape[1]
+        layer.in_features, layer.out_features = k, n
+        if packed.device.type == "cuda":
+            layer.inner_k_tiles = _cuda_inner_k_tiles(k)
+        # Kept or stacked buffers may start anywhere (a mapped file's offset, a slice):
+        # the kernels read them with aligned vector loads (`aligned`).
+        layer.register_buffer("scale_zero", aligned(scale_zero))
+        layer.register_buffer("packed", aligned(packed))
+        layer.register_buffer("bias", bias)
+        return layer
+
+    @classmethod
+    def vnni_only(cls, tiled: int_mm.Tiled4, dtype: torch.dtype,
+                  bias: torch.Tensor | None) -> Int4Linear:
+        """A layer that runs only bf16 passes of fewer than its dense rows, on the VNNI
+        kernel over `tiled` (the compiled step's stacked layers, `fused_linear`): no int4
+        kernel buffers (`packed` empty; any other pass raises)."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = tiled.k, tiled.n
+        layer.register_buffer("scale_zero", torch.empty(0, dtype=dtype))
+        layer.register_buffer("packed", torch.empty(0, dtype=torch.uint8))
+        layer.register_buffer("bias", bias)
+        layer.use_vnni(tiled)
+        return layer
+
+    @classmethod
+    def from_parts(cls, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                   bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
+        """A layer over codes already in the kernel's layout (`pack_int4`) and the scales
+        they were packed with (kept: `packed_weights`)."""
+        return cls.from_buffers(packed, scale_zero(d, m, dtype), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        # The row count first: a compiled step's rows (fewer) never read `dense`, so its
+        # graph holds no guard on it.
+        if flat.shape[0] >= DENSE_MIN_ROWS and self.dense is not None \
+                and flat.shape[0] >= self.dense_rows:
+            y = F.linear(flat, self.dense)
+        else:
+            y = self.few_rows(flat)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """[rows, K] -> [rows, N] on the quantised kernel a pass without the dense copy
+        runs (`wide_rows` times it against the copy): the VNNI one for bf16 rows where
+        the layer has it, else the int4 kernel."""
+        if self.vnni and flat.dtype == torch.bfloat16:
+            return torch.ops.aici.int4_vnni_mm(flat.contiguous(), self.vnni_codes,
+                                               self.vnni_d, self.vnni_m, self.out_features)
+        if self.packed.numel() == 0:
+            raise RuntimeError(f"a VNNI-only int4 layer got {flat.shape[0]} {flat.dtype} rows")
+        if self.packed.device.type == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(flat, self.packed, GROUP, self.scale_zero)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP,
+                                                          self.scale_zero)
+
+    def tiled(self) -> int_mm.Tiled4 | None:
+        """The VNNI kernel's buffers, where the layer has them."""
+        if not self.vnni:
+            return None
+        return int_mm.Tiled4(self.vnni_codes, self.vnni_d, self.vnni_m,
+                                   self.out_features, self.in_features)
+
+    def use_vnni(self, tiled: int_mm.Tiled4) -> None:
+        """Run bf16 passes on the VNNI kernel over `tiled` (this layer's matrix)."""
+        assert (tiled.n, tiled.k) == (self.out_features, self.in_features)
+        self.register_buffer("vnni_codes", tiled.codes)
+        self.register_buffer("vnni_d", tiled.d)
+        self.register_buffer("vnni_m", tiled.m)
+        self.vnni = True
+
+
+def scale_zero(d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernels' [K/32, N, 2] scales and zeros in `dtype` for weight = q d + m, [N, K/32]
+    each: weight = (q - 8) d + (m + 8 d), so the kernels' zero is m + 8 d. Written into
+    the result in place: stacking, then converting, ran 60x slower on two busy threads
+    (~0.7 s of the default model's load)."""
+    scale = d.float()
+    zero = m.float() + 8 * scale
+    out = torch.empty(d.shape[1], d.shape[0], 2, dtype=dtype, device=d.device)
+    out[..., 0] = scale.t()
+    out[..., 1] = zero.t()
+    return out
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes in 0..15 (any integer dtype) in the int4 kernel's layout for their
+    device (`packed_weights` says what it depends on)."""
+    if codes.device.type == "cuda":
+        pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        return torch.ops.aten._convert_weight_to_int4pack(
+            pairs, _cuda_inner_k_tiles(codes.shape[1]))
+    return pack_int4_cpu(codes)
+
+
+class Int8Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W as int8 codes [N, K] and one scale per output channel."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    vnni: bool = False  # bf16 passes on the VNNI kernel (`use_vnni`)
+    vnni_codes: torch.Tensor
+    vnni_scale: torch.Tensor
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        # Aligned: the AVX-512 kernel reads `codes` with aligned loads, and a kept layer's
+        # codes are a view of a mapped file (`aligned`).
+        self.register_buffer("codes", aligned(codes.to(torch.int8).contiguous()))
+        self.register_buffer("scale", aligned(scale.to(dtype).contiguous()))  # [N]
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_buffers(cls, codes: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> Int8Linear:
+        """A layer over its buffers as another layer holds them (`codes` int8 [N, K],
+        `scale` [N] in the activation dtype)."""
+        return cls(codes, scale, bias, scale.dtype)
+
+    def use_vnni(self, codes: torch.Tensor) -> None:
+        """Run bf16 passes on the VNNI kernel over `codes` (this layer's, tiled:
+        `int_mm.tile_int8`) and its scales in float32 (as rounded to the activation
+        dtype: the int8 kernel's own)."""
+        assert codes.numel() == self.codes.numel()
+        self.register_buffer("vnni_codes", codes)
+        self.register_buffer("vnni_scale", self.scale.float())
+        self.vnni = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if self.vnni and flat.dtype == torch.bfloat16:
+            y = torch.ops.aici.int8_vnni_mm(flat.contiguous(), self.vnni_codes, self.vnni_scale,
+                                            self.out_features)
+        elif self.codes.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
+        else:  # no int8 weight-only kernel: widen per call
+            y = F.linear(flat, self.codes.to(flat.dtype)) * self.scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (codes [N, K] int8, scale [N] float32), symmetric per channel."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (codes [N, K] int32 0..15, d, m [N, K/32] float32), asymmetric per
+    group of 32 inputs (min/max, as GGUF's Q4_1 and gpt-fast do): weight ~ codes d + m."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    d = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((w - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.reshape(n, k), d, lo
+
+
+def available_blocks(path: Path) -> set[str]:
+    """The block formats of the GGUF matrices a conversion reads ({"q4", "q8"} or a part
+    of it; empty for a model that came as float weights)."""
+    matrices = GgufMatrices.of(path)
+    return matrices.block_kinds() if matrices is not None else set()
+
+
+def resolve_mode(spec: str, path: Path, dtype: torch.dtype) -> str:
+    """The quantisation a run uses for `--quantize spec`. `auto`: a GGUF source runs at
+    its own precision where a kernel exists (one with 4-bit matrices and none of 5 bits
+    as int4, one with matrices of 5 bits or more as int8: `GgufMatrices.block_kinds`)
+    in a 16-bit run; float32 runs (exactness checks) and float sources run
+    unquantised."""
+    if spec in MODES:
+        return spec
+    if spec != "auto":
+        raise ModelError(f"unknown quantization {spec!r}: expected auto, none, int8 or int4")
+    if dtype == torch.float32:
+        return "none"
+    kinds = available_blocks(path)
+    return "int4" if "q4" in kinds else "int8" if "q8" in kinds else "none"
+
+
+def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
+                   device: torch.device | None = None,
+                   source: GgufMatrices | None = None,
+                   scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
+    """Replace the linear layers of `model` in place, onto `device` (default: where each
+    one is): the decoder layers' in `mode`, the output projection in int8. A matrix
+    `source` holds (a conversion's GGUF) is built from there; the others are quantised
+    from their dense weights. A conversion-cache entry keeps the layers in their kernels'
+    layout (`packed_weights`): a later run reads them instead. `scales`, where given,
+    gets each int4 layer's d and m (weight = q d + m: `vnni_layers`). Returns the number
+    of layers replaced."""
+    if mode == "none":
+        return 0
+    keep = packed_file(path, mode, device) if device is not None else None
+    kept = read_packed(keep, device) if keep is not None and device is not None else {}
+    to_keep: dict[str, torch.Tensor] = {}
+    computed = 0
+    output = model.get_output_embeddings()
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    embed_name = module_name(model, model.get_input_embeddings())
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        weight_name = f"{name}.weight"
+        if module is output and tied and embed_name is not None:
+            weight_name = f"{embed_name}.weight"  # the tied projection's matrix is there
+        from_gguf = source if source is not None and weight_name in source else None
+        kind = "int8" if module is output or module.in_features % GROUP or (
+            from_gguf is not None and from_gguf.int8_only(weight_name)) else mode
+        at = device if device is not None else module.weight.device
+        parts = _kept_parts(kept, name, kind, module)
+        if parts is None:
+            computed += 1
+            parts = _int4_parts(module, from_gguf, weight_name, at) if kind == "int4" \
+                else _int8_parts(module, from_gguf, weight_name, at)
+        to_keep |= {f"{name}.{k}": v for k, v in parts.items()}
+        bias = module.bias.detach().to(at) if module.bias is not None else None
+        new: torch.nn.Module = (
+            Int4Linear.from_parts(parts["packed"], parts["d"], parts["m"], bias, dtype)
+            if kind == "int4" else Int8Linear(parts["codes"], parts["scale"], bias, dtype))
+        if scales is not None and kind == "int4":
+            scales[name] = (parts["d"], parts["m"])
+        set_module(model, name, new)
+        replaced += 1
+    if keep is not None and computed:
+        write_packed(keep, to_keep)
+    return replaced
+
+
+def _kept_parts(kept: dict[str, torch.Tensor], name: str, kind: str,
+                module: torch.nn.Linear) -> dict[str, torch.Tensor] | None:
+    """The layer `name`'s kept tensors (`packed_layers.KEPT`), or None where they are
+    missing or do not fit its shape."""
+    parts = {k: kept.get(f"{name}.{k}") for k in KEPT[kind]}
+    if any(v is None for v in parts.values()):
+        return None
+    found: dict[str, torch.Tensor] = {k: v for k, v in parts.items() if v is not None}
+    n, k = module.out_features, module.in_features
+    floats = (torch.float16, torch.float32)
+    if kind == "int4":
+        packed, d, m = found["packed"], found["d"], found["m"]
+        fits = packed.numel() * packed.element_size() * 2 == n * k \
+            and d.shape == m.shape == (n, k // GROUP) and d.dtype in floats \
+            and m.dtype in floats  # 4 bits a weight
+    else:
+        codes, scale = found["codes"], found["scale"]
+        fits = codes.shape == (n, k) and codes.dtype == torch.int8 \
+            and scale.shape == (n,) and scale.dtype == torch.float32
+    return found if fits else None
+
+
+def _int4_parts(module: torch.nn.Linear, source: GgufMatrices | None, name: str,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """An int4 layer's kept tensors: the GGUF's 4-bit codes and scales as they are (a
+    Q5_K's: `kquant`), else the matrix's dense values (the GGUF's rounded to bfloat16,
+    as a dense copy holds them) quantised here."""
+    q4 = source.int4(name) if source is not None else None
+    if q4 is not None:
+        codes, d, m = (t.to(device) for t in q4)
+    else:
+        dense = source.dense(name) if source is not None else module.weight.detach()
+        codes, d, m = quantize_int4(dense.to(device))
+    return {"packed": pack_int4(codes), "d": d, "m": m}
+
+
+def _int8_parts(module: torch.nn.Linear, source: GgufMatrices | None, name: str,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    # The GGUF's 8-bit blocks have one scale per 32 inputs, the kernel one per channel:
+    # requantised from the exact block values (their bf16 copy would round them first),
+    # a slice of rows at a time so the float copy never exists whole (113 MB for the
+    # default model's output projection).
+    if source is not None:
+        rows = source.row_source(name)
+    else:
+        weight = module.weight.detach()
+
+        def rows(lo: int, hi: int) -> torch.Tensor:
+            return weight[lo:hi].float()
+
+    n = module.out_features
+    codes = torch.empty(n, module.in_features, dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.float32)
+    for lo in range(0, n, _ROWS_AT_ONCE):
+        hi = min(n, lo + _ROWS_AT_ONCE)
+        codes[lo:hi], scale[lo:hi] = quantize_int8(rows(lo, hi).cpu())
+    return {"codes": codes.to(device), "scale": scale.to(device)}
+
+
+# Rows requantised at once: bounds the float copies to a few MB.
+_ROWS_AT_ONCE = 2048
+
+
+def _cuda_inner_k_tiles(k: int) -> int:
+    """tinygemm's innerKTiles: the largest of 8, 4, 2 with K a multiple of 16 of them."""
+    for tiles in (8, 4, 2):
+        if k % (tiles * 16) == 0:
+            return tiles
+    raise ModelError(f"int4 on CUDA needs input sizes that are multiples of 32, not {k}")
+
+
+def module_name(model: Any, module: Any) -> str | None:
+    """`module`'s dotted name in `model`, or None where it is not one of its modules."""
+    return next((n for n, m in model.named_modules() if m is module), None)
+
+
+def set_module(model: Any, name: str, new: torch.nn.Module) -> None:
+    """Put `new` in `model` under the dotted `name`, in place of what was there."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
