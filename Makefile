@@ -56,7 +56,7 @@ test: setup
 	$(BIN)/pytest -q -m ray
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not real_model and not ray"
+	$(BIN)/pytest -q -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .

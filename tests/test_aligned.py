@@ -153,6 +153,7 @@ def _assert_aligned(lm: LoadedModel, mode: str) -> None:
 MODES = ["none", "int8", "int4"]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("impl", ["auto", "transformers"])
 def test_a_users_safetensors_model_hands_kernels_aligned_weights(
@@ -164,6 +165,7 @@ def test_a_users_safetensors_model_hands_kernels_aligned_weights(
         _assert_aligned(load_model(str(tiny_model_dir), "cpu", dtype, mode, impl), mode)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("mode", MODES)
 def test_a_converted_gguf_and_its_kept_layers_are_aligned_in_their_files_and_in_memory(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -239,6 +241,7 @@ def _avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not _avx512(), reason="the fault is in the AVX-512 kernel path")
 def test_the_avx512_int8_kernel_over_misaligned_codes_runs_as_a_layer() -> None:
     script = textwrap.dedent(_FAULT)

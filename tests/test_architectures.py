@@ -71,6 +71,7 @@ def encode(model_dir: Path, text: str) -> list[int]:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch", _archs())
 def test_next_token_logits_match_transformers(arch: str, arch_dirs: dict[str, Path]) -> None:
     from aici_cli.engine.forward.attention import install
@@ -180,6 +181,7 @@ def check_run(model: Path, ref: Any, tokenizer_file: Path, tmp_path: Path) -> No
     jsonschema.validate(json.loads(constrained["text"]), SCHEMA)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("arch", _archs())
 def test_a_run_matches_transformers(arch: str, arch_dirs: dict[str, Path],
                                     tmp_path: Path) -> None:
@@ -204,6 +206,7 @@ def _gguf_archs() -> list[str]:
     return list(GGUF_ARCH)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("arch", _gguf_archs())
 def test_a_gguf_run_matches_transformers(arch: str, quant: str, arch_dirs: dict[str, Path],

@@ -346,6 +346,7 @@ def built_v010(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.subprocess
 def test_a_0_1_0_component_still_loads_and_runs(tiny_model_dir: Path, built_v010: Path,
                                                 tmp_path: Path) -> None:
     from click.testing import CliRunner

@@ -91,6 +91,7 @@ class Harness:
         del self.tokens[row][-n:]
 
 
+@pytest.mark.heavy
 def test_ragged_chunks_backtrack_and_refill_match_single_runs(lm: LoadedModel) -> None:
     g = torch.Generator().manual_seed(0)
 

@@ -56,6 +56,7 @@ def junit_cases(path: Path) -> int:
     return sum(suite.tests for suite in JUnitXml.fromfile(str(path)))
 
 
+@pytest.mark.subprocess
 def test_the_github_actions_steps(env: dict[str, str], tmp_path: Path) -> None:
     steps = github_steps()
     assert set(steps) >= {"eval", "gate", "keep"}
@@ -80,6 +81,7 @@ def test_the_github_actions_steps(env: dict[str, str], tmp_path: Path) -> None:
     assert "aici-batch report: gate failed: accuracy" in done.stderr
 
 
+@pytest.mark.subprocess
 def test_the_gitlab_ci_script(env: dict[str, str], tmp_path: Path) -> None:
     script = gitlab_script()
     assert script[0].startswith("aici-batch run ")

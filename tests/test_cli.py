@@ -125,6 +125,7 @@ def aici_batch() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "aici_cli"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("option", "message"),
     [
@@ -216,6 +217,7 @@ def test_report_summarizes_a_finished_run(model_args: list[str], tmp_path: Path)
     assert missing.exit_code == 2 and "nope.jsonl" in missing.stderr
 
 
+@pytest.mark.subprocess
 def test_report_counts_compliance_over_all_schema_lines_and_over_those_that_ran(
     model_args: list[str], tmp_path: Path
 ) -> None:
@@ -296,6 +298,7 @@ def test_every_command_has_help_with_an_example(command: str) -> None:
     assert len(res.output.split("\n\n")[1].strip()) > 20  # a description, not just usage
 
 
+@pytest.mark.subprocess
 def test_shell_completion(tmp_path: Path) -> None:
     exe = Path(sys.executable).parent / "aici-batch"
     env = {**os.environ, "_AICI_BATCH_COMPLETE": "bash_source"}
@@ -321,10 +324,12 @@ def heavy_modules_after(code: str) -> list[str]:
     return json.loads(done.stderr.strip().splitlines()[-1].replace("'", '"'))
 
 
+@pytest.mark.subprocess
 def test_importing_the_cli_does_not_import_torch() -> None:
     assert heavy_modules_after("import aici_cli.cli.main") == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args", LIGHT_COMMANDS, ids=" ".join)
 def test_light_commands_do_not_import_torch(args: list[str]) -> None:
     code = ("from aici_cli.cli.main import main\n"
@@ -332,6 +337,7 @@ def test_light_commands_do_not_import_torch(args: list[str]) -> None:
     assert heavy_modules_after(code) == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args", [["models"], ["models", "--prune", "--dry-run"]], ids=" ".join)
 def test_models_does_not_import_torch(args: list[str], tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -342,6 +348,7 @@ def test_models_does_not_import_torch(args: list[str], tmp_path: Path,
     assert "torch" not in heavy_modules_after(code)
 
 
+@pytest.mark.subprocess
 def test_a_local_run_does_not_import_ray(model_args: list[str], tmp_path: Path) -> None:
     """Ray is optional: a run without --ray never imports it."""
     src = tmp_path / "in.jsonl"
@@ -355,6 +362,7 @@ def test_a_local_run_does_not_import_ray(model_args: list[str], tmp_path: Path) 
     assert done.stderr.strip().splitlines()[-1] == "False", done.stderr
 
 
+@pytest.mark.subprocess
 def test_ray_without_ray_installed_is_a_one_line_usage_error(tmp_path: Path) -> None:
     src = tmp_path / "in.jsonl"
     src.write_text(jsonl(GOOD[:1]))

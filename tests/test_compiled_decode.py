@@ -45,6 +45,7 @@ def _run(lm: LoadedModel, compile_mode: str, max_tokens: list[int]) -> tuple[Any
     return by_index, engine
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor needs a C++ compiler for CPU kernels")
 def test_compiled_decode_gives_the_eager_tokens_in_fp32(lm32: LoadedModel) -> None:
@@ -152,6 +153,7 @@ def test_a_failed_compile_leaves_the_run_eager_and_unchanged(
         "compiling failed: RuntimeError: C++ compile error: cannot find -lgomp")
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor needs a C++ compiler for CPU kernels")
 def test_one_cpu_graph_serves_every_row_count_and_a_growing_cache(
@@ -184,6 +186,7 @@ def test_one_cpu_graph_serves_every_row_count_and_a_growing_cache(
     assert counters["stats"]["unique_graphs"] - graphs == 1
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor needs a C++ compiler for CPU kernels")
 def test_a_one_line_run_compiles_one_row_not_the_batch(tiny_model_dir: Path) -> None:
@@ -206,6 +209,7 @@ def test_a_one_line_run_compiles_one_row_not_the_batch(tiny_model_dir: Path) -> 
     assert fast == eager
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor needs a C++ compiler for CPU kernels")
 def test_a_files_last_line_moves_to_the_one_row_graph_with_the_eager_tokens(

@@ -81,6 +81,7 @@ def entries(cache: Path) -> list[str]:
 # --- one copy per content ----------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_a_second_checkout_reuses_the_first_checkouts_conversion(tiny_gguf: Path,
                                                                  tmp_path: Path) -> None:
     cache = tmp_path / "cache"
@@ -239,6 +240,7 @@ def test_runs_converting_at_once_convert_once(
 # --- aici-batch models, --prune --------------------------------------------------------------
 
 
+@pytest.mark.heavy
 def test_prune_removes_what_nothing_uses_and_dry_run_only_lists_it(
     tiny_gguf: Path, cache: Path, stub_conversion: list[Path], tmp_path: Path
 ) -> None:
@@ -303,6 +305,7 @@ def test_an_entry_for_another_transformers_version_is_unused(
 # --- --quiet, and the conversion's progress ------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_quiet_run_with_a_first_conversion_writes_nothing_to_stderr(tiny_gguf: Path,
                                                                      tmp_path: Path) -> None:
     quiet = run(["--model", str(tiny_gguf), "-q"], tmp_path / "cache", tmp_path)
@@ -313,6 +316,7 @@ def test_quiet_run_with_a_first_conversion_writes_nothing_to_stderr(tiny_gguf: P
     assert len(entries(tmp_path / "cache")) == 1  # it did convert
 
 
+@pytest.mark.subprocess
 def test_a_conversion_says_so_in_one_line_without_a_third_party_bar(tiny_gguf: Path,
                                                                      tmp_path: Path) -> None:
     loud = run(["--model", str(tiny_gguf)], tmp_path / "cache", tmp_path)

@@ -100,6 +100,7 @@ def _tokens(result: dict[str, Any]) -> Any:
     return [[(e["id"], e["logprob"]) for e in s["logprobs"]] for s in samples]
 
 
+@pytest.mark.heavy
 def test_tokens_and_logprobs_are_the_same_in_any_batch(lm: LoadedModel) -> None:
     reference = signatures(lm, 1, draft_tokens=0, prefix_cache=False)
     assert all(reference[k] and all(reference[k]) for k in reference)
@@ -115,6 +116,7 @@ def test_tokens_and_logprobs_are_the_same_in_any_batch(lm: LoadedModel) -> None:
 
 # ------------------------------------------------------- any batch, order, cache state
 
+@pytest.mark.heavy
 @settings(max_examples=5, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(order=st.permutations(range(6)), batch_size=st.integers(2, 7),
@@ -144,6 +146,7 @@ def reference(lm: LoadedModel) -> dict[str, Any]:
 
 # ------------------------------------------------------------- the machine check
 
+@pytest.mark.heavy
 def test_the_machine_check_passes_here_and_is_cached(lm: LoadedModel, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path))

@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_device_check_smoke_runs_every_step(tmp_path: Path) -> None:
     env = {**os.environ, "PY": sys.executable, "OUT_DIR": str(tmp_path),

@@ -84,6 +84,7 @@ def lm32(tiny_model_dir: Path) -> LoadedModel:
     return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor needs a C++ compiler for CPU kernels")
 def test_compiled_steps_draft_only_where_drafts_pay_and_keep_the_tokens(

@@ -54,6 +54,7 @@ def test_continuous_refill_does_not_wait_for_the_batch(lm: LoadedModel) -> None:
     assert results[-1]["stats"]["output_tokens"] == 40
 
 
+@pytest.mark.heavy
 def test_sampled_output_does_not_depend_on_batch_size(lm: LoadedModel) -> None:
     jobs = [job(i, prompt=f"prompt number {i}", temperature=0.9, top_p=0.95, max_tokens=10)
             for i in range(1, 7)]

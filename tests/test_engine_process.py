@@ -97,6 +97,7 @@ def reference(tiny_model_dir: Path, src: Path, tmp_path_factory: pytest.TempPath
 
 
 # Each example starts two engine processes (~2 s each on 2 cores).
+@pytest.mark.subprocess
 @settings(max_examples=5, deadline=None)
 @given(kill_step=st.integers(1, 8), batch_size=st.integers(1, 4))
 def test_a_death_at_any_step_reruns_the_lines_in_flight_with_the_same_results(
@@ -117,6 +118,7 @@ def test_a_death_at_any_step_reruns_the_lines_in_flight_with_the_same_results(
         assert outcome_of(result) == outcome_of(reference[index]), index
 
 
+@pytest.mark.subprocess
 def test_a_line_that_kills_the_engine_ends_as_engine_crash_and_the_others_run(
         tiny_model_dir: Path, src: Path, reference: dict[int, dict[str, Any]],
         tmp_path: Path) -> None:
@@ -181,6 +183,7 @@ def kill_the_engine_mid_run(args: list[str], out: Path,
     return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
 
 
+@pytest.mark.subprocess
 def test_kill_9_of_the_engine_from_outside_loses_no_line(tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
     n = 40
@@ -196,6 +199,7 @@ def test_kill_9_of_the_engine_from_outside_loses_no_line(tiny_model_dir: Path,
     assert all(r["finish_reason"] == "length" for r in results.values())
 
 
+@pytest.mark.subprocess
 def test_a_death_while_the_model_loads_is_one_clear_line(tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
     src = write_input(tmp_path / "in.jsonl", 2, lambda i: 2)

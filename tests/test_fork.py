@@ -304,6 +304,7 @@ def test_a_forked_result_survives_the_openai_batch_format(
         (c["branch"], c["text"], c["outputs"]["index"]) for c in results[1]["choices"]]
 
 
+@pytest.mark.heavy
 def test_without_the_prefix_cache_branches_recompute_and_write_the_same(
         lm: LoadedModel, guests: ControllerComponent) -> None:
     shared, _ = run(lm, guests, [job(1, "F")], batch_size=4)

@@ -3,6 +3,7 @@ outputs side by side, the parts still give what they gave, and the weights are h
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,6 +67,7 @@ def test_parts_of_different_kinds_are_called_side_by_side() -> None:
     assert torch.equal(stacked(x), torch.cat([p(x) for p in parts], dim=-1))
 
 
+@pytest.mark.real_model
 def test_the_default_models_layers_stack_for_the_compiled_step() -> None:
     """On the real default model at int4 (its GGUF's own blocks), every layer's q/k/v and
     gate/up stack (no SideBySide fallback), and the model's own modules keep their

@@ -327,6 +327,7 @@ def _any_lines(lines: list[bytes], as_text: bool) -> None:
     _check_items(lines_in, _parse(lines_in))
 
 
+@pytest.mark.heavy
 def test_any_lines_become_one_job_or_precise_error_each() -> None:
     before = TRIED["any lines"]
     _any_lines()
@@ -353,6 +354,7 @@ def _good_among_hostile(good: dict[str, Any], before: list[bytes], after: list[b
     assert mixed == expected
 
 
+@pytest.mark.heavy
 def test_good_lines_parse_the_same_among_hostile_ones() -> None:
     before = TRIED["good among hostile"]
     _good_among_hostile()
@@ -606,6 +608,7 @@ def _comparable(result: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+@pytest.mark.subprocess
 def test_cli_survives_a_file_of_hostile_lines(tiny_model_dir: Path, tmp_path: Path) -> None:
     explicit = [_one_physical_line(line.removesuffix(b"\n")) for _, line, _, _ in EXPLICIT]
     hostile = _fixed_sample(200) + explicit

@@ -104,6 +104,7 @@ def test_a_default_run_keeps_the_kernel_layout_and_nothing_dense_of_its_matrices
             <= 1.5 * gguf.stat().st_size
 
 
+@pytest.mark.heavy
 def test_other_modes_build_their_files_on_first_use_and_prune_removes_them(
         gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     default = _logits(_default(gguf))
@@ -191,6 +192,7 @@ print(torch.backends.cpu.get_cpu_capability(), int4_layout("cpu"), _cpu_layout()
 """
 
 
+@pytest.mark.subprocess
 def test_int4_files_differ_exactly_where_the_cpu_kernels_pack_differently() -> None:
     """ATen packs int4 per CPU capability (AVX-512: 64 rows a block; AVX2 and the
     default build: 32, paired differently): each capability this CPU can run gets its

@@ -173,6 +173,7 @@ def bench_schemas(subset: str, n: int) -> list[tuple[str, dict[str, Any]]]:
     return [(f.stem, json.loads(f.read_text())) for f in files]
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not BENCH.is_dir(), reason="JSONSchemaBench data not present")
 def test_finished_outputs_validate_on_jsonschemabench(lm: LoadedModel) -> None:
     """Random weights, real schemas: whatever finishes must validate against its schema."""

@@ -340,6 +340,7 @@ def _line(id_: str, arg: str, prompt: str) -> dict[str, Any]:
             "temperature": 1.0}
 
 
+@pytest.mark.heavy
 def test_hostile_lines_end_alone_and_the_rest_is_unchanged(tiny_model_dir: Path,
                                                            batch_controller: Path) -> None:
     normal = [_line(i, arg, f"a normal line {i}") for i, arg in NORMAL.items()]
@@ -415,6 +416,7 @@ def _peak_rss_mib(model_dir: Path, tmp: Path, runs: list[list[dict[str, Any]]],
     return [int(line) / 1024 for line in proc.stdout.split()]
 
 
+@pytest.mark.subprocess
 def test_memory_stays_bounded_over_many_steps(tiny_model_dir: Path, tmp_path: Path,
                                               batch_controller: Path) -> None:
     # Eight rows that each log 1 MiB on every one of 60 steps (480 MiB if kept) beside
@@ -442,6 +444,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return build_controller(PROBE, out).out
 
 
+@pytest.mark.subprocess
 def test_a_python_guest_gets_nothing_of_the_host(tiny_model_dir: Path, probe: Path) -> None:
     lines = [
         {"id": "quiet", "prompt": "x", "controller_arg": "environ,getenv,recursion"},

@@ -136,6 +136,7 @@ def test_missing_non_utf8_and_unknown_sources(tmp_path: Path) -> None:
         build_controller(tmp_path / "c.ts", tmp_path / "out.wasm")
 
 
+@pytest.mark.subprocess
 def test_a_syntax_error_names_the_file_and_line_without_a_build(
     tmp_path: Path, js_toolchain: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -256,6 +257,7 @@ def test_componentize_js_errors_keep_the_exception_and_the_users_frames() -> Non
 # --- one real build that fails in the sandbox ---------------------------------------
 
 
+@pytest.mark.subprocess
 def test_a_bad_default_export_fails_the_build_with_the_sdk_message(
     tmp_path: Path, js_toolchain: None
 ) -> None:

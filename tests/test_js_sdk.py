@@ -10,9 +10,12 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 JS = Path(__file__).resolve().parents[1] / "controllers" / "js"
 
 
+@pytest.mark.subprocess
 def test_the_javascript_sdk_unit_tests_pass(node: str) -> None:
     proc = subprocess.run(
         [node, "--test", "--test-reporter=tap", "test/"],

@@ -53,6 +53,7 @@ def _mode(quantize: str, dtype: str = "bfloat16") -> KernelMode:
     return current_mode("cpu", dtype, quantize)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
 def test_every_mode_passes_on_this_machine_with_a_step_time(probing: Path,
                                                             quantize: str) -> None:
@@ -62,6 +63,7 @@ def test_every_mode_passes_on_this_machine_with_a_step_time(probing: Path,
     assert found.max_error is not None and found.max_error < 0.03
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("fault", "why"), [
     ("segv", "crashed the process (SIGSEGV)"),
     ("wrong", "off float32 over the same weights"),
@@ -73,6 +75,7 @@ def test_a_child_that_crashes_or_computes_wrong_rejects_the_mode(
     assert not found.ok and found.reason is not None and why in found.reason
 
 
+@pytest.mark.subprocess
 def test_a_child_that_hangs_is_killed_and_rejects_the_mode(
         probing: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FAULT_ENV, "hang")
@@ -80,6 +83,7 @@ def test_a_child_that_hangs_is_killed_and_rejects_the_mode(
     assert not found.ok and "did not finish within 8 s" in str(found.reason)
 
 
+@pytest.mark.subprocess
 def test_a_verdict_is_cached_per_machine_and_mode(
         probing: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FAULT_ENV, "segv:int4")
@@ -120,6 +124,7 @@ def test_candidates_start_at_the_choice_and_vary_only_what_was_auto(
         assert found[-1] == ("float32", "none")  # the plainest mode comes last
 
 
+@pytest.mark.subprocess
 def test_auto_walks_on_to_the_next_mode_and_an_explicit_mode_is_refused(
         probing: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64,
@@ -149,6 +154,7 @@ def _run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Complete
                           timeout=600)
 
 
+@pytest.mark.subprocess
 def test_a_run_falls_back_says_so_in_one_line_and_records_it(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     import os
@@ -177,6 +183,7 @@ def test_a_run_falls_back_says_so_in_one_line_and_records_it(
     assert "SIGSEGV" in refused.stderr and "cannot run bfloat16+int4" in refused.stderr
 
 
+@pytest.mark.subprocess
 def test_doctor_prints_the_fingerprint_every_verdict_and_the_pick(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     import os

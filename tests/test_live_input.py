@@ -82,6 +82,7 @@ def outside_its_steps_ms(result: dict[str, Any]) -> float:
     return s["total_ms"] - s["forward_ms"] - s["mask_ms"] - s["sample_ms"] - s["controller_ms"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("lookahead", ["64", "1"])
 def test_a_slow_producer_does_not_hold_up_running_lines(tiny_model_dir: Path,
                                                         lookahead: str) -> None:
@@ -108,6 +109,7 @@ def test_a_slow_producer_does_not_hold_up_running_lines(tiny_model_dir: Path,
     assert run.err == []
 
 
+@pytest.mark.subprocess
 def test_first_sigint_while_waiting_for_input_stops_at_once(tiny_model_dir: Path) -> None:
     run = Producer(tiny_model_dir)
     run.write("a", 4)
@@ -127,6 +129,7 @@ def test_first_sigint_while_waiting_for_input_stops_at_once(tiny_model_dir: Path
     assert sorted(run.results) == ["a"]
 
 
+@pytest.mark.subprocess
 def test_first_sigint_lets_running_lines_finish_while_stdin_stays_open(
     tiny_model_dir: Path
 ) -> None:
@@ -192,6 +195,7 @@ def test_close_stops_a_reader_waiting_for_room() -> None:
     assert not live.reading
 
 
+@pytest.mark.subprocess
 def test_only_what_can_wait_is_read_on_a_thread(tmp_path: Path) -> None:
     regular = tmp_path / "in.jsonl"
     regular.write_text("{}\n")

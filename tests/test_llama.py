@@ -67,6 +67,7 @@ def _engine_run(lm: LoadedModel, jobs: list[Job], **config: Any) -> dict[int, An
     return {r["index"]: (r["text"], [e["logprob"] for e in r["logprobs"]]) for r in results}
 
 
+@pytest.mark.heavy
 @settings(max_examples=6, deadline=None, suppress_health_check=FIXTURES)
 @given(prompts=st.lists(st.text("abc xyz{}\":,0123", min_size=1, max_size=30),
                         min_size=1, max_size=5),
@@ -171,6 +172,7 @@ def _cli_run(model_dir: Path, tmp_path: Path,
     return json.loads(ran.stdout.strip().splitlines()[-1].replace("'", '"')), results
 
 
+@pytest.mark.subprocess
 def test_a_run_imports_no_model_code_of_transformers(tiny_model_dir: Path,
                                                      tmp_path: Path) -> None:
     """What a run on a Llama model with a plain fast tokenizer imports: nothing of

@@ -59,6 +59,7 @@ def responses(out: dict[str, Any], task: str) -> list[Any]:
     return [resp[0] for s in samples for resp in s["resps"]]
 
 
+@pytest.mark.subprocess
 def test_scores_equal_the_hf_backends(ours: AiciBatchLM, hf: Any, tasks: TaskManager) -> None:
     """Multiple choice (3-shot) and perplexity (several windows per passage): every
     request's loglikelihood to 1e-4 and its is_greedy, and so every metric."""
@@ -98,6 +99,7 @@ def test_is_greedy_when_the_continuation_is_the_models_pick(ours: AiciBatchLM, h
     assert [lp for lp, _ in mine] == pytest.approx([lp for lp, _ in theirs], abs=TOL)
 
 
+@pytest.mark.subprocess
 def test_generation_under_a_regex_constraint(ours: AiciBatchLM, tasks: TaskManager) -> None:
     """The task's gen_kwargs carry `regex`: every answer matches it, and exact_match is
     the share of answers equal to the target."""
@@ -171,6 +173,7 @@ def test_harness_argv(args: list[str], argv: list[str]) -> None:
     assert harness_argv(args) == argv
 
 
+@pytest.mark.subprocess
 def test_the_lm_eval_command_end_to_end(tiny_model_dir: Path, tmp_path: Path) -> None:
     """`aici-batch lm-eval` with lm-eval's own options, as a user types them."""
     out = tmp_path / "out"
@@ -192,6 +195,7 @@ def test_the_lm_eval_command_end_to_end(tiny_model_dir: Path, tmp_path: Path) ->
     assert results["config"]["batch_size"] == "4"
 
 
+@pytest.mark.subprocess
 def test_the_lm_eval_command_without_lm_eval_installed() -> None:
     code = ("import sys\nsys.modules['lm_eval'] = None  # as if not installed\n"
             "from aici_cli.cli.main import main\nmain(['lm-eval', '--tasks', 'x'])")

@@ -191,6 +191,7 @@ def test_engine_results_are_the_same_with_an_int8_projection(
     assert used > 0
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
                     reason="inductor needs a C++ compiler for CPU kernels")
 def test_compiled_steps_take_the_masked_finish_with_the_same_results(

@@ -315,6 +315,7 @@ def test_interrupted_conversion_cleans_up_and_the_next_run_converts(
     assert (resolve_model(str(gguf)) / "config.json").is_file()
 
 
+@pytest.mark.subprocess
 def test_killed_conversion_does_not_poison_later_runs(
     tmp_path: Path, private_cache: Path, stub_conversion: list[Path]
 ) -> None:
@@ -382,6 +383,7 @@ def test_damaged_default_model_says_to_reinstall_its_package(
     assert cache_entries(private_cache) == []
 
 
+@pytest.mark.subprocess
 def test_real_process_prints_one_line_without_traceback(
     tiny_model_dir: Path, tmp_path: Path, private_cache: Path
 ) -> None:

@@ -124,6 +124,7 @@ def reference_tokens(tiny_model_dir: Path) -> list[int]:
     return greedy(load_model(str(tiny_model_dir), device="cpu", dtype="float32"))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("layout", LAYOUTS, indirect=True)
 def test_every_layout_loads_the_same_model(layout: tuple[str, str],
                                            reference_tokens: list[int]) -> None:
@@ -144,6 +145,7 @@ def run_cli(spec: str, rows: list[dict[str, Any]] = ROWS) -> tuple[Result, dict[
     return res, {r["id"]: r for r in map(json.loads, res.stdout.splitlines())}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("layout", LAYOUTS, indirect=True)
 def test_every_layout_runs_through_the_cli(layout: tuple[str, str]) -> None:
     res, results = run_cli(layout[0])
@@ -243,6 +245,7 @@ def test_hub_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch,
     assert hub_cache_dir() == tmp_path / "explicit"
 
 
+@pytest.mark.subprocess
 def test_hub_id_through_the_installed_command(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A real process, so the hub cache comes from the environment it starts with."""
     add_to_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", sorted(tiny_model_dir.iterdir()))

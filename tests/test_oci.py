@@ -119,6 +119,7 @@ def test_references_parse_or_say_why() -> None:
             parse_ref(bad)
 
 
+@pytest.mark.subprocess
 def test_publish_pull_and_run_by_tag_and_by_digest(
         registry: Registry, cache: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     wasm = save(tmp_path, component(ALLOW_5_7))
@@ -165,6 +166,7 @@ def test_publish_pull_and_run_by_tag_and_by_digest(
     assert by_tag[3]["controller"]["source"] == f"oci://{registry.host}/team/allow:v1@{digest}"
 
 
+@pytest.mark.subprocess
 def test_later_runs_by_digest_work_offline_and_a_tag_says_which_digest_would(
         tmp_path_factory: pytest.TempPathFactory, cache: Path, tiny_model_dir: Path,
         tmp_path: Path) -> None:
@@ -184,6 +186,7 @@ def test_later_runs_by_digest_work_offline_and_a_tag_says_which_digest_would(
     assert "cannot reach the registry" in line and f"--controller {pinned} runs offline" in line
 
 
+@pytest.mark.subprocess
 def test_a_tampered_blob_is_a_digest_mismatch_and_nothing_is_kept(
         registry: Registry, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wasm = save(tmp_path, component(ALLOW_9))
@@ -204,6 +207,7 @@ def test_a_tampered_blob_is_a_digest_mismatch_and_nothing_is_kept(
                 and p.stat().st_size == len(data)]
 
 
+@pytest.mark.subprocess
 def test_credentials_come_from_stdin_or_the_docker_config_and_a_wrong_one_is_refused(
         auth_registry: Registry, cache: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     wasm = save(tmp_path, component(ALLOW_5_7))
@@ -235,6 +239,7 @@ def test_credentials_come_from_stdin_or_the_docker_config_and_a_wrong_one_is_ref
     assert code == 2 and "refused the credentials" in err
 
 
+@pytest.mark.subprocess
 def test_a_component_this_host_cannot_link_is_refused_at_pull_and_at_run(
         registry: Registry, cache: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Pushed by another tool (no `publish` check): a contract version from the future."""
@@ -260,6 +265,7 @@ def test_a_component_this_host_cannot_link_is_refused_at_pull_and_at_run(
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.subprocess
 def test_an_unreachable_registry_or_missing_tls_is_one_line_at_once(
         registry: Registry, cache: Path, tiny_model_dir: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,6 +282,7 @@ def test_an_unreachable_registry_or_missing_tls_is_one_line_at_once(
     assert code == 2 and "no such artifact" in err  # reached, over HTTP
 
 
+@pytest.mark.subprocess
 def test_resume_refuses_results_of_another_digest_behind_the_same_tag(
         registry: Registry, cache: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     ref = f"oci://{registry.host}/team/moving:stable"
@@ -295,6 +302,7 @@ def test_resume_refuses_results_of_another_digest_behind_the_same_tag(
     assert len(results) == 3 and {r["made_with"]["controller"] for r in results} == {first}
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("language", ["python", "javascript"])
 def test_the_example_controllers_publish_and_run_by_digest_as_from_their_file(
         language: str, registry: Registry, tiny_model_dir: Path, tmp_path: Path,

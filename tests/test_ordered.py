@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,6 +78,7 @@ def indexes(out: Path) -> list[int]:
     return [json.loads(line)["index"] for line in out.read_text().splitlines()]
 
 
+@pytest.mark.heavy
 def test_ordered_results_follow_the_input_and_resume_appends_in_order(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     src = tmp_path / "in.jsonl"

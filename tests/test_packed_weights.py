@@ -107,6 +107,7 @@ def test_kept_layers_give_the_packed_layers_logits_bit_for_bit(
 VERSION = {"aici:layout": LAYOUT_VERSION}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("damage", ["truncated", "a layer missing", "another dtype",
                                     "another layout version"])
 def test_a_kept_file_that_does_not_fit_is_computed_and_written_again(

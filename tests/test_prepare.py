@@ -74,6 +74,7 @@ def test_where_the_step_cannot_compile_prepare_says_why_and_builds_nothing(
     assert _packages(tmp_path / "cache") == []
 
 
+@pytest.mark.subprocess
 def test_prepare_leaves_the_verdicts_a_quantised_runs_first_passes_ask_for(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 int4 run's first wide pass asks the probe about the dense kernels: prepare

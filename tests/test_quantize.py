@@ -170,6 +170,7 @@ def _aici_batch() -> list[str]:
     return [sys.executable, "-m", "aici_cli"]
 
 
+@pytest.mark.subprocess
 def test_run_takes_quantize_and_refuses_it_with_deterministic(tiny_model_dir: Path,
                                                               tmp_path: Path) -> None:
     lines = tmp_path / "in.jsonl"

@@ -141,6 +141,7 @@ def pages_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("pages-cache")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("page", "line", "commands"), BLOCKS,
                          ids=[f"{page}:line{n}" for page, n, _ in BLOCKS])
 def test_each_documented_command_runs(page: str, line: int, commands: list[str], tmp_path: Path,

@@ -304,6 +304,7 @@ def clean_run(reference: tuple[list[bytes], bytes],
     return src, lines, ref
 
 
+@pytest.mark.heavy
 def test_resume_repairs_a_torn_last_line(clean_run: tuple[Path, list[bytes], Path],
                                          model_args: list[str], tmp_path: Path) -> None:
     src, lines, ref = clean_run
@@ -394,6 +395,7 @@ def wait_for(condition: Callable[[], bool], proc: subprocess.Popen[bytes],
     raise AssertionError("timed out waiting for the run")
 
 
+@pytest.mark.subprocess
 def test_kill_9_at_several_points_then_resume(clean_run: tuple[Path, list[bytes], Path],
                                               model_args: list[str], tmp_path: Path) -> None:
     src, lines, ref = clean_run
@@ -469,6 +471,7 @@ def test_every_result_says_what_made_it(clean_run: tuple[Path, list[bytes], Path
     assert made == {json.dumps({"model": tiny_model_dir.name})}
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("option", "message"), [
     (["--max-tokens", "64"], "--max-tokens 256 (result line 1), this run has --max-tokens 64"),
     (["--temperature", "0.7"], "--temperature 0.0 (result line 1), this run has "
@@ -535,6 +538,7 @@ def test_another_quantization_is_refused_once_it_is_known(
     assert out.read_bytes() == before
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("option", [
     ["--batch-size", "2"], ["--no-prefix-cache"], ["--draft-tokens", "0"], ["--no-ff"],
     ["--lookahead", "1"], ["--deterministic"], ["--step-stats"], ["--dtype", "float32"],
@@ -569,6 +573,7 @@ def test_resume_mixed_needs_resume(model_args: list[str], tmp_path: Path) -> Non
     assert res.exit_code == 2 and "--resume-mixed goes with --resume" in res.stderr
 
 
+@pytest.mark.heavy
 def test_results_without_a_record_are_taken_as_made_with_this_runs_options(
     clean_run: tuple[Path, list[bytes], Path], model_args: list[str], tmp_path: Path
 ) -> None:

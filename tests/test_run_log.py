@@ -39,6 +39,7 @@ def aici_batch() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "aici_cli"]
 
 
+@pytest.mark.subprocess
 def test_off_a_terminal_progress_comes_as_lines_every_interval(tiny_model_dir: Path,
                                                               tmp_path: Path) -> None:
     """A real process whose stderr is a pipe (as in CI): progress lines while it runs,

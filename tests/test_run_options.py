@@ -90,6 +90,7 @@ def test_a_grammar_file_constrains_every_line(tiny_model_dir: Path, tmp_path: Pa
     assert both.exit_code == 2 and "at most one of" in both.stderr
 
 
+@pytest.mark.subprocess
 def test_input_left_out_reads_a_pipe_and_a_terminal_is_told_what_to_do(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     piped = subprocess.run([*aici_batch(), "run", "--model", str(tiny_model_dir), "-q"],

@@ -37,6 +37,7 @@ def test_writable_problem_names_what_is_wrong(tmp_path: Path) -> None:
         check_writable([("--stats-out", tmp_path / "ok.json"), ("--trace", tmp_path)])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("option", ["--stats-out", "-o"])
 @pytest.mark.parametrize("where", ["nodir/x.json", "."])
 def test_an_unwritable_path_exits_two_before_the_model_loads(option: str, where: str,
@@ -66,6 +67,7 @@ def test_report_plot_checks_its_path_and_says_write(tmp_path: Path) -> None:
                                   f" directory {tmp_path / 'nodir'} does not exist")
 
 
+@pytest.mark.subprocess
 def test_a_summary_that_cannot_be_written_after_the_run_exits_three(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     """The directory is there when the run starts and gone when it ends: every result is

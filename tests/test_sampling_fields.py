@@ -149,6 +149,7 @@ def test_greedy_output_is_the_penalised_argmax_at_every_token(lm: LoadedModel,
     assert plain_picks != output  # the rules changed what greedy decoding writes
 
 
+@pytest.mark.heavy
 def test_drafts_stay_exact_under_penalties(lm: LoadedModel,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Drafts are checked against the penalised argmax, with the counts of the draft

@@ -97,6 +97,7 @@ def whole_results(path: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+@pytest.mark.subprocess
 def test_sigint_then_sigterm_stop_cleanly_and_resume_finishes(model_args: list[str],
                                                              tmp_path: Path) -> None:
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
@@ -124,6 +125,7 @@ def test_sigint_then_sigterm_stop_cleanly_and_resume_finishes(model_args: list[s
     assert sorted(whole_results(out)) == list(range(1, n + 1))
 
 
+@pytest.mark.subprocess
 def test_second_sigint_stops_at_once(model_args: list[str], tmp_path: Path) -> None:
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     # Two short lines first, then lines far too long to finish before the second signal.
@@ -141,6 +143,7 @@ def test_second_sigint_stops_at_once(model_args: list[str], tmp_path: Path) -> N
     assert 1 <= len(whole_results(out)) <= 2
 
 
+@pytest.mark.subprocess
 def test_a_reader_going_away_ends_the_run_quietly(model_args: list[str],
                                                   tmp_path: Path) -> None:
     src = tmp_path / "in.jsonl"

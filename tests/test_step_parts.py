@@ -146,6 +146,7 @@ def test_update_releases_finished_rows_and_keeps_their_keys(lm: LoadedModel) -> 
         engine.runner.close()
 
 
+@pytest.mark.subprocess
 def test_the_runner_side_never_loads_the_generation_module() -> None:
     """The model runner and all it imports (the plan, the pass, masks, logit rules,
     sampling) load without `engine/generation.py`: the forward side cannot reach a

@@ -86,6 +86,7 @@ def run_threads(tmp_path: Path, model: Path, prefix: list[str], args: list[str],
     return int(json.loads(stats.read_text())["threads"])
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
 def test_a_run_takes_its_threads_from_its_affinity_and_from_the_option(
         tiny_model_dir: Path, tmp_path: Path) -> None:

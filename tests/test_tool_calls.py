@@ -279,6 +279,7 @@ def _samples(line: dict[str, Any]) -> list[tuple[str, str, list[dict[str, Any]] 
             for s in line.get("choices", [line])]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("template", ["tools", "plain"])
 def test_tool_choices_through_run_in_both_formats(tiny_model_dir: Path, tools_model_dir: Path,
                                                   tmp_path: Path, template: str) -> None:
@@ -316,6 +317,7 @@ def test_tool_choices_through_run_in_both_formats(tiny_model_dir: Path, tools_mo
             assert line["valid"] is True
 
 
+@pytest.mark.heavy
 def test_calls_finished_early_by_the_loop_guard(tiny_model_dir: Path, tmp_path: Path) -> None:
     """vLLM's run-batch tool-calling request: a free-text argument the tiny greedy model
     repeats until its limit; `--loop-guard` closes it into a valid call."""

@@ -189,6 +189,7 @@ def test_whitespace_and_undeclared_keys_are_enforced_per_constraint(lm: LoadedMo
 
 # ------------------------------------------------------------------ vLLM's run-batch inputs
 
+@pytest.mark.heavy
 def test_vllm_run_batch_inputs_run_unchanged(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Requests shaped like `vllm run-batch`'s own test inputs: chat with system prompts,
     an unknown model name, a bad URL, a `stream` field, a tool-calling request."""

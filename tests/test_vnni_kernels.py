@@ -124,6 +124,7 @@ def test_a_cpu_with_the_flags_runs_them(monkeypatch: pytest.MonkeyPatch) -> None
     assert int_mm.unusable() == f"{int_mm.ENV}=off"
 
 
+@pytest.mark.subprocess
 @needs_kernel
 def test_the_probe_passes_them_and_a_faulty_kernel_keeps_the_int4_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:

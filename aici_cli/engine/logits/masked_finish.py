@@ -38,8 +38,7 @@ import torch.nn.functional as F
 
 from aici_cli.engine.logits.sampling import MIN_TEMPERATURE, Draw
 from aici_cli.models.families.llama import LlamaCausalLM
-from aici_cli.models.kernels import int_mm
-from aici_cli.models.quant.quantize import Int8Linear
+from aici_cli.models.quant.quantize import Int8Linear, int8_mm
 
 # A row takes the masked finish when its mask allows at most this many tokens. Measured on
 # the default model's projection (49,152 x 576; bench/masked_finish.py, docs/speed.md):
@@ -149,11 +148,9 @@ class MaskedFinish:
         """[r, hidden] -> [r, n]: the projection at `ids` alone, by the full one's kernel
         (gathering copies n K weight elements; the product costs n/V of the full one).
         `weight`: the dense rows at `ids`, where the caller gathered them already."""
-        if self.codes is not None and self.scale is not None and self.vnni_scale is not None \
-                and hidden.dtype == torch.bfloat16:  # the full projection's VNNI kernel
-            y = int_mm.int8_rows_mm(hidden, self.codes[ids], self.vnni_scale[ids])
-        elif self.codes is not None and self.scale is not None:
-            y = torch.ops.aten._weight_int8pack_mm(hidden, self.codes[ids], self.scale[ids])
+        if self.codes is not None and self.scale is not None:  # the full projection's kernel
+            y = int8_mm(hidden, self.codes[ids], self.scale[ids],
+                        None if self.vnni_scale is None else self.vnni_scale[ids])
         else:
             y = F.linear(hidden, weight if weight is not None else self._rows(ids))
         return y + self.bias[ids] if self.bias is not None else y

@@ -239,16 +239,31 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        if self.vnni and flat.dtype == torch.bfloat16:
-            y = torch.ops.aici.int8_vnni_mm(flat.contiguous(), self.vnni_codes, self.vnni_scale,
-                                            self.out_features)
-        elif self.codes.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scale)
-        else:  # no int8 weight-only kernel: widen per call
-            y = F.linear(flat, self.codes.to(flat.dtype)) * self.scale
+        y = int8_mm(flat, self.codes, self.scale, self.vnni_scale if self.vnni else None,
+                    self.vnni_codes if self.vnni else None)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+
+def int8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+            vnni_scale: torch.Tensor | None = None,
+            tiled: torch.Tensor | None = None) -> torch.Tensor:
+    """x [r, K] times int8 `codes` [N, K] with row `scale` [N] -> [r, N]: the one kernel
+    choice of int8 weights, for a layer's passes and for the masked projection's gathered
+    rows alike (so that both give the same values).
+
+    The VNNI kernel for bf16 passes where the weights have its layout (`vnni_scale`: the
+    float32 scales it takes; `tiled`: the tiles kept, else `codes` tiled per call), else
+    PyTorch's int8 kernel on the CPU, else (no int8 weight-only kernel) widened per call.
+    """
+    if vnni_scale is not None and x.dtype == torch.bfloat16:
+        if tiled is None:
+            return int_mm.int8_rows_mm(x, codes, vnni_scale)
+        return torch.ops.aici.int8_vnni_mm(x.contiguous(), tiled, vnni_scale, codes.shape[0])
+    if codes.device.type == "cpu":
+        return torch.ops.aten._weight_int8pack_mm(x, codes, scale)
+    return F.linear(x, codes.to(x.dtype)) * scale
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,9 +11,9 @@ from typing import Any
 from aici_cli.core.errors import ModelError
 from aici_cli.models.cache.conversions import cache_target, models_dir
 from aici_cli.models.cache.entries import cache_entries
+from aici_cli.models.sources import packaged
 from aici_cli.models.sources.hub import hub_cache_dir, hub_models
 from aici_cli.models.sources.packaged import DEFAULT_MODEL
-from aici_cli.models.sources import packaged
 
 
 def available_models() -> dict[str, Any]:

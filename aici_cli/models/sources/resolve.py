@@ -16,9 +16,9 @@ from pathlib import Path
 
 from aici_cli.core.errors import ModelError
 from aici_cli.models.cache.conversions import cache_target, converted_gguf, slug
+from aici_cli.models.sources import packaged
 from aici_cli.models.sources.hub import hub_model
 from aici_cli.models.sources.packaged import DEFAULT_MODEL, ModelSource, source_of_gguf
-from aici_cli.models.sources import packaged
 
 _ACCEPTED = ("expected a Hugging Face model directory, a .gguf file, a hub id cached locally "
              "(org/name), or a short name ('aici-batch models' lists them)")
