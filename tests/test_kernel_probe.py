@@ -33,6 +33,7 @@ from aici_cli.models.kernels.probe import (
     verdict,
 )
 from aici_cli.models.quant.quantize import resolve_mode
+from aici_cli.models.sources.resolve import resolve_model
 
 TINY = Shapes(hidden=64, intermediate=128, vocab=256, heads=4, kv_heads=2, head_dim=16,
               layers=2)
@@ -185,7 +186,7 @@ def test_a_run_falls_back_says_so_in_one_line_and_records_it(
 
 @pytest.mark.subprocess
 def test_doctor_prints_the_fingerprint_every_verdict_and_the_pick(
-        tiny_model_dir: Path, tmp_path: Path) -> None:
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", "Q4_1")
@@ -206,7 +207,9 @@ def test_doctor_prints_the_fingerprint_every_verdict_and_the_pick(
     assert all(m["step_ms"] > 0 for m in verdicts.values() if m["ok"])
     # `auto`'s first mode is this machine's (int4 where bf16 is native, the CPU's own
     # kernels elsewhere): it is rejected, and walked past, only where it is the faulty int4.
-    first = resolve_mode("auto", gguf, pick_dtype("auto", torch.device("cpu")))
+    monkeypatch.setenv("AICI_BATCH_CACHE", env["AICI_BATCH_CACHE"])  # converted there
+    first = resolve_mode("auto", resolve_model(str(gguf)),
+                         pick_dtype("auto", torch.device("cpu")))
     auto = report["auto"]
     assert auto["quantize"] != "int4"
     assert bool(auto["rejected"]) == (first == "int4"), (first, auto)

@@ -326,7 +326,7 @@ def test_killed_conversion_does_not_poison_later_runs(
         import os, signal
         from pathlib import Path
         from aici_cli.models.gguf import convert as gguf_convert
-        from aici_cli.models.sources.packaged import resolve
+        from aici_cli.models.sources import resolve
         def convert(gguf, out_dir):
             (out_dir / "model.safetensors").write_bytes(b"partial")
             os.kill(os.getpid(), signal.SIGKILL)
