@@ -141,7 +141,7 @@ def main() -> int:
             inst[guest].append((time.perf_counter() - t0) * 1000)
     report["instantiate_ms"] = {g: {"p50": pct(v, 50), "p99": pct(v, 99)} for g, v in inst.items()}
 
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     from wat import Guest, component, save  # the tests' WAT guests
 
     components["wat_guest"] = ControllerComponent.load(

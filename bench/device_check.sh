@@ -18,7 +18,7 @@ if [[ "${1:-}" == "--smoke" ]]; then
   # The tiny random model of the tests: every step runs, in about a minute on 2 cores.
   DEVICE=cpu; BATCHES=1,2; LINES=2; TOKENS=64; QUANT=none,int4; LIMIT=300
   MODEL="$OUT/tiny-model"
-  PYTHONPATH="tests${PYTHONPATH:+:$PYTHONPATH}" $PY -c \
+  PYTHONPATH="tests/support${PYTHONPATH:+:$PYTHONPATH}" $PY -c \
     "import sys; from tiny_model import build_tiny_model; build_tiny_model(sys.argv[1])" \
     "$MODEL" >/dev/null 2>&1
   TESTS=(-m cuda)          # collected and skipped without CUDA: the markers stay valid
@@ -46,8 +46,8 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 # The default model's conversion, once per machine (~20 s on 16 cores), outside the rest.
 [[ $MODEL == default ]] && step prepare 120 $PY -c \
   "from aici_cli.models import resolve_model; resolve_model(None)"
-step tests "$LIMIT" $PY -m pytest -q "${TESTS[@]}" tests/test_quantize.py \
-  tests/test_compiled_decode.py
+step tests "$LIMIT" $PY -m pytest -q "${TESTS[@]}" tests/models/quant/test_quantize.py \
+  tests/engine/forward/test_compiled_decode.py
 for q in ${QUANT//,/ }; do
   step "step_profile_$q" "$LIMIT" $PY bench/step_profile.py --models "$MODEL" \
     --device "$DEVICE" --quantize "$q" --batch-sizes "$BATCHES" --lines "$LINES" \

@@ -13,8 +13,8 @@ under out/model_impl/:
         --quantize none --rounds 5 --no-start-up
 
 Both run the same packed passes through the same cache and attention; their logits are
-equal bit for bit (tests/test_llama.py, tests/test_own_families.py), so the difference is
-the Python around the ops.
+equal bit for bit (tests/models/families/test_llama.py,
+tests/models/families/test_own_families.py), so the difference is the Python around the ops.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """What `--quantize` costs in quality, against the bf16 run of the same model.
 
-Three measures, each for every mode in --modes against `none` (bf16 weights):
+Three measures, each for every mode in --modes against `none` (dense weights), all at
+--dtype activations (`int4-torch`: int4 on PyTorch's kernel, the project's int kernels
+off; set AICI_BATCH_ISA=avx2 to measure what an AVX2 machine runs):
 
 - KL divergence of the next-token distributions on held-out text (prose the project
   never tunes on: the GPL-3 text Debian ships, in windows of --window tokens), mean over
@@ -15,7 +17,7 @@ Three measures, each for every mode in --modes against `none` (bf16 weights):
   over the matrix's largest value, mean over the matrices of each type): the blocks
   mapped as runs map them (`aici_cli/models/gguf/kquant.py`), min/max int4 per group of 32,
   int8 per channel. Q5_K is measured on the file's Q6_K matrices written again as Q5_K
-  (the test suite's encoder, `tests/arch_gguf.py`), where the file has none.
+  (the test suite's encoder, `tests/support/arch_gguf.py`), where the file has none.
 
     python bench/quantize_quality.py --modes int8,int4 --schemas 32 --max-tokens 256
     python bench/quantize_quality.py --model gemma-3-270m --skip json,eval \
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -122,7 +125,7 @@ def weight_errors(gguf_file: Path) -> dict[str, dict[str, Any]]:
     from aici_cli.models.gguf import kquant
     from aici_cli.models.quant.quantize import quantize_int4, quantize_int8
 
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "support"))
     from arch_gguf import quantize_k
 
     def error(a: Any, w: Any) -> tuple[float, float]:
@@ -185,6 +188,8 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--skip", default="", help="comma list of: kl,json,eval,weights")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "quantize_quality.json")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="the activation dtype of every mode (float32: the AVX2 default)")
     ap.add_argument("--gguf", type=Path, default=None,
                     help="the model's GGUF file, for the `weights` measure")
     args = ap.parse_args()
@@ -204,7 +209,11 @@ def main() -> int:
                       f"max/max|w| {peak:.4f}", flush=True)
     reference = None
     for mode in ["none", *args.modes.split(",")]:
-        lm = load_model(args.model, "cpu", "bfloat16", mode)
+        # `int4-torch`: int4 on PyTorch's kernel (the project's int kernels off), so the
+        # cost of their 8-bit activations shows apart from the weights' rounding.
+        quantize, _, torch_kernel = mode.partition("-")
+        os.environ["AICI_BATCH_VNNI"] = "off" if torch_kernel == "torch" else "on"
+        lm = load_model(args.model, "cpu", args.dtype, quantize)
         row: dict[str, Any] = {}
         if "kl" not in skip:
             lp = next_token_logprobs(lm, text, args.window, args.windows)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # tiny_model.py, wat.py
+sys.path.insert(0, str(REPO / "tests" / "support"))  # tiny_model.py, wat.py
 
 
 def hook_costs() -> dict[str, float]:

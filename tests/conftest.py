@@ -24,15 +24,25 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 # `aici-batch run` in the tests (CliRunner in this process, and the runs they start as
 # processes, which inherit it) runs its engine inline, in the run's own process: fast, and
-# monkeypatches reach it. tests/test_engine_process.py runs the engine process itself.
+# monkeypatches reach it. tests/run/backends/test_engine_process.py runs the engine process
+# itself.
 os.environ.setdefault("AICI_BATCH_ENGINE_PROCESS", "inline")
 # Loads in the tests skip the kernel probe (a child process per mode and cache folder,
-# and many tests use a cache folder of their own); tests/test_kernel_probe.py and the
-# kernel-path matrix (tests/test_kernel_matrix.py) run it.
+# and many tests use a cache folder of their own); tests/models/kernels/test_kernel_probe.py
+# and the kernel-path matrix (tests/models/kernels/test_kernel_matrix.py) run it.
 os.environ.setdefault("AICI_BATCH_KERNEL_PROBE", "off")
 # Set by .ci/run (after `make setup` installed the JavaScript toolchain): there the
 # JavaScript tests fail instead of skipping when node or componentize-js is missing.
 REQUIRE_JS = "AICI_REQUIRE_JS"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The project's int kernels (models/kernels/int_mm.py) built where the cache lacks
+    them (~6 s, once per machine and source) and loaded, before any test: a test that
+    loads a quantised model then starts no compiler (its process's reading is cached)."""
+    from aici_cli.models.kernels import int_mm
+
+    int_mm.unusable()
 
 
 def pytest_configure(config: pytest.Config) -> None:

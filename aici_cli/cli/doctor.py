@@ -66,8 +66,9 @@ def _text(report: dict[str, Any]) -> str:
     lines += ["", f"auto picks  {auto['dtype']}+{auto['quantize']}"]
     lines += [f"            (rejected {label}: {reason})" for label, reason in auto["rejected"]]
     vnni = report["vnni"]
-    lines.append("VNNI        " + ("bf16 int4/int8 passes run the VNNI kernels" if vnni["used"]
-                                   else f"off: {vnni['why_not']}"))
+    forced = f" (forced: AICI_BATCH_ISA={report['isa_forced']})" if report["isa_forced"] else ""
+    lines.append("int kernels " + (f"{vnni['variant']}: quantised passes run them{forced}"
+                                   if vnni["used"] else f"off: {vnni['why_not']}{forced}"))
     lines.append("step ms: one decode step's linear kernels at 1 row on 1 thread, weights "
                  "in cache")
     return "\n".join(lines)

@@ -47,9 +47,10 @@ def prepare_command(model: str | None, device: str, dtype: str, quantize: str,
         raise FatalError(str(e)) from None
     what = f"{done.model} ({done.dtype}, quantize {done.quantize}, {done.device})"
     if done.compiled:
-        rows = " and ".join(str(n) for n in done.rows)
+        rows = " and ".join(str(n) for n in done.rows) + " rows" + \
+            (", and 1 at --batch-size 1" if batch_size > 1 else "")
         click.echo(f"prepared {what} in {done.load_s + done.build_s:.0f} s: runs with these "
-                   f"options start with the compiled one-token step ({rows} rows)")
+                   f"options start with the compiled one-token step ({rows})")
     else:
         click.echo(f"prepared {what} in {done.load_s + done.build_s:.0f} s; its one-token "
                    f"steps stay eager here: {done.problem or 'not compiled'}")

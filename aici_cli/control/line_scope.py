@@ -18,13 +18,7 @@ import json
 from typing import Any
 
 from aici_cli.core.errors import ControllerError
-
-
-def _size_text(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):g} {unit}"
-    return f"{n} bytes"
+from aici_cli.core.units import byte_size
 
 
 def _shown(key: str) -> str:
@@ -69,7 +63,7 @@ class LineScope:
             raise ControllerError(
                 "storage_quota",
                 f"storage {op} {_shown(key)}: the line's storage would hold {used:,} bytes of "
-                f"keys and values, more than the {_size_text(max_bytes)} allowed per line",
+                f"keys and values, more than the {byte_size(max_bytes)} allowed per line",
             )
         self.storage[key] = value
         self.storage_bytes = used
@@ -90,7 +84,7 @@ class LineScope:
             raise ControllerError(
                 "outputs_too_large",
                 f"set-line-output {_shown(key)}: the line's outputs would take {used:,} bytes "
-                f"of key and value text, more than the {_size_text(max_bytes)} allowed",
+                f"of key and value text, more than the {byte_size(max_bytes)} allowed",
             )
         self._output_bytes = used
         self._output_sizes[key] = size

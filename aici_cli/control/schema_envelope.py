@@ -14,8 +14,9 @@ Torch-free; a dictionary walk of the top level only.
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
+
+from aici_cli.core.suggest import did_you_mean
 
 # Keywords that constrain a value, in any draft (2020-12 back to draft 4).
 CONSTRAINING = frozenset({
@@ -76,11 +77,9 @@ def _probably_meant(schema: dict[str, Any], unknown: list[str]) -> str:
     if "schema" in schema or "json_schema" in schema:
         return ("an OpenAI envelope? Give the JSON Schema itself (what is under its "
                 "'schema'), or only the keys 'name', 'strict', 'description', 'schema'")
-    close = {k: difflib.get_close_matches(k, sorted(CONSTRAINING), n=1, cutoff=0.75)
-             for k in unknown}
-    typos = [f"'{m[0]}' for '{k}'" for k, m in close.items() if m]
+    typos = did_you_mean(unknown, CONSTRAINING)
     if typos:
-        return f"did you mean {', '.join(typos)}?"
+        return typos
     if unknown and all(isinstance(schema[k], dict) for k in unknown):
         return ('these look like properties: did you mean {"type": "object", '
                 '"properties": {...}}?')

@@ -32,11 +32,12 @@ class EngineConfig:
     # output that finishes on its own without looping is unchanged by either.
     close_at_limit: bool = True
     loop_guard: bool = True
-    # Batch-invariant forward passes (engine/invariant.py): a line's tokens do not depend
-    # on its batch, row, drafts or prefix-cache hits. Off by default: it costs throughput.
+    # The deterministic mode (engine/forward/deterministic.py), its passes batch-invariant:
+    # a line's tokens do not depend on its batch, row, drafts or prefix-cache hits. Off by
+    # default: it costs throughput.
     deterministic: bool = False
     # With `deterministic`: first check that this machine's kernels keep the promise
-    # (engine/invariance_check.py, cached per machine); the check's own engines do not.
+    # (engine/deterministic_check.py, cached per machine); the check's own engines do not.
     check_invariance: bool = True
     # Times a line generated with a relaxed schema (`--schema-fallback relax`) is generated
     # again, with another seed, when its output does not validate (engine/retry.py).

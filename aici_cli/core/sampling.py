@@ -14,8 +14,8 @@ defaults (cli/run_options.py) and `JobDefaults.sampling`, a line's fields read i
 the OpenAI batch mapping (formats/openai_batch.py), `made_with` (run/made_with.py) and
 lm-eval's gen_kwargs (evals/requests.py). The input-line schema
 (schemas/input-line.schema.json, a published file) holds each range as `Option.schema`
-gives it, which tests/test_sampling_definition.py checks. Adding an option is a field
-here, its use in the sampler (engine/logits/sampling.py), its entry in that schema (with
+gives it, which tests/core/test_sampling_definition.py checks. Adding an option is a field
+here, its use in the sampler (engine/logits/sampler.py), its entry in that schema (with
 a description for its readers) and a test.
 
 Torch-free, like the rest of core.

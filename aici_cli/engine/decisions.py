@@ -19,7 +19,7 @@ from aici_cli.control.base import Directive
 from aici_cli.engine.clock import Now, ms
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.logits.masks import controller_fault
-from aici_cli.engine.logits.sampling import branch_generator
+from aici_cli.engine.logits.sampler import branch_generator
 
 Place = Callable[[Generation], None]  # a generation that is done, or waits for a row
 

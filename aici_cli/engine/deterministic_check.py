@@ -1,6 +1,6 @@
 """Whether this machine keeps `--deterministic`'s promise, checked on first use.
 
-The batch-invariant mode (engine/forward/deterministic.py) rests on kernel behaviour that
+The deterministic mode (engine/forward/deterministic.py) rests on kernel behaviour that
 differs between CPUs, BLAS builds, thread counts and GPUs: that a GEMM rounds a row alike
 whatever the number of rows beside it (from TILE_ROWS up), that a norm reduces each token
 alone, and that nothing else in the model's forward pass depends on the shape of the whole pass.
@@ -36,7 +36,7 @@ import torch
 
 from aici_cli.core.cache_paths import cache_dir
 from aici_cli.core.errors import ModelError
-from aici_cli.engine.forward.deterministic import TILE_ROWS, invariant_linear
+from aici_cli.engine.forward.deterministic import TILE_ROWS, deterministic_linear
 from aici_cli.models.kernels.cpu_features import cpu_features
 from aici_cli.models.load import LoadedModel
 
@@ -52,7 +52,7 @@ QUESTIONS = ("What is the capital of France?", "Why is the sky blue?",
              "Name a prime number.", "What do bees make?")
 
 
-def ensure_invariant(lm: LoadedModel, run_lines: Callable[..., dict[str, Any]]) -> None:
+def ensure_deterministic(lm: LoadedModel, run_lines: Callable[..., dict[str, Any]]) -> None:
     """Raise ModelError when this machine's kernels break batch invariance for `lm`;
     `run_lines(**engine_config)` runs the end-to-end lines and returns their signatures.
     Cached per machine and model shape (see the module docstring)."""
@@ -110,7 +110,7 @@ def kernel_problem(lm: LoadedModel) -> str | None:
 
 def _linear_problem(module: torch.nn.Linear, lm: LoadedModel) -> str | None:
     def linear(x: torch.Tensor) -> torch.Tensor:
-        return invariant_linear(x, module.weight, module.bias)
+        return deterministic_linear(x, module.weight, module.bias)
 
     return _rows_problem(linear, module.in_features, lm)
 

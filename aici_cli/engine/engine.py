@@ -27,7 +27,7 @@ from aici_cli.core.job import BadLine, Job
 from aici_cli.core.line_stats import StepTimes
 from aici_cli.engine.clock import Now
 from aici_cli.engine.decisions import Decisions
-from aici_cli.engine.deterministic_check import check_run, ensure_invariant
+from aici_cli.engine.deterministic_check import check_run, ensure_deterministic
 from aici_cli.engine.finishing import Finishing
 from aici_cli.engine.forward.attention import install
 from aici_cli.engine.forward.cache import row_cache
@@ -55,7 +55,7 @@ class Engine:
                  now: Now = time.perf_counter,
                  intake: type[LineIntake] = LineIntake) -> None:
         if config.deterministic and config.check_invariance:
-            ensure_invariant(lm, functools.partial(
+            ensure_deterministic(lm, functools.partial(
                 check_run, functools.partial(Engine, lm), config))
         self.lm = lm
         self.config = config

@@ -81,7 +81,7 @@ class Generation:
     earlier: list[dict[str, Any]] = field(default_factory=list)
     # With logprobs: one record per output token so far (None where none could be read).
     logprobs: list[dict[str, Any] | None] | None = None
-    closing: bool = False  # finished, and took one more pass to read its last logprobs
+    read_out: bool = False  # finished, and took its readout (a pass for its last logprobs)
     rules: LogitRules | None = None  # penalties, logit_bias, min_tokens (None: none)
     scored: ScoredChoice | None = None  # a scored choice's row: read once, never sampled
     branch: Branch | None = None  # its line's sequences, once its controller can fork

@@ -15,7 +15,7 @@ from aici_cli.engine.decisions import Decisions, Place
 from aici_cli.engine.generation import Generation, SampleGroup
 from aici_cli.engine.intake import Emit, LineIntake
 from aici_cli.engine.logits.logit_rules import LogitRules
-from aici_cli.engine.logits.sampling import row_generator
+from aici_cli.engine.logits.sampler import row_generator
 from aici_cli.engine.rows import Prepared
 from aici_cli.engine.scoring import ScoredChoice, shared_token_choices
 from aici_cli.engine.trace_hooks import EngineTracer

@@ -10,11 +10,12 @@ Within a step (times in `StepClock` marks, from the plan's start):
      into controllers, through `masks.MaskSource`;
   2. one packed forward pass over the plan's span (passes.py); where every sampling row is
      masked (and greedy, or the kernel exact), it stops at the final hidden states, and
-     rows whose masks allow few tokens are projected at those alone (the masked finish,
-     `logits/masked_finish.py`);
+     rows whose masks allow few tokens are projected at those alone (the masked projection,
+     `logits/masked_projection.py`);
   3. the penalties, `logit_bias` and `min_tokens` hold of rows that set them, then the
      masks, in place (`logits/logit_rules.py`, `masks.py`);
-  4. one token for every row that samples (not scored, closing, failed or deferred).
+  4. one token for every row that samples (not scored, taking its readout, failed or
+     deferred).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from aici_cli.engine.clock import Now, StepClock
 from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.passes import ModelPass, PassOutput
 from aici_cli.engine.logits.logit_rules import LogitRules, draft_picks, rules_before_masks
-from aici_cli.engine.logits.masked_finish import MaskedFinish
+from aici_cli.engine.logits.masked_projection import MaskedProjection
 from aici_cli.engine.logits.masks import MaskVerdict, TokenMasks, apply_masks
-from aici_cli.engine.logits.sampling import Draw, log_softmax, sample
+from aici_cli.engine.logits.sampler import Draw, log_softmax, sample
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.models.load import LoadedModel
 
@@ -45,8 +46,8 @@ class ModelRunner:
         self.model_pass = ModelPass(lm, cache, config.deterministic, config.compile)
         self.masks = TokenMasks(config.batch_size, lm.vocab_size)
         self.masked_logprobs = config.logprobs_mode == "masked"
-        self.finish = MaskedFinish.for_model(lm.model, lm.vocab_size, torch.device(lm.device),
-                                             config.deterministic)
+        self.projection = MaskedProjection.for_model(lm.model, lm.vocab_size,
+                                                     torch.device(lm.device), config.deterministic)
         self.now = now
         self.pool: ThreadPoolExecutor | None = None  # the mask worker, for one run
 
@@ -76,7 +77,7 @@ class ModelRunner:
         drafts = [list(d) for d in plan.drafts]  # a pass out of memory drops them
         masks = self.pool.submit(self.masks.fill, plan.span, plan.masks)  # beside the pass
         clock.mark("forward")
-        hidden = self.finish is not None and self.finish.may_use(
+        hidden = self.projection is not None and self.projection.may_use(
             plan.draws, plan.masks, plan.rules, plan.logprobs, plan.offsets, drafts)
         step = (plan.first_row, plan.lengths, plan.chunks, drafts, plan.offsets,
                 plan.steps_ahead, plan.rows_bound)
@@ -108,12 +109,12 @@ class ModelRunner:
     def _project(self, passed: PassOutput, verdict: MaskVerdict,
                  draws: Sequence[Draw | None]) -> PassOutput:
         """A pass that stopped at hidden states, projected now the masks are known: at the
-        allowed ids of the rows that sample, or whole (`MaskedFinish.project`)."""
-        if not passed.hidden or self.finish is None:
+        allowed ids of the rows that sample, or whole (`MaskedProjection.project`)."""
+        if not passed.hidden or self.projection is None:
             return passed
         rows = [k for k, d in enumerate(draws) if d is not None
                 and k not in verdict.deferred and k not in verdict.failed]
-        logits = self.finish.project(passed.every, verdict.disallowed, rows)
+        logits = self.projection.project(passed.every, verdict.disallowed, rows)
         return dataclasses.replace(passed, every=logits, hidden=False)
 
     def _next_logprobs(self, logits: torch.Tensor, rows: Collection[int],

@@ -23,7 +23,7 @@ from aici_cli.engine.clock import StepClock
 from aici_cli.engine.forward.passes import PassOutput
 from aici_cli.engine.logits.logit_rules import LogitRules
 from aici_cli.engine.logits.masks import MaskSource
-from aici_cli.engine.logits.sampling import Draw
+from aici_cli.engine.logits.sampler import Draw
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,13 @@ class StepPlan:
     (empty: it sits the pass out) and its prompt-lookup draft `drafts[k]` (empty: none);
     `offsets[k]` are offsets in its chunk whose logits it needs too (a scored choice's, or
     fast-forwarded tokens' for raw logprobs); `draws[k]` is how it samples (None: it does
-    not: it sits out, is a scored choice, or takes its closing pass); `masks[k]` fills its
+    not: it sits out, is a scored choice, or takes its readout); `masks[k]` fills its
     mask (None: unconstrained, or not sampled); `rules[k]` its logit rules (synced with its
     output, `outputs[k]` tokens long). `copies` are prefix copies `(src, dst, n)` to make,
     in order, before the pass (`rows.RowTable.take_part`). `logprobs`: rows that read the
-    next token's log-softmax; `scoring` rows are read, not sampled; `closing` rows finished
-    and take one more pass for the logprobs of their last fast-forwarded tokens.
+    next token's log-softmax; `scoring` rows are read, not sampled; `readout` rows finished
+    and take their readout: one more pass, only to read the logprobs of their last
+    fast-forwarded tokens.
     `steps_ahead` bounds the one-token steps still to come (whether compiling the decode
     step pays); `rows_bound` the rows (below). `started`: the step's clock start."""
 
@@ -55,7 +56,7 @@ class StepPlan:
     outputs: tuple[int, ...]
     logprobs: frozenset[int]
     scoring: frozenset[int]
-    closing: frozenset[int]
+    readout: frozenset[int]
     kind: str  # "prefill" (a row feeds its prompt) | "decode"
     fed: int  # positions fed to the model
     steps_ahead: int

@@ -16,7 +16,7 @@ from typing import Any
 
 from aici_cli.core.job import Job
 from aici_cli.core.line_stats import summed_stats
-from aici_cli.engine.logits.sampling import MIN_TEMPERATURE
+from aici_cli.engine.logits.sampler import MIN_TEMPERATURE
 
 RETRY_TEMPERATURE = 0.7
 

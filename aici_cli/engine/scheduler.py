@@ -37,7 +37,7 @@ from aici_cli.engine.launch import Launcher
 from aici_cli.engine.logits.logit_rules import LogitRules
 from aici_cli.engine.logits.logprobs import TokenBytes, fed_offsets, fill_fed
 from aici_cli.engine.logits.masks import MaskSource
-from aici_cli.engine.logits.sampling import MIN_TEMPERATURE, Draw
+from aici_cli.engine.logits.sampler import MIN_TEMPERATURE, Draw
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.engine.rows import Prepared, RowTable
 from aici_cli.engine.trace_hooks import EngineTracer
@@ -280,12 +280,12 @@ class Scheduler:
     def _retire(self, plan: StepPlan, gens: Sequence[Generation | None],
                 positions: Iterable[int]) -> None:
         """Free the rows of the generations at `positions` that finished; a generation
-        that still takes its closing pass keeps its row."""
+        that still takes its readout keeps its row."""
         for k in positions:
             gen = gens[k]
             row = plan.span[k]
             if (gen is None or gen.finish is None or self.table.gens[row] is not gen
-                    or self._closing_pass(gen)):
+                    or self._takes_readout(gen)):
                 continue
             if (gen.logprobs is not None and self.masked_logprobs
                     and gen.finish.reason != "error"):
@@ -295,13 +295,14 @@ class Scheduler:
             self.table.release(row)
             self._ended(gen)
 
-    def _closing_pass(self, gen: Generation) -> bool:
-        """Whether a finished generation keeps its row for one more pass: its last tokens
-        were fast-forwarded and never fed, and the line wants their (raw) logprobs."""
+    def _takes_readout(self, gen: Generation) -> bool:
+        """Whether a finished generation keeps its row for its readout, one more pass only
+        to read logprobs: its last tokens were fast-forwarded and never fed, and the line
+        wants their (raw) logprobs."""
         return (gen.logprobs is not None and not self.masked_logprobs
                 and gen.finish is not None and gen.finish.reason != "error"
                 and len(gen.logprobs) < len(gen.output) and bool(gen.pending)
-                and gen.stats.forward_passes > 0 and not gen.closing)
+                and gen.stats.forward_passes > 0 and not gen.read_out)
 
 
 def propose_drafts(gens: Sequence[Generation | None], k: int, eos: Collection[int],
@@ -343,7 +344,7 @@ def _plan(gens: list[Generation | None], span: list[int], copies: list[tuple[int
     rules: list[LogitRules | None] = []
     logprobs: set[int] = set()
     scoring: set[int] = set()
-    closing: set[int] = set()
+    readout: set[int] = set()
     fed = prefill = 0
     for k, g in enumerate(gens):
         if g is None:
@@ -359,12 +360,12 @@ def _plan(gens: list[Generation | None], span: list[int], copies: list[tuple[int
         outputs.append(len(g.output))
         fed += len(g.pending)
         prefill += g.stats.forward_passes == 0
-        # Scored choices and closing rows are read, not sampled (and need no mask).
+        # Scored choices and rows taking their readout are read, not sampled (no mask).
         read_only = g.scored is not None or g.finish is not None
         if g.scored is not None:
             scoring.add(k)
         if g.finish is not None:
-            closing.add(k)
+            readout.add(k)
         if g.logprobs is not None and g.scored is None:
             logprobs.add(k)
         draws.append(None if read_only else Draw(g.job.sampling, g.generator))
@@ -377,5 +378,5 @@ def _plan(gens: list[Generation | None], span: list[int], copies: list[tuple[int
     return StepPlan(tuple(span), tuple(lengths), tuple(chunks), tuple(copies),
                     tuple(tuple(d) for d in drafts), tuple(tuple(o) for o in offsets),
                     tuple(draws), tuple(masks), tuple(rules), tuple(outputs),
-                    frozenset(logprobs), frozenset(scoring), frozenset(closing),
+                    frozenset(logprobs), frozenset(scoring), frozenset(readout),
                     "prefill" if prefill else "decode", fed, steps_ahead, rows_bound, started)

@@ -20,7 +20,7 @@ from aici_cli.engine.clock import Now, ms
 from aici_cli.engine.decisions import Decisions
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.logits.logprobs import TokenBytes, entry, fill_fed
-from aici_cli.engine.logits.sampling import log_softmax
+from aici_cli.engine.logits.sampler import log_softmax
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.engine.trace_hooks import EngineTracer
 
@@ -56,13 +56,13 @@ class Update:
             if gen is not None:
                 self._commit_directive(gen, directive, out.times)
         self._score(gens, plan.scoring, out)  # scored choices: read once, then done
-        for k in plan.closing:  # took their closing pass: their logprobs are filled
+        for k in plan.readout:  # took their readout: their logprobs are filled
             gen = gens[k]
             if gen is not None:
                 gen.took_part(out.times)
-                gen.closing = True
+                gen.read_out = True
         real = [k for k, _ in out.sampled]
-        done = [*real, *out.deferred, *sorted(plan.scoring), *sorted(plan.closing)]
+        done = [*real, *out.deferred, *sorted(plan.scoring), *sorted(plan.readout)]
         forking = [k for k in (*real, *out.deferred)
                    if (g := gens[k]) is not None and g.forking]
         return Applied(done, forking, controller_ms)

@@ -14,7 +14,6 @@ chat completion or a text completion; aici-batch's own per-line figures ride alo
 
 from __future__ import annotations
 
-import difflib
 import re
 import time
 import uuid
@@ -25,6 +24,7 @@ from typing import Any
 from aici_cli.core.job import TranslateError
 from aici_cli.core.json_text import show
 from aici_cli.core.sampling import OPTIONS
+from aici_cli.core.suggest import did_you_mean
 from aici_cli.formats.jobs.parse import Translate
 from aici_cli.formats.request_constraints import BODY_FIELDS, BatchRequestError, constraint_fields
 from aici_cli.formats.schemas import load_schema
@@ -145,8 +145,9 @@ def _envelope(obj: Any) -> tuple[str, str, dict[str, Any]]:
     body = {key: value for key, value in body.items() if value is not None}
     unsupported = sorted(set(body) - _KNOWN)
     if unsupported:
+        hint = did_you_mean(unsupported, _KNOWN)
         raise BatchRequestError(f"unsupported body field(s): {', '.join(unsupported)}"
-                           f"{_did_you_mean(unsupported)}")
+                                + (f" ({hint})" if hint else ""))
     if body.get("stream") is not None and body["stream"] is not False:
         raise BatchRequestError(f"body.stream must be false in a batch, got {show(body['stream'])}")
     return custom_id, url, body
@@ -170,16 +171,6 @@ def _prompt(body: dict[str, Any], url: str) -> dict[str, Any]:
     if isinstance(prompt, list):
         raise BatchRequestError("body.prompt must be one string (one request per line)")
     return {"prompt": prompt}
-
-
-def _did_you_mean(unknown: list[str]) -> str:
-    """` (did you mean 'temperature' for 'temprature'?)` where a field is close to one
-    this reader knows."""
-    pairs = [(u, m[0]) for u in unknown
-             if (m := difflib.get_close_matches(u, sorted(_KNOWN), n=1, cutoff=0.75))]
-    if not pairs:
-        return ""
-    return " (did you mean " + ", ".join(f"'{m}' for '{u}'" for u, m in pairs) + "?)"
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     torch_dtype = pick_dtype(dtype, torch_device)
     resolve_mode(quantize, Path(), torch.float32)  # refuses an unknown mode before any work
     path, name = resolve_with_name(spec)
-    mode = resolve_mode(quantize, path, torch_dtype)
+    mode = resolve_mode(quantize, path, torch_dtype, torch_device)
     kernels = _probed(path, torch_device, dtype, quantize, torch_dtype, mode)
     torch_dtype, mode = DTYPES[kernels.dtype], kernels.quantize
     if mode == "none":
@@ -123,7 +123,7 @@ def _probed(path: Path, device: torch.device, dtype_spec: str, quantize_spec: st
     """The mode the kernel probe passes (`kernel_probe`): the chosen one, else the next
     where a choice was `auto` (said in one line), else a ModelError."""
     def auto_quantize(dt: str) -> str:
-        return resolve_mode(quantize_spec, path, DTYPES[dt])
+        return resolve_mode(quantize_spec, path, DTYPES[dt], device)
 
     choice = choose_kernels(path, device.type, dtype_spec, quantize_spec,
                             str(dtype).removeprefix("torch."), mode, auto_quantize)

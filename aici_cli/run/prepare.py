@@ -18,7 +18,8 @@ What a run makes once per model, mode and machine, and keeps in the cache:
 The first three happen as the model loads (the dense verdict right after). The packages
 are keyed by the step's row count, and runs use two counts: 1 (a one-line input, the
 tail of a file whose last line runs alone) and `--batch-size` (every row of the cache, a
-file of at least that many lines). Each is built by driving the engine at `--compile on`
+file of at least that many lines); and a run at `--batch-size 1` has a cache of one row,
+whose step is a package of its own, built too. Each is built by driving the engine at `--compile on`
 over a few tokens of that many synthetic lines, the way a run builds it; a last one-line
 run at `auto` then checks that a run starts compiled.
 """
@@ -61,8 +62,9 @@ class Preparation:
 
 def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> Preparation:
     """Load `config`'s model as a run would (converting, packing and probing it where
-    that was not done yet), then build the compiled step for 1 and `--batch-size` rows,
-    and check that a run at `--compile auto` starts compiled. `say` hears each stage.
+    that was not done yet), then build the compiled step for 1 and `--batch-size` rows
+    (and for one row in a one-row cache), and check that a one-line run at `--compile
+    auto` starts compiled, at `--batch-size` and at 1. `say` hears each stage.
     Raises `ModelError`/`UsageError` as a run reports them. Thread counts are the
     caller's (set before torch starts its pool)."""
     started = time.perf_counter()
@@ -72,24 +74,36 @@ def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> P
     if lm.device.type == "cpu" and lm.quantize == "int4" and probe.enabled():
         dense_verdict(lm.model.config, lm.dtype)  # what a run's first wide pass asks
     loaded = time.perf_counter()
-    engine_config = dataclasses.replace(config.engine, deterministic=False)
+    # No drafts: a pass with a draft runs eager, and the tiny prompts below repeat
+    # themselves, so their rows would draft instead of taking the one-token step.
+    engine_config = dataclasses.replace(config.engine, deterministic=False, draft_tokens=0)
     rows = tuple(dict.fromkeys((1, engine_config.batch_size)))
     problem: str | None = None
     if lm.device.type != "cpu":
         rows, problem = (), ("the packaged step is for CPU runs; on a GPU `--compile on` "
                              "compiles with torch.compile")
-    for n in rows:
-        say(f"building the compiled one-token step for {n} row{'s' * (n > 1)} "
-            f"(once per model, mode and machine)")
-        engine = _drive(lm, dataclasses.replace(engine_config, compile="on"), n)
+    # (rows, cache rows): a cache of one row (`--batch-size 1`) is a package of its own.
+    builds = [(n, engine_config.batch_size) for n in rows]
+    if rows and engine_config.batch_size > 1:
+        builds.append((1, 1))
+    for n, cache_rows in builds:
+        say(f"building the compiled one-token step for {n} row{'s' * (n > 1)}"
+            f"{' in a one-row cache (--batch-size 1)' if cache_rows == 1 < len(builds) else ''}"
+            " (once per model, mode and machine)")
+        engine = _drive(lm, dataclasses.replace(engine_config, compile="on",
+                                                batch_size=cache_rows), n)
         problem = engine.compiled_step_problem
         if problem is not None:
             break
     compiled = False
     if problem is None:
-        check = _drive(lm, dataclasses.replace(engine_config, compile="auto"), 1)
-        compiled = bool(check.compiled_steps)
-        problem = check.compiled_step_problem
+        for cache_rows in dict.fromkeys(c for _, c in builds):
+            check = _drive(lm, dataclasses.replace(engine_config, compile="auto",
+                                                   batch_size=cache_rows), 1)
+            compiled = bool(check.compiled_steps)
+            problem = check.compiled_step_problem
+            if not compiled:
+                break
     return Preparation(model=lm.name, quantize=lm.quantize,
                        dtype=str(lm.dtype).removeprefix("torch."), device=str(lm.device),
                        rows=rows, load_s=loaded - started,

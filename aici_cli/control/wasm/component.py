@@ -17,7 +17,7 @@ from aici_cli.control.wasm.faults import is_trap, root_cause
 from aici_cli.control.wasm.frozen_types import freeze
 from aici_cli.control.wasm.host_functions import make_linker
 from aici_cli.control.wasm.instance import GuestInstance
-from aici_cli.control.wasm.limits import DEFAULT_GUEST_LIMITS, GuestLimits, size_text
+from aici_cli.control.wasm.limits import DEFAULT_GUEST_LIMITS, GuestLimits
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.control.wasm.signatures import (
     CONSTRUCTOR,
@@ -33,6 +33,7 @@ from aici_cli.control.wasm.signatures import (
 from aici_cli.control.wasm.values import Lowering
 from aici_cli.control.wasm.wasm_engine import EpochTicker, SharedWasmEngine, shared_wasm_engine
 from aici_cli.core.errors import ControllerError
+from aici_cli.core.units import byte_size
 
 
 class ControllerComponent:
@@ -193,7 +194,7 @@ class ControllerComponent:
             if "exceeds memory limits" in msg:
                 raise ComponentError(
                     f"{self.path} needs more memory at start than the "
-                    f"{size_text(self.limits.memory_bytes)} cap: {root_cause(msg)}"
+                    f"{byte_size(self.limits.memory_bytes)} cap: {root_cause(msg)}"
                 ) from None
             if "exceeds table limits" in msg:
                 raise ComponentError(

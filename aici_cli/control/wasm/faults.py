@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
-from aici_cli.control.wasm.limits import GuestLimits, size_text
+from aici_cli.control.wasm.limits import GuestLimits
 from aici_cli.core.errors import ControllerError
+from aici_cli.core.units import byte_size
 
 
 class Fault(Exception):
@@ -49,7 +50,7 @@ def classify(message: str, phase: str, budget_ms: int, limits: GuestLimits) -> C
         return ControllerError(
             "controller_timeout", f"{phase} exceeded its {budget_ms} ms deadline"
         )
-    cap = size_text(limits.memory_bytes)
+    cap = byte_size(limits.memory_bytes)
     named = [f for f in frames if "<wasm function" not in f]
     where = f" in {named[0]}" if named else ""
     if "call stack exhausted" in message:

@@ -54,11 +54,3 @@ class GuestLimits:
 
 
 DEFAULT_GUEST_LIMITS = GuestLimits()
-
-
-def size_text(n: int) -> str:
-    """A byte count as messages about limits show it: "256 MiB", "1 KiB", "100 bytes"."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):g} {unit}"
-    return f"{n} bytes"

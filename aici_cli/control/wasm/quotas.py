@@ -15,8 +15,9 @@ import json
 from typing import Any
 
 from aici_cli.control.wasm.faults import Fault, clip
-from aici_cli.control.wasm.limits import GuestLimits, size_text
+from aici_cli.control.wasm.limits import GuestLimits
 from aici_cli.core.errors import ControllerError
+from aici_cli.core.units import byte_size
 
 
 class GuestQuotas:
@@ -67,7 +68,7 @@ class GuestQuotas:
                 ControllerError(
                     "outputs_too_large",
                     f"set-output {clip(key, 100)!r}: the outputs would take {used:,} bytes "
-                    f"of key and value text, more than the {size_text(limits.output_bytes)} "
+                    f"of key and value text, more than the {byte_size(limits.output_bytes)} "
                     "allowed per sequence",
                 )
             )

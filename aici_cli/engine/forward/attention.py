@@ -76,9 +76,10 @@ class PackedPlan:
     kv_len: int  # max over rows of length + n
     single: SingleGroup | None
     runs: list[RowRun]
-    # Batch-invariant mode (engine/forward/deterministic.py): one attention call per token,
-    # from these lists (the tensors above as Python ints), and linear layers in fixed tiles.
-    invariant: bool = False
+    # The deterministic mode (engine/forward/deterministic.py): one attention call per
+    # token, from these lists (the tensors above as Python ints), and linear layers in
+    # fixed tiles.
+    deterministic: bool = False
     token_row_list: list[int] | None = None
     token_slot_list: list[int] | None = None
 
@@ -100,10 +101,10 @@ def current_plan() -> PackedPlan | None:
     return getattr(_state, "plan", None)
 
 
-def invariant_pass() -> bool:
-    """True inside a packed pass of the batch-invariant mode."""
+def deterministic_pass() -> bool:
+    """True inside a packed pass of the deterministic mode."""
     plan = current_plan()
-    return plan is not None and plan.invariant
+    return plan is not None and plan.deterministic
 
 
 def install(model: Any) -> None:
@@ -165,7 +166,7 @@ def rows_attention(
     if plan is None:
         return _unplanned(module, query, key, value, attention_mask, dropout, scaling,
                           sliding_window, softcap, **kwargs)
-    if plan.invariant:
+    if plan.deterministic:
         if softcap is not None:
             raise NotImplementedError("attention logit soft-capping in --deterministic")
         assert plan.token_row_list is not None and plan.token_slot_list is not None

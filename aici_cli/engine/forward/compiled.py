@@ -214,7 +214,8 @@ class CompiledDecode:
         """Rows `first_row + i` feed `tokens[i]` (None: sits out) at position `lengths[i]`.
         The cache must already hold a capacity past every fed position. Returns the
         next-token logits [len(tokens), V] (a sitting-out row's are to be ignored), or with
-        `project` False the final hidden states [len(tokens), hidden] (masked finish)."""
+        `project` False the final hidden states [len(tokens), hidden] (for the masked
+        projection)."""
         b = len(tokens)
         rows = self.bucket(first_row + b, rows_bound)
         if self.device.type != "cuda":
@@ -240,7 +241,7 @@ class CompiledDecode:
         elif started is not None:
             self._packaged(rows, (h, cos, sin, self.cache.keys, self.cache.values, pos_t,
                                   valid_t, mask, sliding))
-            if rows not in self.graphs.packaged and not self.may_trace:
+            if self._key(rows) not in self.graphs.packaged and not self.may_trace:
                 raise NoPackage(f"the packaged step for {rows} rows did not load "
                                 f"({self.package_problem or 'none built'}), and too little "
                                 "work is ahead to trace one")
@@ -264,7 +265,7 @@ class CompiledDecode:
     def _has_package(self, rows: int) -> bool:
         """Whether `rows` rows have a packaged step: loaded, or on disk (a file check,
         once per bucket)."""
-        if self._graphs is not None and rows in self._graphs.packaged:
+        if self._graphs is not None and self._key(rows) in self._graphs.packaged:
             return True
         if rows not in self._package_ready:
             path = packaged_step.package_file(self.model, rows, self.cache.rows)
@@ -276,7 +277,7 @@ class CompiledDecode:
         else built now if this step builds packages. Where neither works, the bucket
         compiles with `torch.compile` (`package_problem` says why)."""
         graphs = self.graphs
-        if rows in graphs.packaged:
+        if self._key(rows) in graphs.packaged:
             return
         path = packaged_step.package_file(self.model, rows, self.cache.rows)
         try:
@@ -287,7 +288,12 @@ class CompiledDecode:
             self.package_problem = one_line(e, 300)
             return
         if step is not None:
-            graphs.packaged[rows] = step
+            graphs.packaged[self._key(rows)] = step
+
+    def _key(self, rows: int) -> tuple[int, bool]:
+        """The graphs' key of this cache's packaged step at `rows` rows (the graphs are
+        the model's, shared by engines of other cache sizes)."""
+        return rows, self.cache.rows == 1
 
     def _static_cache_addresses(self) -> None:
         """CUDA graphs replay fixed addresses: the cache buffers, written in place, are

@@ -170,8 +170,9 @@ class LayerGraphs:
                       for layer in self.layers]
         self._compiled: dict[int, StepFn] = {}  # CUDA: per signature
         self._whole: StepFn | None = None  # CPU: all layers
-        # CPU: the packaged step per row count (packaged_step.py), used before `_whole`.
-        self.packaged: dict[int, StepFn] = {}
+        # CPU: the packaged step per row count and whether the cache has one row (export
+        # specializes a size of 1: packaged_step.py), used before `_whole`.
+        self.packaged: dict[tuple[int, bool], StepFn] = {}
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor], pos: torch.Tensor,
@@ -180,7 +181,7 @@ class LayerGraphs:
         """Every layer for B rows of one token each (shapes as in `layer_step`; `sliding`
         as in `all_layers_step`)."""
         if self.device.type != "cuda":
-            packaged = self.packaged.get(h.shape[0])
+            packaged = self.packaged.get((h.shape[0], keys[0].shape[0] == 1))
             if packaged is not None:
                 return packaged(self.layers, h, cos, sin, keys, values, pos, valid, mask,
                                 sliding)

@@ -1,5 +1,6 @@
-"""Batch-invariant forward passes (`--deterministic`): a token's logits and keys depend on
-that token's row only, never on how many other tokens, rows or drafts share the pass.
+"""The deterministic mode's forward passes (`--deterministic`), batch-invariant: a token's
+logits and keys depend on that token's row only, never on how many other tokens, rows
+or drafts share the pass.
 
 Why a default pass is not: every reduction whose order follows the shape of the whole
 pass. Measured on CPU (torch 2.13, oneDNN/MKL):
@@ -47,8 +48,8 @@ import torch.nn.functional as F
 TILE_ROWS = 16
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+def deterministic_linear(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear over `x` [..., K], the same bits per row for any number of rows: GEMMs of
     exactly TILE_ROWS rows each (the last one padded with zero rows), on every device, so
     every row goes through one kernel of one shape."""
@@ -64,8 +65,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 def install(model: torch.nn.Module, enabled: Any) -> None:
-    """Make every `nn.Linear` of `model` run `invariant_linear` while `enabled()` is true (inside a
-    deterministic packed pass); otherwise it runs as before. Idempotent."""
+    """Make every `nn.Linear` of `model` run `deterministic_linear` while `enabled()` is
+    true (inside a deterministic packed pass); otherwise it runs as before. Idempotent."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and not getattr(module, "_aici_tiled", False):
             module.forward = types.MethodType(_forward(enabled), module)  # type: ignore[method-assign]
@@ -75,7 +76,7 @@ def install(model: torch.nn.Module, enabled: Any) -> None:
 def _forward(enabled: Any) -> Any:
     def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if enabled():
-            return invariant_linear(x, self.weight, self.bias)
+            return deterministic_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
     return forward
 

@@ -114,12 +114,12 @@ def build_inputs(
     attention_layout: AttentionLayout,
     device: torch.device,
     readouts: Sequence[Readout | None] | None = None,
-    invariant: bool = False,
+    deterministic: bool = False,
 ) -> ForwardInputs:
     """Inputs for rows `first_row ..` whose cache holds `lengths[i]` tokens and which feed
     `chunks[i]` (empty: the row sits this pass out). At least one chunk is non-empty.
     `readouts[i]` (default: the last position) says which of row i's positions to
-    return logits for. `invariant`: the batch-invariant pass
+    return logits for. `deterministic`: a pass of the deterministic mode
     (engine/forward/deterministic.py), which needs no masks.
 
     One walk over the rows fills every per-token and per-row list at once (this runs
@@ -153,7 +153,7 @@ def build_inputs(
         else:
             last.append(start + readout.next_at)
             extra += (start + offset for offset in readout.extras)
-        if invariant:
+        if deterministic:
             continue
         if n == 1:
             single_tok[i] = start
@@ -173,9 +173,9 @@ def build_inputs(
         kv_len=max(length + len(c) for length, c in zip(lengths, chunks)),
         single=single,
         runs=runs,
-        invariant=invariant,
-        token_row_list=token_rows if invariant else None,
-        token_slot_list=positions if invariant else None,
+        deterministic=deterministic,
+        token_row_list=token_rows if deterministic else None,
+        token_slot_list=positions if deterministic else None,
     )
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     mask: torch.Tensor | dict[str, torch.Tensor] = placeholder
@@ -195,7 +195,7 @@ def forward(model: Any, cache: Any, inputs: ForwardInputs, project: bool = True)
     """One packed pass; returns the logits of the positions `inputs.last` names: [b, vocab]
     with the default `keep`, row i's last token in row i (rows that fed nothing get the
     logits of token 0, to be ignored). `project` False (the project's own Llama module
-    only): their final hidden states [b, hidden] instead, for the masked finish."""
+    only): their final hidden states [b, hidden] instead, for the masked projection."""
     cache.plan = inputs.plan
     with packed(inputs.plan):
         out = model(

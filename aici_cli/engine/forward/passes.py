@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from aici_cli.engine.forward.attention import invariant_pass
+from aici_cli.engine.forward.attention import deterministic_pass
 from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.compiled import DecodeSteps
 from aici_cli.engine.forward.deterministic import install as install_tiled_linears
@@ -43,7 +43,7 @@ class PassOutput:
     order), then one after each fed draft token but the last. In the model's dtype, cut to
     the vocabulary. `out_of_memory`: positions of the rows that could not run even alone.
     `hidden`: `every` holds the rows' final (normed) hidden states [b, hidden] instead of
-    logits (a pass run with `project` False), for the masked finish to project."""
+    logits (a pass run with `project` False), for the masked projection."""
 
     every: torch.Tensor
     extra_at: list[int]
@@ -72,21 +72,22 @@ class PassOutput:
 
 
 class ModelPass:
-    def __init__(self, lm: LoadedModel, cache: RowCache, invariant: bool = False,
+    def __init__(self, lm: LoadedModel, cache: RowCache, deterministic: bool = False,
                  compile: str = "off") -> None:
-        """`invariant`: batch-invariant passes (`--deterministic`, see
-        engine/forward/deterministic.py);
+        """`deterministic`: the deterministic mode's passes, batch-invariant
+        (`--deterministic`, see engine/forward/deterministic.py);
         `compile`: when one-token steps run compiled (compiled.py)."""
         self.lm = lm
         self.cache = cache
         self.fits: int | None = None  # rows that fit in one pass, once one ran out of memory
         self.layout = AttentionLayout.for_config(lm.model.config)
-        self.invariant = invariant
-        if invariant:
-            install_tiled_linears(lm.model, invariant_pass)
-        self.decode = DecodeSteps(compile, lm.model, cache, cache.rows, lm.device, invariant)
+        self.deterministic = deterministic
+        if deterministic:
+            install_tiled_linears(lm.model, deterministic_pass)
+        self.decode = DecodeSteps(compile, lm.model, cache, cache.rows, lm.device,
+                                  deterministic)
         # Passes of many rows on dense copies of the int4 layers, once that pays here.
-        self.wide = None if invariant else WideRows.for_model(lm.model)
+        self.wide = None if deterministic else WideRows.for_model(lm.model)
 
     def run(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
             drafts: list[list[int]], scored: Sequence[Sequence[int]] | None = None,
@@ -99,7 +100,7 @@ class ModelPass:
         `steps_ahead`: a bound of the one-token steps still to come (whether compiling
         the decode step pays, compiled.py); `rows_bound`: of the rows the run can still
         occupy (0: unknown, every row). `project` False (no drafts, no scored positions:
-        the masked finish's passes): the rows' final hidden states, not their logits."""
+        the masked projection's passes): the rows' final hidden states, not their logits."""
         b = len(chunks)
         scored = scored if scored is not None else [() for _ in chunks]
         assert project or not (any(drafts) or any(scored)), "hidden states: next tokens only"
@@ -113,7 +114,7 @@ class ModelPass:
             try:
                 self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
                 inputs = build_inputs(first_row, lengths, fed, self.layout, self.lm.device,
-                                      readouts, self.invariant)
+                                      readouts, self.deterministic)
                 every = self._pass(inputs)
                 return PassOutput(self._vocab(every), inputs.extra_at, scored, [])
             except Exception as e:
@@ -173,7 +174,7 @@ class ModelPass:
         try:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
             inputs = build_inputs(first_row, lengths, chunks, self.layout, self.lm.device,
-                                  readouts, self.invariant)
+                                  readouts, self.deterministic)
             out = self._pass(inputs, project)
             return out, inputs.extra_at, []
         except Exception as e:

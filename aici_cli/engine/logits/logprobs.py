@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from aici_cli.core.job import Job
-from aici_cli.engine.logits.sampling import log_softmax
+from aici_cli.engine.logits.sampler import log_softmax
 
 TokenBytes = Callable[[int], bytes]
 

@@ -4,16 +4,16 @@ field and the offending value, whether it came from jsonschema or from the JSON 
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from jsonschema.exceptions import ValidationError
 
 from aici_cli.core.config import MIB
 from aici_cli.core.job import BadLine
 from aici_cli.core.json_text import field_path, show
+from aici_cli.core.suggest import did_you_mean
 
 # Longest text of one problem in a message: values are quoted in messages, and a value
 # can be megabytes long; a message must stay a readable single line.
@@ -66,19 +66,6 @@ def _quote_list(names: Sequence[str]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
-def _did_you_mean(unknown: Sequence[str], known: Iterable[str]) -> str:
-    """`: did you mean 'temperature'?` for the unknown names close to a known one, as
-    Click suggests for a mistyped option; "" when none is close."""
-    names = sorted(known)
-    pairs = [(u, m[0]) for u in unknown
-             if (m := difflib.get_close_matches(u, names, n=1, cutoff=0.75))]
-    if not pairs:
-        return ""
-    if len(pairs) == 1 and len(unknown) == 1:
-        return f" (did you mean '{pairs[0][1]}'?)"
-    return " (did you mean " + ", ".join(f"'{m}' for '{u}'" for u, m in pairs) + "?)"
-
-
 def error_rank(error: ValidationError) -> int:
     """Order errors so the message points at the root cause.
 
@@ -110,7 +97,8 @@ def describe(error: ValidationError) -> str:
         unknown = sorted(k for k in inst if k not in known)
         noun = "field" if len(unknown) == 1 else "fields"
         suffix = f" in '{where}'" if where else ""
-        return f"unknown {noun} {_quote_list(unknown)}{suffix}{_did_you_mean(unknown, known)}"
+        hint = did_you_mean(unknown, known, alone=True)
+        return f"unknown {noun} {_quote_list(unknown)}{suffix}" + (f" ({hint})" if hint else "")
     if kind == "type":
         wanted = " or ".join(value) if isinstance(value, list) else str(value)
         return f"{field_} must be {wanted}, got {show(inst)}"

@@ -41,8 +41,9 @@ def auto_kernels(path: Path, device: torch.device) -> KernelChoice:
     the first the kernel probe passes (the probe runs where no verdict is cached)."""
     dtype = pick_dtype("auto", device)
     return choose_kernels(path, device.type, "auto", "auto",
-                          str(dtype).removeprefix("torch."), resolve_mode("auto", path, dtype),
-                          lambda dt: resolve_mode("auto", path, DTYPES[dt]))
+                          str(dtype).removeprefix("torch."),
+                          resolve_mode("auto", path, dtype, device),
+                          lambda dt: resolve_mode("auto", path, DTYPES[dt], device))
 
 
 def doctor_report(model: str | None, device: str = "auto",
@@ -64,11 +65,14 @@ def doctor_report(model: str | None, device: str = "auto",
                     mode = KernelMode(mode.device, dtype, quantize, capability)
                 found = verdict(mode, shapes)
                 modes.append({**asdict(mode), "label": mode.label, **asdict(found)})
-    # The VNNI kernels (int_mm): bf16 quantised runs take them where this passes.
+    # The project's int kernels (int_mm): quantised CPU runs take them where this passes,
+    # probed at the dtype `auto` runs in here.
     vnni = int_mm.unusable() if torch_device.type == "cpu" else "not a CPU run"
+    variant = int_mm.variant() if torch_device.type == "cpu" else None
     if vnni is None:
-        mode = current_mode("cpu", "bfloat16", int_mm.PROBE_QUANTIZE)
-        found = int_mm.probed(shapes)
+        dtype = str(pick_dtype("auto", torch_device)).removeprefix("torch.")
+        mode = current_mode("cpu", dtype, int_mm.PROBE_QUANTIZE)
+        found = int_mm.probed(shapes, dtype)
         modes.append({**asdict(mode), "label": mode.label, **asdict(found)})
         vnni = None if found.ok else f"its probe rejected them: {found.reason}"
     auto_dtype = pick_dtype("auto", torch_device)
@@ -82,5 +86,7 @@ def doctor_report(model: str | None, device: str = "auto",
         "modes": modes,
         "auto": {"dtype": choice.dtype, "quantize": choice.quantize,
                  "rejected": [list(r) for r in choice.rejected]},
-        "vnni": {"used": vnni is None, "why_not": vnni},
+        "vnni": {"used": vnni is None, "why_not": vnni,
+                 "variant": variant.name if isinstance(variant, int_mm.Variant) else None},
+        "isa_forced": cpu_features().forced,
     }

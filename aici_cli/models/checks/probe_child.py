@@ -21,7 +21,12 @@ import torch.nn.functional as F
 from aici_cli.models.device import DTYPES
 from aici_cli.models.kernels import int_mm
 from aici_cli.models.kernels.aligned import ALIGN
-from aici_cli.models.kernels.probe import PREFILL_ROWS, STEP_ROWS, TOLERANCE
+from aici_cli.models.kernels.probe import (
+    INT8_ACTIVATIONS_TOLERANCE,
+    PREFILL_ROWS,
+    STEP_ROWS,
+    TOLERANCE,
+)
 from aici_cli.models.quant import vnni_layouts
 from aici_cli.models.quant.quantize import (
     GROUP,
@@ -61,13 +66,16 @@ def probe(mode: dict[str, Any], shapes: dict[str, Any]) -> dict[str, Any]:
     layers = [(q_out, h, 1, False), (kv_out, h, 2, False), (h, q_out, 1, False),
               (i, h, 2, False), (h, i, 1, False), (v, h, 0, True)]
     worst, step_s = 0.0, 0.0
+    tolerance = TOLERANCE[mode["dtype"]]
+    if mode["quantize"] == int_mm.PROBE_QUANTIZE:
+        tolerance = max(tolerance, INT8_ACTIVATIONS_TOLERANCE)
     for n, k, per_layer, output in layers:
         layer, weight = _layer(n, k, mode["quantize"], output, dtype, device)
         error = _error(layer, weight, k, dtype, device)
-        if error > TOLERANCE[mode["dtype"]]:
+        if error > tolerance:
             return {"ok": False, "max_error": error,
                     "reason": f"its {n}x{k} layer computes {error:.3g} off float32 over the "
-                              f"same weights (tolerance {TOLERANCE[mode['dtype']]:g})"}
+                              f"same weights (tolerance {tolerance:g})"}
         worst = max(worst, error)
         step_s += _seconds(layer, k, dtype, device) * (per_layer * shapes["layers"] or 1)
     error = _attention_error(shapes, dtype, device)

@@ -11,10 +11,10 @@ instead (`models/mapped_load.py`).
 It is transformers' `LlamaForCausalLM` (`MistralForCausalLM`, `Qwen2ForCausalLM`,
 `Qwen3ForCausalLM`, `Gemma3ForCausalLM`) op for op: the same module names and tensor
 shapes (a checkpoint loads by name, the quantizer, the fused decode layer and the
-invariant linears find what they look for), the same RMSNorm, RoPE and residual order,
-the same SDPA call, so its logits are transformers' bit for bit
-(`tests/test_llama.py`). It runs what the engine needs: a forward pass over packed
-tokens with the engine's cache and attention function (`set_attention`), or a plain
+deterministic mode's tiled linears find what they look for), the same RMSNorm, RoPE and
+residual order, the same SDPA call, so its logits are transformers' bit for bit
+(`tests/models/families/test_llama.py`). It runs what the engine needs: a forward pass over
+packed tokens with the engine's cache and attention function (`set_attention`), or a plain
 causal pass over `input_ids` without a cache. It does not generate(), train or shard.
 """
 
@@ -262,8 +262,8 @@ class LlamaBody(nn.Module):
 @dataclass
 class CausalOutput:
     # [B, kept positions, vocab]; with `project=False`, the final (normed) hidden states
-    # of those positions instead, [B, kept, hidden] (the engine's masked finish projects
-    # them itself: engine/logits/masked_finish.py).
+    # of those positions instead, [B, kept, hidden] (the engine's masked projection
+    # projects them itself: engine/logits/masked_projection.py).
     logits: torch.Tensor
 
 

@@ -7,6 +7,14 @@ the project's own int kernels (`int_mm.py`), the kernel probe's key and modes
 per process (ATen's capability is fixed at process start by `ATEN_CPU_CAPABILITY`), so a
 new instruction set is one more flag here, not one more reader.
 
+A lower instruction set can be forced (`AICI_BATCH_ISA`: `avx2`, `avx_vnni`,
+`avx512_vnni`; `neon`, `neon_dot`): the flags above it are taken out of this reading, so
+every choice (the dtype `auto` picks, the int kernels' variant, the probe's key) is the
+one a CPU of that level makes. Below AVX-512 it also sets `ATEN_CPU_CAPABILITY=avx2` for
+torch's own kernels where the environment does not set it already and torch has not yet
+chosen (the CLI reads the CPU before any torch operation). So an AVX-512 machine runs, and
+measures, what an AVX2 laptop or CI runner runs.
+
 Cost: one read of `/proc/cpuinfo` (~1 ms) and, for `native_bf16`, torch's cpuinfo probes.
 """
 
@@ -14,10 +22,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from aici_cli.core.errors import UsageError
+
+ISA_ENV = "AICI_BATCH_ISA"
 X86 = ("x86_64", "amd64")
 ARM = ("aarch64", "arm64")
 # ATen's CPU capabilities on x86, weakest first (`ATEN_CPU_CAPABILITY`).
@@ -31,6 +43,7 @@ class CpuFeatures:
     torch's own kernels run at in this process (DEFAULT, AVX2, AVX512 on x86)."""
 
     system: str  # Linux, Darwin, ...
+    forced: str | None  # the instruction set AICI_BATCH_ISA forces, or None
     machine: str  # x86_64, aarch64, ... (lower case)
     model: str  # the CPU's model name, "" where unknown
     flags: frozenset[str]
@@ -66,6 +79,9 @@ class CpuFeatures:
         torch's capability says "AVX512" on such CPUs too, so torch's precise probes (which
         also ask the OS whether AMX state is enabled) come first.
         """
+        if self.forced is not None:  # the flags say it: torch's probes read the real CPU
+            return bool({"avx512_bf16", "amx_bf16"} & self.flags) if self.x86 \
+                else "bf16" in self.flags
         if self.x86:
             import torch
 
@@ -87,14 +103,34 @@ class CpuFeatures:
         return list(X86_CAPABILITIES[:X86_CAPABILITIES.index(self.capability) + 1])
 
 
+# What forcing an instruction set takes out of the flags: everything above it.
+_ABOVE_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert", "avx_vnni_int8")
+_FORCED_AWAY: dict[str, tuple[str, ...]] = {
+    "avx2": _ABOVE_AVX2,
+    "avx_vnni": ("avx512", "amx"),
+    "avx512_vnni": (),
+    "neon": ("asimddp", "bf16", "i8mm", "sve", "sme"),
+    "neon_dot": (),
+}
+
+
 @functools.cache
 def cpu_features() -> CpuFeatures:
-    """This process's reading of the CPU (read once)."""
+    """This process's reading of the CPU (read once), with a forced lower instruction set
+    (`AICI_BATCH_ISA`) applied. Raises UsageError for a name it does not know."""
+    model, flags = _cpuinfo()
+    forced = os.environ.get(ISA_ENV, "").strip().lower() or None
+    if forced is not None:
+        if forced not in _FORCED_AWAY:
+            raise UsageError(f"{ISA_ENV}={forced!r}: expected one of "
+                             f"{', '.join(_FORCED_AWAY)}")
+        flags = frozenset(f for f in flags if not f.startswith(_FORCED_AWAY[forced]))
+        if forced in ("avx2", "avx_vnni"):
+            os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     import torch
 
-    model, flags = _cpuinfo()
     return CpuFeatures(system=platform.system(), machine=platform.machine().lower(),
-                       model=model, flags=flags,
+                       model=model, flags=flags, forced=forced,
                        capability=torch.backends.cpu.get_cpu_capability())
 
 

@@ -50,10 +50,9 @@ from aici_cli.models.kernels import probe
 from aici_cli.models.kernels.cpu_features import cpu_features
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+NATIVE = Path(__file__).parent / "native"  # the torch-free core, a file per instruction set
 ENV = "AICI_BATCH_VNNI"  # "off": never these kernels
 TILE, GROUP = 16, 32
-NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
-ISA = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma")
 PROBE_QUANTIZE = "vnni"  # the kernel probe's mode for them (kernel_run)
 LAYOUT = "1"  # of the kept layouts (vnni_layers): bump when tile_int4 or tile_int8 change
 
@@ -204,25 +203,73 @@ def reference_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) ->
 
 
 def wanted(path: Path, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a model's quantised layers at `path` run these kernels here: bf16 on a CPU
-    that runs them and whose probe passed them at the model's shapes."""
-    if device.type != "cpu" or dtype != torch.bfloat16 or unusable() is not None:
+    """Whether a model's quantised layers at `path` run these kernels here: bf16 or
+    float32 passes on a CPU that runs a variant and whose probe passed it at the model's
+    shapes."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32) \
+            or unusable() is not None:
         return False
     if not probe.enabled():
         return True
-    return probed(probe.Shapes.of(path)).ok
+    return probed(probe.Shapes.of(path), str(dtype).removeprefix("torch.")).ok
 
 
-def probed(shapes: probe.Shapes) -> probe.Verdict:
-    """The kernel probe's verdict on the kernels (mode `vnni`) at `shapes`, per build of
-    their source."""
-    mode = probe.current_mode("cpu", "bfloat16", PROBE_QUANTIZE)
+def probed(shapes: probe.Shapes, dtype: str) -> probe.Verdict:
+    """The kernel probe's verdict on the kernels (mode `vnni`) at `shapes` with `dtype`
+    activations (the run's: the rest of the probe's layers run in it), per build of their
+    sources (the variant's among them)."""
+    mode = probe.current_mode("cpu", dtype, PROBE_QUANTIZE)
     return probe.verdict(mode, shapes, code=_source_digest())
 
 
-@functools.cache
-def _source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+@dataclass(frozen=True)
+class Variant:
+    """One instruction set's build of the kernels: the CPU flags it needs, the compiler
+    flags of its file in native/, and the ATen capability torch's own kernels must run at
+    for it (so `ATEN_CPU_CAPABILITY=avx2` takes the AVX-512 variant away too)."""
+
+    name: str
+    needs: tuple[str, ...]
+    cflags: tuple[str, ...]
+    source: str
+    capability: str | None  # None: any (ARM)
+
+
+# Best first, per architecture (cpu_features.CpuFeatures.x86 / .arm).
+X86_VARIANTS = (
+    Variant("avx512_vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
+            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"),
+            "x86_avx512_vnni.c", "AVX512"),
+    Variant("avx_vnni", ("avx2", "avx_vnni", "f16c", "fma"),
+            ("-mavx2", "-mavxvnni", "-mf16c", "-mfma"), "x86_avx_vnni.c", "AVX2"),
+    Variant("avx2", ("avx2", "f16c", "fma"), ("-mavx2", "-mf16c", "-mfma"), "x86_avx2.c",
+            "AVX2"),
+)
+ARM_VARIANTS = (
+    Variant("neon_dot", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",), "arm_neon.c",
+            None),
+    Variant("neon", ("asimd",), ("-march=armv8-a",), "arm_neon.c", None),
+)
+CAPABILITY_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+
+
+def variant() -> Variant | str:
+    """The variant this process runs (the best this CPU and torch's capability allow; a
+    forced lower ISA, `AICI_BATCH_ISA`, is already in the CPU's flags), or why none."""
+    cpu = cpu_features()
+    if cpu.system != "Linux" or not (cpu.x86 or cpu.arm):
+        return "not an x86-64 or ARM64 Linux machine"
+    why = ""
+    for v in X86_VARIANTS if cpu.x86 else ARM_VARIANTS:
+        missing = cpu.missing(v.needs)
+        if missing:
+            why = why or f"the CPU lacks {', '.join(missing)}"
+        elif v.capability is not None and \
+                CAPABILITY_RANK.get(cpu.capability, 0) < CAPABILITY_RANK[v.capability]:
+            why = why or f"torch runs its kernels at {cpu.capability}"
+        else:
+            return v
+    return why
 
 
 def unusable() -> str | None:
@@ -230,53 +277,59 @@ def unusable() -> str | None:
     the first time)."""
     if os.environ.get(ENV, "").lower() in ("off", "0", "false", "no"):
         return f"{ENV}=off"
-    cpu = cpu_features()
-    if cpu.system != "Linux" or not cpu.x86:
-        return "not an x86-64 Linux machine"
-    missing = cpu.missing(NEEDS)
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    if cpu.capability != "AVX512":
-        return f"torch runs its kernels at {cpu.capability}"
-    return _load()
+    chosen = variant()
+    if isinstance(chosen, str):
+        return chosen
+    return _load(chosen)
+
+
+def _sources(v: Variant) -> list[Path]:
+    return [NATIVE / "int_dot.h", NATIVE / "generic.c", NATIVE / v.source]
 
 
 @functools.cache
-def _load() -> str | None:
-    """Builds (where the cache lacks it) and loads the operators' library, once a process:
-    None, or why not."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        return "no C++ compiler (c++, g++ or $CXX)"
+def _source_digest() -> str:
+    chosen = variant()
+    files = [SOURCE, *(_sources(chosen) if isinstance(chosen, Variant) else [])]
+    name = chosen.name if isinstance(chosen, Variant) else ""
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files) + name.encode()) \
+        .hexdigest()[:16]
+
+
+@functools.cache
+def _load(v: Variant) -> str | None:
+    """Builds (where the cache lacks it) and loads the operators' library for variant
+    `v`, once a process: None, or why not."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cc is None or cxx is None:
+        return "no C and C++ compiler (cc and c++, or $CC and $CXX)"
     root = Path(torch.__file__).parent
+    # The core as C11 (no contraction of a * b + c beyond the core's own fmaf: every
+    # variant's floats are the generic one's, bit for bit), each file with its own flags.
+    c_flags = ["-O3", "-fPIC", "-std=c11", "-ffp-contract=off", f"-I{NATIVE}"]
     # -fopenmp: at::parallel_for is inlined from the headers as OpenMP (torch's build), and
     # libgomp.so.1 resolves to the one torch loaded (one pool).
-    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17", *ISA,
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             "-isystem", str(root / "include"),
-             "-isystem", str(root / "include" / "torch" / "csrc" / "api" / "include")]
-    # After the source: a linker that drops libraries no earlier input needs (--as-needed)
-    # would drop them before it.
+    cxx_flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17",
+                 f"-DAICI_VARIANT={v.name}", f"-I{SOURCE.parent}",
+                 f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                 "-isystem", str(root / "include"),
+                 "-isystem", str(root / "include" / "torch" / "csrc" / "api" / "include")]
+    # After the sources: a linker that drops libraries no earlier input needs (--as-needed)
+    # would drop them before them.
     libraries = [f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu"]
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags + libraries).encode()
-                                + version.encode() + torch.__version__.encode()).hexdigest()
-        built = cache_dir() / "kernels" / f"vnni-{digest[:16]}.so"
+        versions = "".join(subprocess.run([c, "--version"], capture_output=True, text=True,
+                                          timeout=30).stdout for c in (cc, cxx))
+        digest = hashlib.sha256(
+            _source_digest().encode() + " ".join(c_flags + list(v.cflags) + cxx_flags
+                                                 + libraries).encode()
+            + versions.encode() + torch.__version__.encode()).hexdigest()
+        built = cache_dir() / "kernels" / f"int-{v.name}-{digest[:16]}.so"
         if not built.is_file():
-            built.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".vnni.", suffix=".so", dir=built.parent)
-            os.close(fd)
-            try:
-                done = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), *libraries],
-                                      capture_output=True, text=True, timeout=300)
-                if done.returncode != 0:
-                    tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-                    return f"building its library failed ({tail})"
-                os.replace(tmp, built)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
+            problem = _build(built, v, cc, cxx, c_flags, cxx_flags, libraries)
+            if problem is not None:
+                return problem
     except (OSError, subprocess.SubprocessError) as e:
         return f"building its library failed ({type(e).__name__}: {str(e)[:200]})"
     try:
@@ -286,6 +339,33 @@ def _load() -> str | None:
         return f"its library did not load ({type(e).__name__}: {str(e)[:200]})"
     _register_fakes()
     return None
+
+
+def _build(built: Path, v: Variant, cc: str, cxx: str, c_flags: list[str],
+           cxx_flags: list[str], libraries: list[str]) -> str | None:
+    """The library at `built`, made in a temporary folder beside it and renamed into
+    place (another process may build the same one at once): None, or why not (~6 s)."""
+    built.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".int-", dir=built.parent) as tmp:
+        objects = []
+        for source, flags in ((NATIVE / "generic.c", []), (NATIVE / v.source, list(v.cflags))):
+            obj = Path(tmp) / f"{source.stem}.o"
+            steps = [cc, *c_flags, *flags, "-c", str(source), "-o", str(obj)]
+            done = subprocess.run(steps, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                return f"building its library failed ({_tail(done.stderr)})"
+            objects.append(str(obj))
+        out = Path(tmp) / built.name
+        done = subprocess.run([cxx, *cxx_flags, "-o", str(out), str(SOURCE), *objects,
+                               *libraries], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            return f"building its library failed ({_tail(done.stderr)})"
+        os.replace(out, built)
+    return None
+
+
+def _tail(stderr: str) -> str:
+    return (stderr.strip().splitlines() or ["no output"])[-1][:200]
 
 
 def _register_fakes() -> None:

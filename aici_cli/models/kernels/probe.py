@@ -40,7 +40,7 @@ from typing import Any
 from aici_cli.core.cache_paths import cache_dir
 from aici_cli.models.kernels.cpu_features import cpu_features
 
-PROBE_VERSION = 2  # 2: step times on one thread
+PROBE_VERSION = 3  # 2: step times on one thread; 3: the int kernels at any dtype
 TIMEOUT_S = 120.0  # a probe child that takes longer hangs (the default model's: ~3 s)
 ENV = "AICI_BATCH_KERNEL_PROBE"  # "off": no probe (the test suite's in-process runs)
 # Largest |y - reference| / max|reference| over a layer's outputs, by activation dtype,
@@ -48,6 +48,9 @@ ENV = "AICI_BATCH_KERNEL_PROBE"  # "off": no probe (the test suite's in-process 
 # fp16 round each output (2^-8, 2^-11) and accumulate in blocks; a wrong kernel is off by
 # about 1.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2, "float16": 1e-2}
+# The int kernels round activations to 8 bits per group of 32 (~5e-3 of a layer's largest
+# output against float32 over the same weights), whatever the activation dtype.
+INT8_ACTIVATIONS_TOLERANCE = 3e-2
 PREFILL_ROWS = 64
 STEP_ROWS = (1, 3, 8)
 

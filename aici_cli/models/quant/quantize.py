@@ -58,6 +58,9 @@ MODES = ("none", "int8", "int4")
 # the layer's `dense_rows` on, where this machine's dense GEMM is faster at such rows).
 # Above the compiled step's buckets of one-token steps at the default batch size.
 DENSE_MIN_ROWS = 16
+# The activations the project's int kernels take (`kernels/int_mm.py`): both are rounded
+# to 8 bits per group of 32 there, so a float32 run's layers cost what a bf16 run's do.
+INT_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class Int4Linear(torch.nn.Module):
@@ -74,7 +77,7 @@ class Int4Linear(torch.nn.Module):
     # package, no stacked layer has one).
     dense: torch.Tensor | None = None
     dense_rows: int = 1 << 62
-    # Whether bf16 passes below `dense_rows` run the AVX512-VNNI kernel (int_mm) on
+    # Whether bf16 and float32 passes below `dense_rows` run the int kernels (int_mm) on
     # the same matrix in its layout: buffers `vnni_codes`, `vnni_d`, `vnni_m` (`use_vnni`).
     vnni: bool = False
     vnni_codes: torch.Tensor
@@ -114,8 +117,8 @@ class Int4Linear(torch.nn.Module):
     @classmethod
     def vnni_only(cls, tiled: int_mm.Tiled4, dtype: torch.dtype,
                   bias: torch.Tensor | None) -> Int4Linear:
-        """A layer that runs only bf16 passes of fewer than its dense rows, on the VNNI
-        kernel over `tiled` (the compiled step's stacked layers, `fused_linear`): no int4
+        """A layer that runs only bf16/float32 passes of fewer than its dense rows, on the
+        int kernel over `tiled` (the compiled step's stacked layers, `fused_linear`): no int4
         kernel buffers (`packed` empty; any other pass raises)."""
         layer = cls.__new__(cls)
         torch.nn.Module.__init__(layer)
@@ -149,9 +152,9 @@ class Int4Linear(torch.nn.Module):
 
     def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, K] -> [rows, N] on the quantised kernel a pass without the dense copy
-        runs (`wide_rows` times it against the copy): the VNNI one for bf16 rows where
-        the layer has it, else the int4 kernel."""
-        if self.vnni and flat.dtype == torch.bfloat16:
+        runs (`dense_copies` times it against the copy): the project's int kernel for bf16
+        and float32 rows where the layer has its layout, else PyTorch's int4 kernel."""
+        if self.vnni and flat.dtype in INT_KERNEL_DTYPES:
             return torch.ops.aici.int4_vnni_mm(flat.contiguous(), self.vnni_codes,
                                                self.vnni_d, self.vnni_m, self.out_features)
         if self.packed.numel() == 0:
@@ -169,7 +172,8 @@ class Int4Linear(torch.nn.Module):
                                    self.out_features, self.in_features)
 
     def use_vnni(self, tiled: int_mm.Tiled4) -> None:
-        """Run bf16 passes on the VNNI kernel over `tiled` (this layer's matrix)."""
+        """Run bf16 and float32 passes on the int kernels over `tiled` (this layer's
+        matrix, in their VNNI layout)."""
         assert (tiled.n, tiled.k) == (self.out_features, self.in_features)
         self.register_buffer("vnni_codes", tiled.codes)
         self.register_buffer("vnni_d", tiled.d)
@@ -206,7 +210,7 @@ class Int8Linear(torch.nn.Module):
     codes: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
-    vnni: bool = False  # bf16 passes on the VNNI kernel (`use_vnni`)
+    vnni: bool = False  # bf16 and float32 passes on the int kernels (`use_vnni`)
     vnni_codes: torch.Tensor
     vnni_scale: torch.Tensor
 
@@ -228,7 +232,7 @@ class Int8Linear(torch.nn.Module):
         return cls(codes, scale, bias, scale.dtype)
 
     def use_vnni(self, codes: torch.Tensor) -> None:
-        """Run bf16 passes on the VNNI kernel over `codes` (this layer's, tiled:
+        """Run bf16 and float32 passes on the int kernel over `codes` (this layer's, tiled:
         `int_mm.tile_int8`) and its scales in float32 (as rounded to the activation
         dtype: the int8 kernel's own)."""
         assert codes.numel() == self.codes.numel()
@@ -253,11 +257,12 @@ def int8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
     choice of int8 weights, for a layer's passes and for the masked projection's gathered
     rows alike (so that both give the same values).
 
-    The VNNI kernel for bf16 passes where the weights have its layout (`vnni_scale`: the
-    float32 scales it takes; `tiled`: the tiles kept, else `codes` tiled per call), else
-    PyTorch's int8 kernel on the CPU, else (no int8 weight-only kernel) widened per call.
+    The project's int kernel for bf16 and float32 passes where the weights have its
+    layout (`vnni_scale`: the float32 scales it takes; `tiled`: the tiles kept, else
+    `codes` tiled per call), else PyTorch's int8 kernel on the CPU, else (no int8
+    weight-only kernel) widened per call.
     """
-    if vnni_scale is not None and x.dtype == torch.bfloat16:
+    if vnni_scale is not None and x.dtype in INT_KERNEL_DTYPES:
         if tiled is None:
             return int_mm.int8_rows_mm(x, codes, vnni_scale)
         return torch.ops.aici.int8_vnni_mm(x.contiguous(), tiled, vnni_scale, codes.shape[0])
@@ -292,17 +297,20 @@ def available_blocks(path: Path) -> set[str]:
     return matrices.block_kinds() if matrices is not None else set()
 
 
-def resolve_mode(spec: str, path: Path, dtype: torch.dtype) -> str:
+def resolve_mode(spec: str, path: Path, dtype: torch.dtype,
+                 device: torch.device | None = None) -> str:
     """The quantisation a run uses for `--quantize spec`. `auto`: a GGUF source runs at
     its own precision where a kernel exists (one with 4-bit matrices and none of 5 bits
     as int4, one with matrices of 5 bits or more as int8: `GgufMatrices.block_kinds`)
-    in a 16-bit run; float32 runs (exactness checks) and float sources run
-    unquantised."""
+    in a 16-bit run, and in a float32 run on a CPU whose int kernels run (`device`: the
+    run's; `kernels/int_mm.py`: every CPU of AVX2 or NEON and up); other float32 runs
+    (exactness checks, GPUs) and float sources run unquantised."""
     if spec in MODES:
         return spec
     if spec != "auto":
         raise ModelError(f"unknown quantization {spec!r}: expected auto, none, int8 or int4")
-    if dtype == torch.float32:
+    if dtype == torch.float32 and not (device is not None and device.type == "cpu"
+                                       and int_mm.unusable() is None):
         return "none"
     kinds = available_blocks(path)
     return "int4" if "q4" in kinds else "int8" if "q8" in kinds else "none"

@@ -10,8 +10,9 @@ spans for assistant masks, which nothing here asks for).
 
 The values a template sees are prepared as transformers prepares them: messages with
 their None-valued keys dropped, a message's reasoning also under `reasoning_content` and
-`thinking`, and everything rebuilt from plain JSON types. `tests/test_hub_tokenizer.py`
-renders generated conversations both ways and compares.
+`thinking`, and everything rebuilt from plain JSON types.
+`tests/models/tokenizer/test_hub_tokenizer.py` renders generated conversations both ways and
+compares.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ templates in more than one place.
 `__call__`/`encode` (one text or a list, left padding, `return_tensors="pt"`), `decode`,
 token/id conversions, the special tokens and their ids, `len`, `backend_tokenizer`,
 `chat_template`, `get_chat_template` and `apply_chat_template` (rendering only).
-`tests/test_hub_tokenizer.py` checks each against transformers' class on generated
-inputs, for the test model's tokenizer and the default model's.
+`tests/models/tokenizer/test_hub_tokenizer.py` checks each against transformers' class on
+generated inputs, for the test model's tokenizer and the default model's.
 """
 
 from __future__ import annotations

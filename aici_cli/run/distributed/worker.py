@@ -85,13 +85,13 @@ class EngineWorker:
             threading.Thread(target=self._serve, name="aici-engine", daemon=True).start()
 
     def _load(self, config: RunConfig, wasm: bytes | None) -> None:
-        import torch
-
         from aici_cli.run.backends.build import build_engine, model_meta
+        from aici_cli.run.threads import apply as apply_threads
 
         assert config.ray is not None
-        # Ray sets OMP_NUM_THREADS from num_cpus; torch's own pool needs telling too.
-        torch.set_num_threads(max(1, int(config.ray.cpus_per_worker)))
+        # Ray sets OMP_NUM_THREADS from num_cpus; torch's own pool needs telling too (its
+        # variables before torch is imported, else `torch.set_num_threads`).
+        apply_threads(max(1, int(config.ray.cpus_per_worker)))
         built = build_engine(config, wasm)
         self.engine = built.engine
         self.call_times = built.call_times

@@ -1,6 +1,6 @@
 // The JavaScript guest SDK in plain node: the examples under the stub host, the step
 // protocol, checks, and the component glue (`wit/bindings.js`) over fake imports.
-// Run: `node --test controllers/js/test/` (tests/test_js_sdk.py runs it from pytest).
+// Run: `node --test controllers/js/test/` (tests/sdk/test_js_sdk.py runs it from pytest).
 
 import assert from "node:assert/strict";
 import { test } from "node:test";
