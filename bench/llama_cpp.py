@@ -33,6 +33,17 @@ The peer is llama-cpp-python (`pip install 'aici-batch[bench]'`, a ~15 min sourc
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON" pip install 'llama-cpp-python==0.3.36'
 
+**Another instruction set, from any machine.** Build the peer for it in a venv of its own
+and force this project's side to the same one (`AICI_BATCH_ISA`, which also sets
+`ATEN_CPU_CAPABILITY=avx2` below AVX-512), so an AVX-512 machine measures what an AVX2
+CI runner or laptop runs:
+
+    python -m venv /tmp/llvenv && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON \
+        -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF" \
+        /tmp/llvenv/bin/pip install 'llama-cpp-python==0.3.36'
+    python bench/llama_cpp.py --isa avx2 --peer-python /tmp/llvenv/bin/python \
+        --only stream,prefill --quantize auto --compile auto
+
 Batch 8 on llama.cpp's side is its C++ server with 8 slots (`llama-server -np 8 -t N`,
 found on PATH or with --llama-server; llama-cpp-python ships no such binary): requests go
 to 127.0.0.1 only. Missing peers are reported as "not installed" and the bench exits 0
@@ -65,6 +76,8 @@ GLAIVE = next((p / "shared" / "data" / "jsonschemabench" / "Glaiveai2K" for p in
                if (p / "shared" / "data").is_dir()),
               REPO.parent / "shared" / "data" / "jsonschemabench" / "Glaiveai2K")
 THREADS = 1  # set from --threads
+ISA = ""  # set from --isa: this project's side forced to that instruction set
+PEER_PYTHON = ""  # set from --peer-python: the interpreter whose llama_cpp is measured
 STREAM_PROMPT = "Write a long story about a dragon who learns to read."
 # Prose without repeats that a prompt-lookup draft or a prefix cache could exploit.
 BATCH_PROMPTS = [f"{start} " for start in (
@@ -384,8 +397,13 @@ def worker(task: dict[str, Any]) -> dict[str, Any]:
 
 def spawn(task: dict[str, Any], timeout: float) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    python = sys.executable
+    if task["side"] == "ours" and ISA:
+        env["AICI_BATCH_ISA"] = ISA  # and, below AVX-512, ATEN_CPU_CAPABILITY=avx2
+    if task["side"] == "peer" and PEER_PYTHON:
+        python = PEER_PYTHON
     try:
-        done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(task)],
+        done = subprocess.run([python, __file__, "--worker", json.dumps(task)],
                               capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
@@ -417,19 +435,25 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="threads for both sides (on a shared machine: 1; oversubscribed "
                          "OpenMP threads wait on each other)")
+    ap.add_argument("--isa", default="",
+                    help="force this project's side to an instruction set (AICI_BATCH_ISA: "
+                         "avx2, avx_vnni, ...), to compare with a llama.cpp built for it")
+    ap.add_argument("--peer-python", default="",
+                    help="the Python whose llama_cpp runs the peer (a venv with "
+                         "llama-cpp-python built for --isa)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "llama_cpp.json")
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
 
-    global THREADS
-    THREADS = args.threads
+    global THREADS, ISA, PEER_PYTHON
+    THREADS, ISA, PEER_PYTHON = args.threads, args.isa, args.peer_python
     from aici_cli.models.sources.packaged import default_gguf_path
 
     gguf_path = args.gguf or str(default_gguf_path())
     only = set(args.only.split(","))
-    have_peer = _importable("llama_cpp")
+    have_peer = bool(PEER_PYTHON) or _importable("llama_cpp")
     base = {"gguf": args.gguf, "gguf_path": gguf_path, "schemas": args.schemas}
     rows: list[dict[str, Any]] = []
 
