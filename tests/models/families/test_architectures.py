@@ -114,12 +114,14 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
 
 
 def run_lines(model_dir: Path, lines: list[dict[str, Any]], tmp_path: Path) -> list[Any]:
-    """`aici-batch run` on `lines` with the model at `model_dir`, in float32; the results
-    in input order."""
+    """`aici-batch run` on `lines` with the model at `model_dir`, in float32 and
+    unquantised (the exact path: `auto` would run a Q8_0 GGUF on the int kernels where
+    this CPU has them); the results in input order."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     res = CliRunner().invoke(main, ["run", str(src), "-o", str(out), "-q", "--model",
-                                    str(model_dir), "--dtype", "float32", "--device", "cpu"])
+                                    str(model_dir), "--dtype", "float32", "--quantize", "none",
+                                    "--device", "cpu"])
     if res.exception is not None and not isinstance(res.exception, SystemExit):
         raise res.exception  # the engine's own error, as raised
     assert res.exit_code == 0, res.output
