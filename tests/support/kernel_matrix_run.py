@@ -17,15 +17,15 @@ from typing import Any
 
 
 def main(modes: list[dict[str, str]], lines: list[dict[str, Any]]) -> None:
-    import torch
 
     from aici_cli.core.config import EngineConfig, JobDefaults
     from aici_cli.engine import Engine
     from aici_cli.formats.jobs import read_jobs
+    from aici_cli.models.kernels.cpu_features import cpu_features
     from aici_cli.models.load import load_model
     from aici_cli.models.quant import dense_copies
 
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = cpu_features().capability
     own = (dense_copies.BUILD_AFTER, dense_copies.MIN_SPEEDUP)
     for mode in modes:
         print(json.dumps({"starting": mode, "capability": capability}), flush=True)

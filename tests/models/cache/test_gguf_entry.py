@@ -183,12 +183,13 @@ def test_a_mode_needs_the_gguf_only_to_build_its_layers(
 _LAYOUT = """
 import torch
 from aici_cli.models.cache.packed_layers import _cpu_layout, int4_layout, pack_int4_cpu
+from aici_cli.models.kernels.cpu_features import cpu_features
 g = torch.Generator().manual_seed(0)
 for n, k in ((576, 576), (49152, 576), (1536, 64), (80, 32), (16, 64)):
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
     op = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     assert torch.equal(pack_int4_cpu(codes.to(torch.uint8)), op), (n, k)
-print(torch.backends.cpu.get_cpu_capability(), int4_layout("cpu"), _cpu_layout() is not None)
+print(cpu_features().capability, int4_layout("cpu"), _cpu_layout() is not None)
 """
 
 

@@ -37,6 +37,7 @@ from aici_cli.models.kernels.aligned import (
     save_aligned,
     without_padding,
 )
+from aici_cli.models.kernels.cpu_features import cpu_features
 from aici_cli.models.load import LoadedModel, load_model
 from aici_cli.models.quant.quantize import Int8Linear, quantize_int8
 
@@ -238,7 +239,7 @@ else:
 
 
 def _avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+    return cpu_features().capability == "AVX512"
 
 
 @pytest.mark.subprocess

@@ -45,13 +45,9 @@ PRINTS = {"generic": ["generic"], "avx2": ["generic", "avx2"],
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    from aici_cli.models.kernels.cpu_features import cpu_features
+
+    return set(cpu_features().flags)
 
 
 def _why_not(variant: str) -> str | None:
