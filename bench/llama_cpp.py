@@ -401,7 +401,12 @@ def spawn(task: dict[str, Any], timeout: float) -> dict[str, Any]:
     if task["side"] == "ours" and ISA:
         env["AICI_BATCH_ISA"] = ISA  # and, below AVX-512, ATEN_CPU_CAPABILITY=avx2
     if task["side"] == "peer" and PEER_PYTHON:
+        # Its own llama_cpp; this checkout and this environment's packages for the rest
+        # (the prompt is rendered by this project's tokenizer, as its side renders it).
         python = PEER_PYTHON
+        import sysconfig
+
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), sysconfig.get_paths()["purelib"]])
     try:
         done = subprocess.run([python, __file__, "--worker", json.dumps(task)],
                               capture_output=True, text=True, timeout=timeout, env=env)

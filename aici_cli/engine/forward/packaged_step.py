@@ -222,7 +222,12 @@ def _disagrees(step: PackagedStep, layers: list[DecodeLayer],
         want = all_layers_step(layers, h, cos, sin, *theirs, pos, valid, mask,
                                sliding).float()
         got = step(layers, h, cos, sin, *ours, pos, valid, mask, sliding).float()
-    tolerance = 1e-3 if h.dtype == torch.float32 else 6e-2
+    # On the int kernels the activations are rounded to 8 bits: where the graph's float32
+    # input and the eager one differ in their last bit, a value can round to the next
+    # code, and that step grows over the layers (1.6% of the output's scale seen on the
+    # default model forced to AVX2): bf16's tolerance then, as the rounding is as coarse.
+    int_kernels = any(getattr(m, "vnni", False) for layer in layers for m in layer.modules())
+    tolerance = 1e-3 if h.dtype == torch.float32 and not int_kernels else 6e-2
     scale = want.abs().max().clamp(min=1.0)
     if not torch.isfinite(got).all() or (got - want).abs().max() > tolerance * scale:
         return f"output off by {float((got - want).abs().max()):.3g} (scale {float(scale):.3g})"
