@@ -1,35 +1,38 @@
-"""Quantised layers' bf16 passes on AVX512-VNNI: group-32 int4 and per-channel int8 weights
-times activations quantised to int8 per group of 32, as llama.cpp's Q4/Q8 x Q8_0 dot
-products, as PyTorch operators (`torch.ops.aici.int4_vnni_mm`, `int8_vnni_mm`).
+"""Quantised layers' passes of few rows on the project's own int kernels: group-32 int4
+and per-channel int8 weights times activations quantised to int8 per group of 32, as
+llama.cpp's Q4/Q8 x Q8_0 dot products, as PyTorch operators (`torch.ops.aici.int4_vnni_mm`,
+`int8_vnni_mm`; "vnni" names the weights' layout: four bytes of a row a 32-bit lane, 16
+rows a tile, which every variant reads).
 
 PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) widens every weight to float
-before multiplying, so it is bound by that work, not by reading the weights: 23 GB/s on a
-5632 x 2048 layer that sits in the cache of the 2-core AMX Xeon, 12.3 GB/s from memory.
-`models/kernels/int_mm.cpp` multiplies the codes as bytes (vpdpbusd: 64 products an instruction,
-16 output rows a register) and applies the scales once per group: 54 GB/s on the same
-layer (0.134 against 0.309 ms), so a 1B model's step is bound by memory.
+before multiplying, so it is bound by that work, not by reading the weights (23 GB/s on a
+5632 x 2048 layer in the cache of the 2-core AMX Xeon, 12.3 GB/s from memory), and with
+float32 activations it is a scalar loop (23.9 ms for that layer at AVX2). These multiply
+the codes as bytes and apply the scales once per group: 0.14 ms (AVX-512 VNNI) and
+0.20 ms (AVX2) for that layer, so a 1B model's step is bound by memory.
+
+One variant per instruction set (`Variant`: `X86_VARIANTS`, `ARM_VARIANTS`), the best this
+CPU and torch's capability allow (`variant`; `cpu_features` applies a forced lower ISA),
+each built from native/ (the torch-free core: every variant's outputs are the generic
+reference's bit for bit) with `int_mm.cpp` (the operators) into
+`$AICI_BATCH_CACHE/kernels/` at first use (~6 s, once per machine, variant, source and
+torch version), and judged by the kernel probe (mode `vnni`, at the run's dtype: its
+layers at the model's shapes in a child process) before a run uses it. Elsewhere, or with
+`AICI_BATCH_VNNI=off`, PyTorch's int4 and int8 kernels.
 
 Being operators, they run in eager passes, in `torch.compile` graphs and in the compiled
 step's AOTInductor packages alike (the package calls them through the dispatcher), with
-the layouts as the layers' buffers: the packaged step of a model whose layers have them is
-another package (its key holds the buffers' names).
+the layouts as the layers' buffers.
 
 What it changes: the activations are rounded to 8 bits per group of 32 (x = xd x8, xd =
-amax / 127) before the product, as llama.cpp does at every quantisation. Against float32
-over the same weights a layer's outputs are ~5e-3 off (relative to their largest), the
-int4 kernel's ~3e-3 (bf16 inputs). So it runs only where the run already rounds to bf16
-(`--dtype bfloat16`, the CPU's default): float32 runs keep the int4 and int8 kernels'
-outputs, and `--deterministic` runs are unquantised.
-
-Where it runs: x86-64 Linux CPUs with AVX-512 F/BW/VL/VNNI and F16C, where torch's own
-kernels run at AVX512 (`ATEN_CPU_CAPABILITY=avx2` forces both down), a C++ compiler
-builds the library against torch's headers (once per machine, source and torch version:
-`$AICI_BATCH_CACHE/kernels/`, ~6 s), and the kernel probe passes it (mode `vnni`: its
-layers at the model's shapes in a child process, `probe`). Elsewhere, or with
-`AICI_BATCH_VNNI=off`, the int4 and int8 kernels.
+amax / 127) before the product, as llama.cpp does: a layer's outputs are ~5e-3 off float32
+over the same weights (of their largest). bf16 and float32 runs alike take them
+(`--quantize auto` quantises a float32 CPU run where they run); `--quantize none` is the
+exact path, and `--deterministic` runs are unquantised.
 
 Cost: a second copy of the quantised matrices in this layout (int4: 4.5 bits a weight,
-5 where the layer has zeros; int8: a byte), made from the kept codes as the model loads.
+5 where the layer has zeros; int8: a byte), made from the kept codes on the first load and
+kept (`quant/vnni_layouts.py`).
 """
 
 from __future__ import annotations
