@@ -287,7 +287,7 @@ def unusable() -> str | None:
 
 
 def _sources(v: Variant) -> list[Path]:
-    return [NATIVE / "int_dot.h", NATIVE / "generic.c", NATIVE / v.source]
+    return [NATIVE / "int_dot.h", NATIVE / "tiles.h", NATIVE / "generic.c", NATIVE / v.source]
 
 
 @functools.cache

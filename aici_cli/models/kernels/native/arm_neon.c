@@ -20,6 +20,7 @@
 #include <stddef.h>
 
 #include "int_dot.h"
+#include "tiles.h"
 
 #ifdef __ARM_FEATURE_DOTPROD
 #define SUFFIX(name) name##_neon_dot
@@ -149,28 +150,4 @@ static void int8_tile(const uint8_t *codes, const float *scale, int64_t groups, 
   }
 }
 
-void SUFFIX(aici_int4_tiles)(const uint8_t *codes, const uint16_t *d, const uint16_t *m,
-                             const aici_acts *acts, int64_t n, int64_t tile_begin,
-                             int64_t tile_end, float *out) {
-  int64_t groups = acts->k / AICI_GROUP;
-  for (int64_t t = tile_begin; t < tile_end; t++) {
-    for (int64_t r0 = 0; r0 < acts->rows; r0 += AICI_MAX_ROWS) {
-      int rows = (int)(acts->rows - r0 < AICI_MAX_ROWS ? acts->rows - r0 : AICI_MAX_ROWS);
-      int4_tile(codes + t * groups * (AICI_TILE * AICI_GROUP / 2), d + t * groups * AICI_TILE,
-                m ? m + t * groups * AICI_TILE : NULL, groups, rows, acts, r0,
-                out + r0 * n + t * AICI_TILE, n);
-    }
-  }
-}
-
-void SUFFIX(aici_int8_tiles)(const uint8_t *codes, const float *scale, const aici_acts *acts,
-                             int64_t n, int64_t tile_begin, int64_t tile_end, float *out) {
-  int64_t groups = acts->k / AICI_GROUP;
-  for (int64_t t = tile_begin; t < tile_end; t++) {
-    for (int64_t r0 = 0; r0 < acts->rows; r0 += AICI_MAX_ROWS) {
-      int rows = (int)(acts->rows - r0 < AICI_MAX_ROWS ? acts->rows - r0 : AICI_MAX_ROWS);
-      int8_tile(codes + t * groups * (AICI_TILE * AICI_GROUP), scale + t * AICI_TILE, groups,
-                rows, acts, r0, out + r0 * n + t * AICI_TILE, n);
-    }
-  }
-}
+AICI_TILE_WALKS(SUFFIX(aici_int4_tiles), SUFFIX(aici_int8_tiles))

@@ -12,12 +12,7 @@
 #include <string.h>
 
 #include "int_dot.h"
-
-static inline int32_t four(const int8_t *p) {
-  int32_t v;
-  memcpy(&v, p, 4);
-  return v;
-}
+#include "tiles.h"
 
 /* One int4 tile for rows r0 .. r0 + rows - 1 (rows <= AICI_MAX_ROWS), into out (the
  * tile's first output of row r0) and on at out + n, out + 2 n, ... */
@@ -41,8 +36,8 @@ static void int4_tile(const uint8_t *codes, const uint16_t *d16, const uint16_t 
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int r = 0; r < rows; r++) {
           const int8_t *xr = q->x8 + (r0 + r) * k + g * AICI_GROUP + j * 8;
-          dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], lo, _mm256_set1_epi32(four(xr)));
-          dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], hi, _mm256_set1_epi32(four(xr + 4)));
+          dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], lo, _mm256_set1_epi32(aici_four(xr)));
+          dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], hi, _mm256_set1_epi32(aici_four(xr + 4)));
         }
       }
     }
@@ -86,7 +81,7 @@ static void int8_tile(const uint8_t *codes, const float *scale, int64_t groups, 
         __m256i v = _mm256_loadu_si256((const __m256i *)(block + j * 64 + h * 32));
         for (int r = 0; r < rows; r++) {
           const int8_t *xr = q->x8 + (r0 + r) * k + g * AICI_GROUP + j * 4;
-          dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], v, _mm256_set1_epi32(four(xr)));
+          dot[r][h] = _mm256_dpbusd_avx_epi32(dot[r][h], v, _mm256_set1_epi32(aici_four(xr)));
         }
       }
     }
@@ -107,28 +102,4 @@ static void int8_tile(const uint8_t *codes, const float *scale, int64_t groups, 
   }
 }
 
-void aici_int4_tiles_avx_vnni(const uint8_t *codes, const uint16_t *d, const uint16_t *m,
-                              const aici_acts *acts, int64_t n, int64_t tile_begin,
-                              int64_t tile_end, float *out) {
-  int64_t groups = acts->k / AICI_GROUP;
-  for (int64_t t = tile_begin; t < tile_end; t++) {
-    for (int64_t r0 = 0; r0 < acts->rows; r0 += AICI_MAX_ROWS) {
-      int rows = (int)(acts->rows - r0 < AICI_MAX_ROWS ? acts->rows - r0 : AICI_MAX_ROWS);
-      int4_tile(codes + t * groups * (AICI_TILE * AICI_GROUP / 2), d + t * groups * AICI_TILE,
-                m ? m + t * groups * AICI_TILE : NULL, groups, rows, acts, r0,
-                out + r0 * n + t * AICI_TILE, n);
-    }
-  }
-}
-
-void aici_int8_tiles_avx_vnni(const uint8_t *codes, const float *scale, const aici_acts *acts,
-                              int64_t n, int64_t tile_begin, int64_t tile_end, float *out) {
-  int64_t groups = acts->k / AICI_GROUP;
-  for (int64_t t = tile_begin; t < tile_end; t++) {
-    for (int64_t r0 = 0; r0 < acts->rows; r0 += AICI_MAX_ROWS) {
-      int rows = (int)(acts->rows - r0 < AICI_MAX_ROWS ? acts->rows - r0 : AICI_MAX_ROWS);
-      int8_tile(codes + t * groups * (AICI_TILE * AICI_GROUP), scale + t * AICI_TILE, groups,
-                rows, acts, r0, out + r0 * n + t * AICI_TILE, n);
-    }
-  }
-}
+AICI_TILE_WALKS(aici_int4_tiles_avx_vnni, aici_int8_tiles_avx_vnni)

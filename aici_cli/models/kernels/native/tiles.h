@@ -1,0 +1,51 @@
+/* What every instruction set's variant shares around its two tile kernels: the walk over
+ * a range of 16-row tiles and over the activation rows, AICI_MAX_ROWS at a time (the
+ * tile's weights are read once per that many rows), and a 4-byte load.
+ *
+ * A variant defines, before AICI_TILE_WALKS(int4_name, int8_name):
+ *   static void int4_tile(codes, d16, m16, groups, rows, q, r0, out, n);
+ *   static void int8_tile(codes, scale, groups, rows, q, r0, out, n);
+ * each computing one tile (its codes and scales from their first byte) for activation
+ * rows r0 .. r0 + rows - 1 into out (the tile's first output of row r0; row r0 + i at
+ * out + i n). The macro then defines the variant's two functions of int_dot.h.
+ */
+#ifndef AICI_TILES_H
+#define AICI_TILES_H
+
+#include <string.h>
+
+#include "int_dot.h"
+
+static inline int32_t aici_four(const int8_t *p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+#define AICI_TILE_WALKS(int4_name, int8_name)                                              \
+  void int4_name(const uint8_t *codes, const uint16_t *d, const uint16_t *m,              \
+                 const aici_acts *acts, int64_t n, int64_t tile_begin, int64_t tile_end,  \
+                 float *out) {                                                            \
+    int64_t groups = acts->k / AICI_GROUP;                                                \
+    for (int64_t t = tile_begin; t < tile_end; t++) {                                     \
+      for (int64_t r0 = 0; r0 < acts->rows; r0 += AICI_MAX_ROWS) {                        \
+        int rows = (int)(acts->rows - r0 < AICI_MAX_ROWS ? acts->rows - r0 : AICI_MAX_ROWS); \
+        int4_tile(codes + t * groups * (AICI_TILE * AICI_GROUP / 2),                      \
+                  d + t * groups * AICI_TILE, m ? m + t * groups * AICI_TILE : NULL,      \
+                  groups, rows, acts, r0, out + r0 * n + t * AICI_TILE, n);               \
+      }                                                                                   \
+    }                                                                                     \
+  }                                                                                       \
+  void int8_name(const uint8_t *codes, const float *scale, const aici_acts *acts,         \
+                 int64_t n, int64_t tile_begin, int64_t tile_end, float *out) {           \
+    int64_t groups = acts->k / AICI_GROUP;                                                \
+    for (int64_t t = tile_begin; t < tile_end; t++) {                                     \
+      for (int64_t r0 = 0; r0 < acts->rows; r0 += AICI_MAX_ROWS) {                        \
+        int rows = (int)(acts->rows - r0 < AICI_MAX_ROWS ? acts->rows - r0 : AICI_MAX_ROWS); \
+        int8_tile(codes + t * groups * (AICI_TILE * AICI_GROUP), scale + t * AICI_TILE,   \
+                  groups, rows, acts, r0, out + r0 * n + t * AICI_TILE, n);               \
+      }                                                                                   \
+    }                                                                                     \
+  }
+
+#endif /* AICI_TILES_H */
