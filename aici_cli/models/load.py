@@ -66,7 +66,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     (transformers' own logits, without importing its model classes), any other through
     transformers; "transformers" always through transformers (for
     comparisons with its `generate`). `tokenizer`: "auto" reads a plain fast tokenizer
-    without transformers (`hub_tokenizer`), "transformers" always loads transformers'
+    without transformers (`fast_tokenizer`), "transformers" always loads transformers'
     class (for callers that use more of its interface, lm-eval). A Llama model with a
     plain tokenizer loads without importing transformers at all.
 
@@ -120,7 +120,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
 
 def _probed(path: Path, device: torch.device, dtype_spec: str, quantize_spec: str,
             dtype: torch.dtype, mode: str) -> KernelChoice:
-    """The mode the kernel probe passes (`kernel_probe`): the chosen one, else the next
+    """The mode the kernel probe passes (`probe`): the chosen one, else the next
     where a choice was `auto` (said in one line), else a ModelError."""
     def auto_quantize(dt: str) -> str:
         return resolve_mode(quantize_spec, path, DTYPES[dt], device)
@@ -207,7 +207,7 @@ def _load_weights(path: Path, dtype: torch.dtype, mode: str = "none",
 
 def _load_tokenizer(path: Path, config: Any = None, hub: bool = True) -> Any:
     """The tokenizer at `path`: with `hub`, a plain fast tokenizer read without
-    transformers (`hub_tokenizer`). Else AutoTokenizer, which reads config.json through
+    transformers (`fast_tokenizer`). Else AutoTokenizer, which reads config.json through
     AutoConfig, to pick a tokenizer class where tokenizer_config.json names none: that
     import costs ~1 s (transformers' config classes bring torch.distributed), and
     importing AutoTokenizer itself ~0.3 s. Where the file names a class and no remote

@@ -149,7 +149,7 @@ def _from_gguf(model: Any, matrices: GgufMatrices | None, blocks: str | None) ->
 
 def _embedding_blocks(model: Any, dense: MappedSafetensors) -> str | None:
     """The input embedding's weight name where the conversion kept it as the GGUF's
-    blocks (`gguf_tensors`) and the model looks it up plainly."""
+    blocks (`tensors`) and the model looks it up plainly."""
     embed = model.get_input_embeddings()
     name = module_name(model, embed)
     if name is None or type(embed) is not torch.nn.Embedding or embed.max_norm is not None:

@@ -3,9 +3,9 @@
 Loading a GGUF through transformers costs ~20 s (dequantisation), so a GGUF is converted
 once into a directory under `cache_dir()/models/`: its config and tokenizer, and
 `BASE_FILE`, the tensors no run quantises (norms, the embedding) with a record of where in
-the GGUF each matrix lies (`gguf_tensors`). What a run needs beyond that is built from
+the GGUF each matrix lies (`tensors`). What a run needs beyond that is built from
 the GGUF on its first use and kept beside it: a quantised run's layers in their kernels'
-layout (`packed_weights`), an unquantised run's dense copy (`DENSE_FILE`,
+layout (`packed_layers`), an unquantised run's dense copy (`DENSE_FILE`,
 `ensure_dense`); `entry_files` says which prune removes. Later loads of the directory
 take ~1 s.
 

@@ -3,7 +3,7 @@ which of them `aici-batch models --prune` removes.
 
 A conversion holds what every run reads (config, tokenizer, `BASE_FILE`). Each mode
 adds its own on first use: a quantised mode its layers in one kernel layout
-(`packed_weights`: `aici-packed-int4-<layout>`, `aici-packed-int8`), an unquantised run
+(`packed_layers`: `aici-packed-int4-<layout>`, `aici-packed-int8`), an unquantised run
 the dense copy (`DENSE_FILE`, ~2x the GGUF). Files of modes that no longer run (another
 CPU, another torch, a one-off `--dtype float32` run) would stay forever, so the runs of
 the default mode (every choice left at auto: `--device`, `--dtype`, `--quantize`,
@@ -24,7 +24,7 @@ from pathlib import Path
 from aici_cli.models.cache import conversions
 from aici_cli.models.gguf.entry_record import BASE_FILE, DENSE_FILE, read_source, write_source
 
-PACKED_PREFIX = "aici-packed-"  # `packed_weights`' files
+PACKED_PREFIX = "aici-packed-"  # `packed_layers`' files
 _DEFAULT_KEY = "default_files"
 
 

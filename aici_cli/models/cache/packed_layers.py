@@ -69,7 +69,7 @@ def packed_file(path: Path, mode: str, device: torch.device) -> Path | None:
 
 def vnni_file(path: Path) -> Path | None:
     """Where the layers of the model at `path` are kept in the VNNI kernels' layouts
-    (`vnni_layers`: the same on every CPU that runs them); None unless `path` is a
+    (`vnni_layouts`: the same on every CPU that runs them); None unless `path` is a
     conversion-cache entry."""
     return path / f"{PACKED_PREFIX}vnni-{VNNI_LAYOUT}.safetensors" if _in_cache(path) else None
 

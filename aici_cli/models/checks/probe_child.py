@@ -1,4 +1,4 @@
-"""The kernel probe's child (`kernel_probe`): one mode's layers, built as a run builds
+"""The kernel probe's child (`probe`): one mode's layers, built as a run builds
 them, computed at a run's row counts and judged against float32 over the same weights.
 
 Run as `python -m aici_cli.models.checks.probe_child SPEC`; prints one JSON line, {"ok",

@@ -2,10 +2,10 @@
 
 A lookup reads a few rows of the table, so a quantised run need not keep the table
 dense: the conversion stores the GGUF's Q8_0 (or Q4_0/Q4_1, or Q4_K's sub-blocks with
-float32 scales: `kquant`) blocks once (`gguf_tensors`;
+float32 scales: `kquant`) blocks once (`tensors`;
 the default model's: 30 MB against 57 MB in bfloat16), and each looked-up row is
 dequantised as gguf does it (float32), rounded to bfloat16, then cast to the run's dtype:
-exactly the rows of the bfloat16 table a dense copy holds (`gguf_blocks` computes
+exactly the rows of the bfloat16 table a dense copy holds (`blocks` computes
 gguf's values bit for bit; casting a bfloat16 to a wider float is exact, and to float16
 is what a float16 copy of that table would hold).
 """

@@ -9,7 +9,7 @@ input dimension (K); each block holds one or two float16 numbers and 32 codes:
 
 Byte j of a 4-bit block holds code j in its low nibble and code j + 16 in its high one.
 A 4-bit block is exactly one group of group-32 asymmetric int4 (PyTorch's int4 kernels,
-`quantize.py`), so those weights load with their own codes and scales: no dequantise and
+`quant/quantize.py`), so those weights load with their own codes and scales: no dequantise and
 requantise round trip. Torch-free (numpy only).
 """
 

@@ -1,7 +1,7 @@
 """Reading a GGUF file: checking it is whole, converting it (its config, tokenizer and
 the tensors no run quantises), and the dense copy a run that quantises nothing reads.
 
-Imports torch; `conversion_cache` imports this module only when a conversion is due.
+Imports torch; `conversions` imports this module only when a conversion is due.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def gguf_problem(gguf: Path) -> str | None:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Convert `gguf` into `out_dir`: its config and tokenizer, and the tensors no run
-    quantises, with where the GGUF holds each matrix (`gguf_tensors`). No matrix is
+    quantises, with where the GGUF holds each matrix (`tensors`). No matrix is
     dequantised here where the default mode quantises (a run builds what its mode reads
-    on first use: `packed_weights`, `conversions.ensure_dense`); a GGUF without 4-
+    on first use: `packed_layers`, `conversions.ensure_dense`); a GGUF without 4-
     or 8-bit blocks, which the default mode runs unquantised, gets its dense copy here.
 
     The config and tokenizer are transformers' own conversion of the file's metadata,

@@ -1,7 +1,7 @@
 """A conversion-cache entry's own files: the names of what it holds, and its record of the
 GGUF content it was converted from (`SOURCE_FILE`).
 
-A leaf of the conversion cache (`conversion_cache` makes entries, the modules that read
+A leaf of the conversion cache (`conversions` makes entries, the modules that read
 and build their files ask this one), torch-free.
 """
 

@@ -1,5 +1,5 @@
-"""The matrices a conversion leaves in its GGUF (`gguf_tensors`), read from there when a
-mode first builds its layers (`quantize`, `packed_weights`).
+"""The matrices a conversion leaves in its GGUF (`tensors`), read from there when a
+mode first builds its layers (`quantize`, `packed_layers`).
 
 Each matrix is read with plain reads of its bytes (no GGUF parsing: the conversion
 recorded its offset and type), a few rows of blocks at a time where it is requantised, in
@@ -30,7 +30,7 @@ from aici_cli.core.errors import ModelError
 from aici_cli.models.gguf import blocks, kquant
 from aici_cli.models.gguf.entry_record import BASE_FILE, source_gguf
 
-MATRICES_KEY = "aici:matrices"  # the base file's metadata entry (`gguf_tensors`)
+MATRICES_KEY = "aici:matrices"  # the base file's metadata entry (`tensors`)
 STORED_DTYPE = torch.bfloat16  # the dtype of a conversion's dense tensors
 
 RowSource = Callable[[int, int], torch.Tensor]  # (lo, hi) -> rows lo..hi-1, float32

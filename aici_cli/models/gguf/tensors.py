@@ -6,7 +6,7 @@ a kernel, its values), never a dense copy; a run that does not quantise reads a 
 made on its first use (`conversions.ensure_dense`). So a conversion dequantises only
 what every run reads as it is (norms, biases: transformers' own conversion of them, in
 bfloat16) and records, for each matrix a linear layer holds, where its data lies in the
-GGUF: its type, byte offset and row order (`gguf_matrices` reads it from there). The input
+GGUF: its type, byte offset and row order (`matrices` reads it from there). The input
 embedding, which runs look up rather than multiply, is kept once: as the GGUF's own Q8_0,
 Q4_0 or Q4_1 blocks (Q4_K: its sub-blocks, as 4-bit blocks) where the file has it so (a
 lookup widens the rows it reads: `block_embedding`), else in bfloat16. Entry names, for parameter P:

@@ -209,7 +209,7 @@ def current_mode(device: str, dtype: str, quantize: str) -> KernelMode:
 def verdict(mode: KernelMode, shapes: Shapes, code: str = "") -> Verdict:
     """The cached verdict of `mode` for `shapes` on this machine, else the probe's (run
     in a child now, and cached). `code`: a digest of kernels the project builds itself
-    (`vnni_kernels`), so that other code is probed again."""
+    (`int_mm`), so that other code is probed again."""
     key = json.dumps({"probe": PROBE_VERSION, "torch": _torch_version(),
                       "machine": fingerprint(mode.device), "mode": asdict(mode),
                       "shapes": asdict(shapes), **({"code": code} if code else {})},

@@ -1,8 +1,9 @@
-"""Weight-only quantised linear layers (`--quantize int8|int4`) on PyTorch's own kernels.
+"""Weight-only quantised linear layers (`--quantize int8|int4`): their passes of few rows on
+the project's int kernels where this CPU runs them (`kernels/int_mm.py`), else, and for
+the layouts kept, on PyTorch's own weight-only kernels (the ones gpt-fast uses).
 
 Decode is bound by reading weights: a bf16 step of the default model reads ~270 MB, an
-int4 one ~80 MB. PyTorch ships the weight-only kernels gpt-fast uses, so nothing here is a
-hand-written kernel:
+int4 one ~80 MB. The layouts:
 
 - int4: `_weight_int4pack_mm_for_cpu` (CUDA: `_weight_int4pack_mm`, tinygemm), group-32
   asymmetric: weight = (q - 8) * scale + zero per group of 32 inputs, q in 0..15. A GGUF
@@ -19,8 +20,8 @@ a Q4_K_M or Q5_K_M file): int4 would take ~8x its int8 error from it. Embeddings
 not quantised (a lookup reads a few rows): a GGUF's stays in its own blocks, its rows
 widened as read (`block_embedding`).
 
-A conversion's matrices are built from its GGUF (`gguf_matrices`) on a mode's first run
-and kept in the kernels' layout (`packed_weights`); a model directory's are quantised
+A conversion's matrices are built from its GGUF (`matrices.GgufMatrices`) on a mode's
+first run and kept in the kernels' layout (`packed_layers`); a model directory's are quantised
 from its dense weights at each load.
 
 torchao was measured as the alternative: 0.18.0 takes 6.6 s to import here (against the
@@ -54,7 +55,7 @@ from aici_cli.models.kernels.aligned import aligned
 
 GROUP = blocks.BLOCK  # int4 group size: one GGUF block
 MODES = ("none", "int8", "int4")
-# A CPU pass of fewer rows never runs an int4 layer on its dense copy (`wide_rows`: from
+# A CPU pass of fewer rows never runs an int4 layer on its dense copy (`dense_copies`: from
 # the layer's `dense_rows` on, where this machine's dense GEMM is faster at such rows).
 # Above the compiled step's buckets of one-token steps at the default batch size.
 DENSE_MIN_ROWS = 16
@@ -100,7 +101,7 @@ class Int4Linear(torch.nn.Module):
     def from_buffers(cls, packed: torch.Tensor, scale_zero: torch.Tensor,
                      bias: torch.Tensor | None) -> Int4Linear:
         """A layer over buffers already in the kernel's layout (another layer's, stacked
-        or kept: `fused_linear`, `packed_weights`); `scale_zero` [K/32, N, 2]."""
+        or kept: `fused_linear`, `packed_layers`); `scale_zero` [K/32, N, 2]."""
         layer = cls.__new__(cls)
         torch.nn.Module.__init__(layer)
         k, n = scale_zero.shape[0] * GROUP, scale_zero.shape[1]
@@ -133,7 +134,7 @@ class Int4Linear(torch.nn.Module):
     def from_parts(cls, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                    bias: torch.Tensor | None, dtype: torch.dtype) -> Int4Linear:
         """A layer over codes already in the kernel's layout (`pack_int4`) and the scales
-        they were packed with (kept: `packed_weights`)."""
+        they were packed with (kept: `packed_layers`)."""
         return cls.from_buffers(packed, scale_zero(d, m, dtype), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,7 +197,7 @@ def scale_zero(d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Te
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] codes in 0..15 (any integer dtype) in the int4 kernel's layout for their
-    device (`packed_weights` says what it depends on)."""
+    device (`packed_layers` says what it depends on)."""
     if codes.device.type == "cuda":
         pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
         return torch.ops.aten._convert_weight_to_int4pack(
@@ -324,8 +325,8 @@ def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
     one is): the decoder layers' in `mode`, the output projection in int8. A matrix
     `source` holds (a conversion's GGUF) is built from there; the others are quantised
     from their dense weights. A conversion-cache entry keeps the layers in their kernels'
-    layout (`packed_weights`): a later run reads them instead. `scales`, where given,
-    gets each int4 layer's d and m (weight = q d + m: `vnni_layers`). Returns the number
+    layout (`packed_layers`): a later run reads them instead. `scales`, where given,
+    gets each int4 layer's d and m (weight = q d + m: `vnni_layouts`). Returns the number
     of layers replaced."""
     if mode == "none":
         return 0

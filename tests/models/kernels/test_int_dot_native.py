@@ -31,13 +31,14 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from paths import ROOT
 
+from aici_cli.models.kernels import int_mm
+
 NATIVE = ROOT / "aici_cli" / "models" / "kernels" / "native"
 SCRIPT = NATIVE / "build_and_test.sh"
 REQUIRE_ARM = "AICI_REQUIRE_ARM"
 TILE, GROUP = 16, 32
-CPU_NEEDS = {"avx2": ("avx2", "fma", "f16c"),
-             "avx_vnni": ("avx2", "avx_vnni", "f16c", "fma"),
-             "avx512_vnni": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")}
+# The CPU flags each x86 build needs: the ones the operators' variants declare.
+CPU_NEEDS = {v.name: v.needs for v in int_mm.X86_VARIANTS}
 # What each build's run prints, one line a variant tested (neon_dot links the plain build).
 PRINTS = {"generic": ["generic"], "avx2": ["generic", "avx2"],
           "avx_vnni": ["generic", "avx_vnni"], "avx512_vnni": ["generic", "avx512_vnni"],
