@@ -7,8 +7,8 @@ Rows (greedy, the default model's GGUF for both sides unless --gguf):
                RSS of the process, and the time from the command to the first token (a
                fresh `aici-batch run` of one line and one token; `llama-cli`-like for
                llama.cpp: load + 1 token)
-  schemas      the dev half of Glaiveai2K (odd positions of the sorted files, the first
-               --schemas), --max-tokens tokens, JSON-schema constrained: tok/s and valid
+  schemas      the held-out half of Glaiveai2K (`data_split.py`, the first --schemas of
+               it in name order), --max-tokens tokens, JSON-schema constrained: tok/s and valid
                outputs, at batch 1 and 8, prompt-lookup drafts on and off
   prefill      one --prefill-tokens prompt (default 1,500: the few-shot prompts of
                evaluation jobs), one token out: seconds to the first token after the model
@@ -102,8 +102,17 @@ def prefill_text(tokenizer: Any, tokens: int) -> str:
                 return str(tokenizer.decode(ids[:tokens]))
 
 
-def dev_half(n: int) -> list[Path]:
-    return sorted(GLAIVE.glob("*.json"))[1::2][:n]
+def held_half(n: int) -> list[Path]:
+    """The first `n` schemas of Glaiveai2K's held-out half (`data_split.py`: every figure
+    reported comes from it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("data_split", Path(__file__).with_name(
+        "data_split.py"))
+    assert spec is not None and spec.loader is not None
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    return [p for p in sorted(GLAIVE.glob("*.json")) if split.in_half(p, "held")][:n]
 
 
 def schema_ask(schema: dict[str, Any]) -> str:
@@ -143,7 +152,7 @@ def ours(task: dict[str, Any]) -> dict[str, Any]:
                         prompt=text, messages=None, ignore_eos=True)
                     for i, text in enumerate(BATCH_PROMPTS)]
         out = []
-        for i, path in enumerate(dev_half(task["schemas"])):
+        for i, path in enumerate(held_half(task["schemas"])):
             schema = json.loads(path.read_text())
             out.append(Job(index=i + 1, id=path.stem, max_tokens=max_tokens,
                            constraint=Constraint("json_schema", schema),
@@ -226,7 +235,7 @@ def _valid(results: list[dict[str, Any]], task: dict[str, Any]) -> int | None:
         return None
     import jsonschema
 
-    schemas = {p.stem: json.loads(p.read_text()) for p in dev_half(task["schemas"])}
+    schemas = {p.stem: json.loads(p.read_text()) for p in held_half(task["schemas"])}
     valid = 0
     for r in results:
         try:
@@ -284,7 +293,7 @@ def peer(task: dict[str, Any]) -> dict[str, Any]:
 
     tokens = valid = refused = 0
     started = time.perf_counter()
-    for path in dev_half(task["schemas"]):
+    for path in held_half(task["schemas"]):
         schema = json.loads(path.read_text())
         try:
             grammar = LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
@@ -373,7 +382,7 @@ def server(task: dict[str, Any], binary: str) -> dict[str, Any]:
         started = time.perf_counter()
         with ThreadPoolExecutor(task["batch"]) as pool:
             done = (list(pool.map(plain, BATCH_PROMPTS)) if task["kind"] == "batch"
-                    else list(pool.map(one, dev_half(task["schemas"]))))
+                    else list(pool.map(one, held_half(task["schemas"]))))
         wall = time.perf_counter() - started
     finally:
         proc.terminate()

@@ -136,7 +136,8 @@ def _note_default_files(path: Path, mode: str, device: torch.device) -> None:
     """Note, in a conversion-cache entry, the mode files a run with every choice at auto
     reads (`entry_files`: prune keeps them); nothing for a model directory."""
     file = path / DENSE_FILE if mode == "none" else packed_file(path, mode, device)
-    names = [file.name] if file is not None and is_mode_file(path, file.name) else []
+    names = [file.name] if file is not None and file.is_file() \
+        and is_mode_file(path, file.name) else []
     vnni = vnni_file(path) if mode != "none" else None
     if vnni is not None and vnni.is_file():  # the quantised layers' VNNI layouts
         names.append(vnni.name)

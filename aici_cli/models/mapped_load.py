@@ -33,7 +33,8 @@ from aici_cli.models.gguf.block_embedding import BlockEmbedding
 from aici_cli.models.gguf.entry_record import BASE_FILE, DENSE_FILE
 from aici_cli.models.gguf.matrices import GgufMatrices
 from aici_cli.models.quant import vnni_layouts
-from aici_cli.models.quant.quantize import module_name, quantize_model, set_module
+from aici_cli.models.quant.model_layers import quantize_model
+from aici_cli.models.quant.quantize import module_name, set_module
 from aici_cli.models.sources.model_files import missing_tensors_problem
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
@@ -113,6 +114,7 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
     _refuse_missing(path, [n for n, t in model.named_parameters() if t.is_meta
                            and n not in from_gguf] + unfilled)
     scales: vnni_layouts.Scales = {}
+    vnni_layouts.build(model, mode, path, dtype, device, matrices)  # where they run, first
     quantize_model(model, mode, path, dtype, device, matrices, scales)
     vnni_layouts.attach(model, path, dtype, device, scales)
     if blocks is not None:

@@ -65,8 +65,9 @@ class MaskedProjection:
         self.vocab_size = vocab_size
         self.threshold = threshold
         self.exact = isinstance(head, Int8Linear)
-        # Int8: codes [V, K] int8 and scale [V]; dense: weight [V, K]. Bias [V] or None.
-        self.codes: torch.Tensor | None = head.codes if isinstance(head, Int8Linear) else None
+        # Int8: its rows' codes (`Int8Linear.rows`) and scale [V]; dense: weight [V, K].
+        # Bias [V] or None.
+        self.int8: Int8Linear | None = head if isinstance(head, Int8Linear) else None
         self.scale: torch.Tensor | None = head.scale if isinstance(head, Int8Linear) else None
         # The head's bf16 passes on the VNNI kernel (models/kernels/int_mm.py): its rows are
         # gathered and tiled for that kernel, whose rows' values are the full one's.
@@ -89,7 +90,7 @@ class MaskedProjection:
             if head.weight.dtype != torch.float32:
                 threshold = min(threshold, DENSE_16BIT_THRESHOLD)
             return cls(head, vocab_size, threshold)
-        if isinstance(head, Int8Linear) and head.codes.device.type == "cpu":
+        if isinstance(head, Int8Linear) and head.scale.device.type == "cpu":
             return cls(head, vocab_size, threshold)
         return None
 
@@ -148,8 +149,8 @@ class MaskedProjection:
         """[r, hidden] -> [r, n]: the projection at `ids` alone, by the full one's kernel
         (gathering copies n K weight elements; the product costs n/V of the full one).
         `weight`: the dense rows at `ids`, where the caller gathered them already."""
-        if self.codes is not None and self.scale is not None:  # the full projection's kernel
-            y = int8_mm(hidden, self.codes[ids], self.scale[ids],
+        if self.int8 is not None and self.scale is not None:  # the full projection's kernel
+            y = int8_mm(hidden, self.int8.rows(ids), self.scale[ids],
                         None if self.vnni_scale is None else self.vnni_scale[ids])
         else:
             y = F.linear(hidden, weight if weight is not None else self._rows(ids))

@@ -80,7 +80,7 @@ def what(name: str) -> str:
     if mode == "int8":
         return "the layers of --quantize int8"
     if mode.startswith("vnni-"):
-        return "the quantised layers in the VNNI kernels' layouts (bf16 on AVX512-VNNI CPUs)"
+        return "the quantised layers in the int kernels' layouts (CPUs of AVX2 or NEON and up)"
     layout = mode.removeprefix("int4-")
     return f"the layers of --quantize int4 in the kernel layout {layout}"
 

@@ -89,7 +89,7 @@ def _layer(n: int, k: int, quantize: str, output: bool, dtype: torch.dtype,
            device: torch.device) -> tuple[Callable[[torch.Tensor], torch.Tensor],
                                           torch.Tensor]:
     """The layer a run would build for an [n, k] weight, and its weights as float32
-    (what the layer's codes say). As `quantize.quantize_model`: the output projection,
+    (what the layer's codes say). As `model_layers.quantize_model`: the output projection,
     and any layer whose inputs are not whole groups, in int8."""
     w = torch.randn(n, k, device=device) / k ** 0.5
     vnni = quantize == int_mm.PROBE_QUANTIZE  # int4 layers (and int8 ones) on it

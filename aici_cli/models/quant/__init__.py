@@ -9,8 +9,9 @@ faster (`dense_copies.py`). Each choice is made once per layer kind, in its laye
 
 Modules (all import torch):
 
-    quantize.py      Int4Linear, Int8Linear, quantize_model, the --quantize modes
+    quantize.py      Int4Linear, Int8Linear, int8_mm, the --quantize modes
+    model_layers.py  a model's linears replaced (quantize_model), kept in the cache
     fused_linear.py  q/k/v and gate/up as one matrix each, for the compiled step
     dense_copies.py  passes of many rows on dense copies of the int4 layers
-    vnni_layouts.py  the layers' VNNI tile layouts, made once and kept in the cache
+    vnni_layouts.py  the layers on the int kernels alone, their tiles kept in the cache
 """

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from aici_cli.models.cache import packed_layers
-from aici_cli.models.kernels import probe
+from aici_cli.models.kernels import int_mm, probe
 from aici_cli.models.quant import quantize
 from aici_cli.models.quant.quantize import GROUP, Int4Linear
 
@@ -68,11 +68,16 @@ MAX_BYTES = 4 << 30  # and the copy's size at most this, and a quarter of free m
 
 def dense_weight(layer: Int4Linear) -> torch.Tensor:
     """`layer`'s weights [N, K] in its activation dtype, as its kernel widens them:
-    (q - 8) scale + zero in float32, rounded once, from the codes unpacked where this
+    (q - 8) scale + zero in float32, rounded once, from the int kernels' tiles where the
+    layer has them (their float16 scales), else from the codes unpacked where this
     machine's layout can be (`packed_layers.unpack_int4_cpu`; 1.8 against 5.6 ms for
     1536 x 576 on the AMX Xeon) and that widening gives the kernel's own bits
     (`_unpacked_exact`), else the product of the identity with them (exact: one term
     a sum)."""
+    tiled = layer.tiled()
+    if tiled is not None:  # the int kernels' weights: their layout's codes and scales
+        tiles, d, m = int_mm.untile_int4(tiled)
+        return _widened(tiles, quantize.scale_zero(d, m, layer.scale_zero.dtype))
     n, k = layer.out_features, layer.in_features
     codes = packed_layers.unpack_int4_cpu(layer.packed, n, k) \
         if layer.packed.device.type == "cpu" and _unpacked_exact() else None
@@ -182,7 +187,8 @@ class WideRows:
     def copy_rows(self) -> int:
         """What making the copy costs, in rows through the int4 kernel (`BUILD_AFTER`):
         `UNPACKED_COPY_ROWS` where the codes unpack, else a pass of K rows a layer."""
-        if packed_layers.unpacks() and _unpacked_exact():
+        if all(layer.vnni for layer in self.layers) or (
+                packed_layers.unpacks() and _unpacked_exact()):
             return UNPACKED_COPY_ROWS
         sizes = [layer.in_features * layer.out_features for layer in self.layers]
         return sum(size * layer.in_features for size, layer in zip(sizes, self.layers)) \

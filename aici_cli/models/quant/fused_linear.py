@@ -105,7 +105,7 @@ def _stack_dense(parts: Sequence[torch.nn.Linear]) -> torch.nn.Linear:
 
 
 def _stack_int4(parts: Sequence[Int4Linear]) -> Int4Linear:
-    bias = _bias(parts, parts[0].scale_zero[0, 0])
+    bias = _bias(parts, parts[0].scale_zero)  # of the activation dtype (maybe empty)
     # Parts on the VNNI kernel (bf16 passes of few rows: every pass of the compiled step)
     # stack only its layout, over their own storage where the load left them back to
     # back (quantize._group_vnni): the int4 kernel's buffers would be a copy no pass of
@@ -120,6 +120,13 @@ def _stack_int4(parts: Sequence[Int4Linear]) -> Int4Linear:
 
 
 def _stack_int8(parts: Sequence[Int8Linear]) -> Int8Linear:
+    # Tiles are whole rows of 16: parts on the int kernel stack as their layouts, back to
+    # back (plain codes may be absent: `Int8Linear.vnni_only`).
+    if all(p.vnni for p in parts):
+        return Int8Linear.vnni_only(torch.cat([p.vnni_codes for p in parts]),
+                                    torch.cat([p.vnni_scale for p in parts]),
+                                    _bias(parts, parts[0].scale), parts[0].scale.dtype,
+                                    parts[0].in_features)
     return Int8Linear.from_buffers(torch.cat([p.codes for p in parts]),
                                    torch.cat([p.scale for p in parts]),
                                    _bias(parts, parts[0].scale))
@@ -164,17 +171,22 @@ def _probe(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module],
 
 def _share_storage(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -> None:
     """Re-point each part's large tensor at its rows of the stacked one (a view: rows are
-    the first dimension, so a slice stays contiguous); the parts' own copies are freed."""
+    the first dimension, so a slice stays contiguous; in the int kernels' layouts, whole
+    tiles of 16 rows, likewise); the parts' own copies are freed."""
     name = {Int4Linear: "packed", Int8Linear: "codes"}.get(type(stacked), "weight")
     big = getattr(stacked, name)
     whole = stacked.tiled() if isinstance(stacked, Int4Linear) else None
     start = 0
     for p in parts:
-        rows = getattr(p, name).shape[0]
+        rows = _out_features(p)
         if isinstance(p, Int4Linear) and p.vnni and whole is not None:
-            # A VNNI-only stack: the parts keep their int4 buffers, and their VNNI
-            # layouts are (or become) its rows.
+            # A stack of the int kernel alone: the parts keep any int4-kernel buffers,
+            # and their layouts are (or become) its rows.
             p.use_vnni(int_mm.int4_rows(whole, start, rows))
+        elif isinstance(p, Int8Linear) and isinstance(stacked, Int8Linear) \
+                and big.numel() == 0:
+            k = p.in_features
+            p.use_vnni(stacked.vnni_codes[start * k:(start + rows) * k])
         elif name == "weight":
             p.weight = torch.nn.Parameter(big[start:start + rows], requires_grad=False)
         else:

@@ -20,9 +20,10 @@ a Q4_K_M or Q5_K_M file): int4 would take ~8x its int8 error from it. Embeddings
 not quantised (a lookup reads a few rows): a GGUF's stays in its own blocks, its rows
 widened as read (`block_embedding`).
 
-A conversion's matrices are built from its GGUF (`matrices.GgufMatrices`) on a mode's
-first run and kept in the kernels' layout (`packed_layers`); a model directory's are quantised
-from its dense weights at each load.
+A model's layers are built by `model_layers.quantize_model` (and, where the project's int
+kernels run, `vnni_layouts.build`): a conversion's from its GGUF on a mode's first run,
+then kept in the kernels' layout; a model directory's quantised from its dense weights at
+each load.
 
 torchao was measured as the alternative: 0.18.0 takes 6.6 s to import here (against the
 run's whole start-up budget of 1.5 s) and its CPU int4 layout refuses torch 2.13.
@@ -41,13 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from aici_cli.core.errors import ModelError
-from aici_cli.models.cache.packed_layers import (
-    KEPT,
-    pack_int4_cpu,
-    packed_file,
-    read_packed,
-    write_packed,
-)
+from aici_cli.models.cache.packed_layers import pack_int4_cpu
 from aici_cli.models.gguf import blocks
 from aici_cli.models.gguf.matrices import GgufMatrices
 from aici_cli.models.kernels import int_mm
@@ -232,11 +227,33 @@ class Int8Linear(torch.nn.Module):
         `scale` [N] in the activation dtype)."""
         return cls(codes, scale, bias, scale.dtype)
 
+    @classmethod
+    def vnni_only(cls, tiled: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                  dtype: torch.dtype, k: int) -> Int8Linear:
+        """A layer that runs only bf16/float32 passes, on the int kernel over `tiled` (its
+        codes in the kernel's layout, `int_mm.tile_int8`) with `scale` [N] float32: no
+        plain codes (`codes` empty; `rows` gathers from the tiles)."""
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = scale.shape[0], k
+        layer.register_buffer("codes", torch.empty(0, dtype=torch.int8))
+        layer.register_buffer("scale", aligned(scale.to(dtype).contiguous()))
+        layer.register_buffer("bias", bias)
+        layer.use_vnni(tiled)
+        return layer
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The codes of output rows `ids`: [len(ids), K] int8 (the masked projection's
+        gather: len(ids) K bytes read)."""
+        if self.codes.numel():
+            return self.codes[ids]
+        return int_mm.tiled_int8_rows(self.vnni_codes, self.out_features, self.in_features, ids)
+
     def use_vnni(self, codes: torch.Tensor) -> None:
         """Run bf16 and float32 passes on the int kernel over `codes` (this layer's, tiled:
         `int_mm.tile_int8`) and its scales in float32 (as rounded to the activation
         dtype: the int8 kernel's own)."""
-        assert codes.numel() == self.codes.numel()
+        assert codes.numel() == self.out_features * self.in_features
         self.register_buffer("vnni_codes", codes)
         self.register_buffer("vnni_scale", self.scale.float())
         self.vnni = True
@@ -245,7 +262,7 @@ class Int8Linear(torch.nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         y = int8_mm(flat, self.codes, self.scale, self.vnni_scale if self.vnni else None,
-                    self.vnni_codes if self.vnni else None)
+                    self.vnni_codes if self.vnni else None, self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
@@ -253,20 +270,23 @@ class Int8Linear(torch.nn.Module):
 
 def int8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
             vnni_scale: torch.Tensor | None = None,
-            tiled: torch.Tensor | None = None) -> torch.Tensor:
+            tiled: torch.Tensor | None = None, n: int | None = None) -> torch.Tensor:
     """x [r, K] times int8 `codes` [N, K] with row `scale` [N] -> [r, N]: the one kernel
     choice of int8 weights, for a layer's passes and for the masked projection's gathered
     rows alike (so that both give the same values).
 
     The project's int kernel for bf16 and float32 passes where the weights have its
-    layout (`vnni_scale`: the float32 scales it takes; `tiled`: the tiles kept, else
-    `codes` tiled per call), else PyTorch's int8 kernel on the CPU, else (no int8
-    weight-only kernel) widened per call.
+    layout (`vnni_scale`: the float32 scales it takes; `tiled`: the tiles kept, of `n`
+    rows, else `codes` tiled per call), else PyTorch's int8 kernel on the CPU, else (no
+    int8 weight-only kernel) widened per call.
     """
     if vnni_scale is not None and x.dtype in INT_KERNEL_DTYPES:
         if tiled is None:
             return int_mm.int8_rows_mm(x, codes, vnni_scale)
-        return torch.ops.aici.int8_vnni_mm(x.contiguous(), tiled, vnni_scale, codes.shape[0])
+        rows = n if n is not None else codes.shape[0]
+        return torch.ops.aici.int8_vnni_mm(x.contiguous(), tiled, vnni_scale, rows)
+    if codes.numel() == 0:
+        raise RuntimeError(f"a VNNI-only int8 layer got {x.shape[0]} {x.dtype} rows")
     if codes.device.type == "cpu":
         return torch.ops.aten._weight_int8pack_mm(x, codes, scale)
     return F.linear(x, codes.to(x.dtype)) * scale
@@ -315,119 +335,6 @@ def resolve_mode(spec: str, path: Path, dtype: torch.dtype,
         return "none"
     kinds = available_blocks(path)
     return "int4" if "q4" in kinds else "int8" if "q8" in kinds else "none"
-
-
-def quantize_model(model: Any, mode: str, path: Path, dtype: torch.dtype,
-                   device: torch.device | None = None,
-                   source: GgufMatrices | None = None,
-                   scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
-    """Replace the linear layers of `model` in place, onto `device` (default: where each
-    one is): the decoder layers' in `mode`, the output projection in int8. A matrix
-    `source` holds (a conversion's GGUF) is built from there; the others are quantised
-    from their dense weights. A conversion-cache entry keeps the layers in their kernels'
-    layout (`packed_layers`): a later run reads them instead. `scales`, where given,
-    gets each int4 layer's d and m (weight = q d + m: `vnni_layouts`). Returns the number
-    of layers replaced."""
-    if mode == "none":
-        return 0
-    keep = packed_file(path, mode, device) if device is not None else None
-    kept = read_packed(keep, device) if keep is not None and device is not None else {}
-    to_keep: dict[str, torch.Tensor] = {}
-    computed = 0
-    output = model.get_output_embeddings()
-    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    embed_name = module_name(model, model.get_input_embeddings())
-    replaced = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        weight_name = f"{name}.weight"
-        if module is output and tied and embed_name is not None:
-            weight_name = f"{embed_name}.weight"  # the tied projection's matrix is there
-        from_gguf = source if source is not None and weight_name in source else None
-        kind = "int8" if module is output or module.in_features % GROUP or (
-            from_gguf is not None and from_gguf.int8_only(weight_name)) else mode
-        at = device if device is not None else module.weight.device
-        parts = _kept_parts(kept, name, kind, module)
-        if parts is None:
-            computed += 1
-            parts = _int4_parts(module, from_gguf, weight_name, at) if kind == "int4" \
-                else _int8_parts(module, from_gguf, weight_name, at)
-        to_keep |= {f"{name}.{k}": v for k, v in parts.items()}
-        bias = module.bias.detach().to(at) if module.bias is not None else None
-        new: torch.nn.Module = (
-            Int4Linear.from_parts(parts["packed"], parts["d"], parts["m"], bias, dtype)
-            if kind == "int4" else Int8Linear(parts["codes"], parts["scale"], bias, dtype))
-        if scales is not None and kind == "int4":
-            scales[name] = (parts["d"], parts["m"])
-        set_module(model, name, new)
-        replaced += 1
-    if keep is not None and computed:
-        write_packed(keep, to_keep)
-    return replaced
-
-
-def _kept_parts(kept: dict[str, torch.Tensor], name: str, kind: str,
-                module: torch.nn.Linear) -> dict[str, torch.Tensor] | None:
-    """The layer `name`'s kept tensors (`packed_layers.KEPT`), or None where they are
-    missing or do not fit its shape."""
-    parts = {k: kept.get(f"{name}.{k}") for k in KEPT[kind]}
-    if any(v is None for v in parts.values()):
-        return None
-    found: dict[str, torch.Tensor] = {k: v for k, v in parts.items() if v is not None}
-    n, k = module.out_features, module.in_features
-    floats = (torch.float16, torch.float32)
-    if kind == "int4":
-        packed, d, m = found["packed"], found["d"], found["m"]
-        fits = packed.numel() * packed.element_size() * 2 == n * k \
-            and d.shape == m.shape == (n, k // GROUP) and d.dtype in floats \
-            and m.dtype in floats  # 4 bits a weight
-    else:
-        codes, scale = found["codes"], found["scale"]
-        fits = codes.shape == (n, k) and codes.dtype == torch.int8 \
-            and scale.shape == (n,) and scale.dtype == torch.float32
-    return found if fits else None
-
-
-def _int4_parts(module: torch.nn.Linear, source: GgufMatrices | None, name: str,
-                device: torch.device) -> dict[str, torch.Tensor]:
-    """An int4 layer's kept tensors: the GGUF's 4-bit codes and scales as they are (a
-    Q5_K's: `kquant`), else the matrix's dense values (the GGUF's rounded to bfloat16,
-    as a dense copy holds them) quantised here."""
-    q4 = source.int4(name) if source is not None else None
-    if q4 is not None:
-        codes, d, m = (t.to(device) for t in q4)
-    else:
-        dense = source.dense(name) if source is not None else module.weight.detach()
-        codes, d, m = quantize_int4(dense.to(device))
-    return {"packed": pack_int4(codes), "d": d, "m": m}
-
-
-def _int8_parts(module: torch.nn.Linear, source: GgufMatrices | None, name: str,
-                device: torch.device) -> dict[str, torch.Tensor]:
-    # The GGUF's 8-bit blocks have one scale per 32 inputs, the kernel one per channel:
-    # requantised from the exact block values (their bf16 copy would round them first),
-    # a slice of rows at a time so the float copy never exists whole (113 MB for the
-    # default model's output projection).
-    if source is not None:
-        rows = source.row_source(name)
-    else:
-        weight = module.weight.detach()
-
-        def rows(lo: int, hi: int) -> torch.Tensor:
-            return weight[lo:hi].float()
-
-    n = module.out_features
-    codes = torch.empty(n, module.in_features, dtype=torch.int8)
-    scale = torch.empty(n, dtype=torch.float32)
-    for lo in range(0, n, _ROWS_AT_ONCE):
-        hi = min(n, lo + _ROWS_AT_ONCE)
-        codes[lo:hi], scale[lo:hi] = quantize_int8(rows(lo, hi).cpu())
-    return {"codes": codes.to(device), "scale": scale.to(device)}
-
-
-# Rows requantised at once: bounds the float copies to a few MB.
-_ROWS_AT_ONCE = 2048
 
 
 def _cuda_inner_k_tiles(k: int) -> int:

@@ -28,7 +28,7 @@ from aici_cli.models.kernels import int_mm
 from aici_cli.models.kernels.aligned import PAD_PREFIX
 from aici_cli.models.kernels.int_mm import LAYOUT
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.quant import quantize
+from aici_cli.models.quant import model_layers, quantize
 
 PROMPTS = ["the quick brown fox jumps over", "a b c d e f g"]
 
@@ -72,36 +72,53 @@ def _logits(lm: LoadedModel) -> torch.Tensor:
                           .logits[0].float() for p in PROMPTS])
 
 
-def test_a_default_run_keeps_the_kernel_layout_and_nothing_dense_of_its_matrices(
+def test_a_default_run_keeps_each_layer_once_in_its_kernels_layout_and_nothing_dense(
         gguf: Path, cache: Path) -> None:
     lm = _default(gguf)  # every choice at auto: int4 on this CPU
     assert lm.quantize == "int4"
     entry = converted_gguf(gguf, "tiny")
     weights = sorted(p.name for p in entry.glob("*.safetensors"))
-    # and, where the VNNI kernels run, their layouts (models/quant/vnni_layouts.py)
-    vnni = [] if int_mm.unusable() is not None \
-        else [f"aici-packed-vnni-{LAYOUT}.safetensors"]
-    assert weights == [BASE_FILE, f"aici-packed-int4-{int4_layout('cpu')}.safetensors", *vnni]
-    linears = {f"{n}.weight" for n, m in lm.model.named_modules()
-               if isinstance(m, (quantize.Int4Linear, quantize.Int8Linear))}
+    layers = {n: m for n, m in lm.model.named_modules()
+              if isinstance(m, (quantize.Int4Linear, quantize.Int8Linear))}
+    # Where the int kernels run (models/quant/vnni_layouts.py), a layer that tiles runs on
+    # them alone and is kept in their layout only; the others in PyTorch's kernels'.
+    on_tiles = {n for n, m in layers.items() if m.vnni and not _plain(m).numel()}
+    assert bool(on_tiles) == (int_mm.unusable() is None)
+    tiled_file = f"aici-packed-vnni-{LAYOUT}.safetensors"
+    packed_file = f"aici-packed-int4-{int4_layout('cpu')}.safetensors"
+    expected = [BASE_FILE] + ([packed_file] if set(layers) - on_tiles else []) \
+        + ([tiled_file] if on_tiles else [])
+    assert weights == expected
     base = _names(entry / BASE_FILE)
     # No dense copy of a quantised matrix, and of the GGUF's blocks only the embedding's
     # (which runs look up: stored once, as the file has it).
-    assert not linears & set(base)
+    assert not {f"{n}.weight" for n in layers} & set(base)
     assert {k for k in base if k.endswith((":q4", ":q8"))} == {"model.embed_tokens.weight:q8"}
     assert "model.embed_tokens.weight" not in base
-    packed = _names(entry / weights[1])
-    assert not any(":" in k for k in packed)  # the kernels' tensors, no GGUF blocks
-    assert {k.rsplit(".", 1)[1] for k in packed} == {"packed", "d", "m", "codes", "scale"}
+    if packed_file in weights:
+        packed = _names(entry / packed_file)
+        assert not any(":" in k for k in packed)  # the kernels' tensors, no GGUF blocks
+        assert {k.rsplit(".", 1)[0] for k in packed} == set(layers) - on_tiles
+    if on_tiles:
+        tiled = {k.rsplit(".", 1)[0] for k in _names(entry / tiled_file)}
+        # q/k/v and gate/up kept as one matrix each (their stack, `fused_linear`)
+        assert {part for key in tiled for part in _parts(key)} == on_tiles
     record = json.loads((entry / SOURCE_FILE).read_text())
-    assert record["default_files"] == [weights[1], *vnni]
-    # What the runs read of the matrices is at most what the GGUF holds, and half again,
-    # on either kernel's path.
-    stored = sum((entry / name).stat().st_size for name in weights[:2])
+    assert record["default_files"] == weights[1:]
+    # What the runs read of the matrices is at most what the GGUF holds, and half again.
+    stored = sum((entry / name).stat().st_size for name in weights)
     assert stored <= 1.5 * gguf.stat().st_size
-    for name in vnni:
-        assert (entry / BASE_FILE).stat().st_size + (entry / name).stat().st_size \
-            <= 1.5 * gguf.stat().st_size
+
+
+def _plain(layer: quantize.Int4Linear | quantize.Int8Linear) -> torch.Tensor:
+    """The codes of a layer's PyTorch kernel (empty on a layer of the int kernels alone)."""
+    return layer.packed if isinstance(layer, quantize.Int4Linear) else layer.codes
+
+
+def _parts(key: str) -> list[str]:
+    """The layers a kept stack's key names (`model.layers.0.mlp.gate_proj+up_proj`)."""
+    owner, _, names = key.rpartition(".")
+    return [f"{owner}.{n}" for n in names.split("+")]
 
 
 @pytest.mark.heavy
@@ -136,8 +153,8 @@ def test_other_modes_build_their_files_on_first_use_and_prune_removes_them(
         raise AssertionError("built again although the layers were kept")
 
     with monkeypatch.context() as patched:
-        patched.setattr(quantize, "_int4_parts", refuse)
-        patched.setattr(quantize, "_int8_parts", refuse)
+        patched.setattr(model_layers, "int4_codes", refuse)
+        patched.setattr(model_layers, "int8_parts", refuse)
         assert torch.equal(default, _logits(_default(gguf)))
     assert torch.equal(fp32, _logits(_default(gguf, dtype="float32", quantize="none")))
     assert torch.equal(int8, _logits(_default(gguf, quantize="int8")))

@@ -21,16 +21,21 @@ from aici_cli.models.cache.packed_layers import (
     packed_file,
     read_packed,
 )
+from aici_cli.models.kernels import int_mm
 from aici_cli.models.kernels.aligned import without_padding
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.quant import quantize
+from aici_cli.models.quant import model_layers, quantize
 
 PROMPTS = ["the quick brown fox jumps over", "a b c d e f g", "hello world, hello"]
 
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private cache, and PyTorch's kernels alone: where the project's int kernels run,
+    the layers that tile are theirs and kept in their layout only
+    (tests/models/kernels/test_vnni_kernels.py)."""
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(int_mm.ENV, "off")
     return tmp_path / "cache"
 
 
@@ -44,9 +49,7 @@ def _logits(lm: LoadedModel) -> torch.Tensor:
 
 
 def _kept(entry: Path) -> Path:
-    """The entry's one file of the int4/int8 kernels' layers (a bf16 run on an AVX512-VNNI
-    CPU keeps the VNNI kernels' layouts in another:
-    tests/models/kernels/test_vnni_kernels.py)."""
+    """The entry's one file of the int4/int8 kernels' layers."""
     files = [f for f in entry.glob("aici-packed-*.safetensors")
              if not f.name.startswith("aici-packed-vnni-")]
     assert len(files) == 1, files
@@ -74,8 +77,8 @@ def _no_packing(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("packed again although the layers were kept")
 
-    monkeypatch.setattr(quantize, "_int4_parts", refuse)
-    monkeypatch.setattr(quantize, "_int8_parts", refuse)
+    monkeypatch.setattr(model_layers, "int4_codes", refuse)
+    monkeypatch.setattr(model_layers, "int8_parts", refuse)
 
 
 @pytest.mark.parametrize(("quant", "mode", "dtype"), [
