@@ -58,7 +58,7 @@ static inline float32x4_t halves(const uint16_t *p) {
 /* One int4 tile for rows r0 .. r0 + rows - 1 (rows <= AICI_MAX_ROWS), into out (the
  * tile's first output of row r0) and on at out + n, out + 2 n, ... A group goes a
  * quarter (4 weight rows) at a time: its 8 nibble registers, then every activation row. */
-static void int4_tile(const uint8_t *codes, const uint16_t *d16, const uint16_t *m16,
+AICI_TILE_KERNEL void int4_tile(const uint8_t *codes, const uint16_t *d16, const uint16_t *m16,
                       int64_t groups, int rows, const aici_acts *q, int64_t r0, float *out,
                       int64_t n) {
   const uint8x16_t low = vdupq_n_u8(0x0f);
@@ -110,7 +110,7 @@ static void int4_tile(const uint8_t *codes, const uint16_t *d16, const uint16_t 
 }
 
 /* One int8 tile: scale sum_g xd sum w x8 (w = c, so no bias to take off). */
-static void int8_tile(const uint8_t *codes, const float *scale, int64_t groups, int rows,
+AICI_TILE_KERNEL void int8_tile(const uint8_t *codes, const float *scale, int64_t groups, int rows,
                       const aici_acts *q, int64_t r0, float *out, int64_t n) {
   const uint8x16_t bias = vdupq_n_u8(0x80);
   int64_t k = q->k;

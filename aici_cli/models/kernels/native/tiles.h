@@ -16,6 +16,21 @@
 
 #include "int_dot.h"
 
+/* A tile kernel is inlined into the walk once per row count (1 .. AICI_MAX_ROWS, each a
+ * constant there): its per-row accumulators then live in registers, where a row count
+ * known only at run time left them on the stack (a decode step's one row ran at about
+ * half the speed). */
+#define AICI_TILE_KERNEL static inline __attribute__((always_inline))
+
+/* `call` with `rows` as the constant it equals (1 .. AICI_MAX_ROWS). */
+#define AICI_WITH_ROWS(rows, call) \
+  switch (rows) {                  \
+    case 1: { enum { R = 1 }; call; } break; \
+    case 2: { enum { R = 2 }; call; } break; \
+    case 3: { enum { R = 3 }; call; } break; \
+    default: { enum { R = AICI_MAX_ROWS }; call; } break; \
+  }
+
 static inline int32_t aici_four(const int8_t *p) {
   int32_t v;
   memcpy(&v, p, 4);
@@ -30,9 +45,9 @@ static inline int32_t aici_four(const int8_t *p) {
     for (int64_t t = tile_begin; t < tile_end; t++) {                                     \
       for (int64_t r0 = 0; r0 < acts->rows; r0 += AICI_MAX_ROWS) {                        \
         int rows = (int)(acts->rows - r0 < AICI_MAX_ROWS ? acts->rows - r0 : AICI_MAX_ROWS); \
-        int4_tile(codes + t * groups * (AICI_TILE * AICI_GROUP / 2),                      \
+        AICI_WITH_ROWS(rows, int4_tile(codes + t * groups * (AICI_TILE * AICI_GROUP / 2), \
                   d + t * groups * AICI_TILE, m ? m + t * groups * AICI_TILE : NULL,      \
-                  groups, rows, acts, r0, out + r0 * n + t * AICI_TILE, n);               \
+                  groups, R, acts, r0, out + r0 * n + t * AICI_TILE, n))                  \
       }                                                                                   \
     }                                                                                     \
   }                                                                                       \
@@ -42,8 +57,8 @@ static inline int32_t aici_four(const int8_t *p) {
     for (int64_t t = tile_begin; t < tile_end; t++) {                                     \
       for (int64_t r0 = 0; r0 < acts->rows; r0 += AICI_MAX_ROWS) {                        \
         int rows = (int)(acts->rows - r0 < AICI_MAX_ROWS ? acts->rows - r0 : AICI_MAX_ROWS); \
-        int8_tile(codes + t * groups * (AICI_TILE * AICI_GROUP), scale + t * AICI_TILE,   \
-                  groups, rows, acts, r0, out + r0 * n + t * AICI_TILE, n);               \
+        AICI_WITH_ROWS(rows, int8_tile(codes + t * groups * (AICI_TILE * AICI_GROUP),     \
+                  scale + t * AICI_TILE, groups, R, acts, r0, out + r0 * n + t * AICI_TILE, n)) \
       }                                                                                   \
     }                                                                                     \
   }

@@ -16,7 +16,7 @@
 
 /* One int4 tile for rows r0 .. r0 + rows - 1 (rows <= AICI_MAX_ROWS), into out (the
  * tile's first output of row r0) and on at out + n, out + 2 n, ... */
-static void int4_tile(const uint8_t *codes, const uint16_t *d16, const uint16_t *m16,
+AICI_TILE_KERNEL void int4_tile(const uint8_t *codes, const uint16_t *d16, const uint16_t *m16,
                       int64_t groups, int rows, const aici_acts *q, int64_t r0, float *out,
                       int64_t n) {
   const __m256i low = _mm256_set1_epi8(0x0f);
@@ -65,7 +65,7 @@ static void int4_tile(const uint8_t *codes, const uint16_t *d16, const uint16_t 
 }
 
 /* One int8 tile: scale sum_g xd (dot - 128 s) (scale: the tile's 16). */
-static void int8_tile(const uint8_t *codes, const float *scale, int64_t groups, int rows,
+AICI_TILE_KERNEL void int8_tile(const uint8_t *codes, const float *scale, int64_t groups, int rows,
                       const aici_acts *q, int64_t r0, float *out, int64_t n) {
   int64_t k = q->k;
   __m256 acc[AICI_MAX_ROWS][2];
