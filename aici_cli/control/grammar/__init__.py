@@ -12,6 +12,11 @@ constraint makes compiling take more than about 4 s (real ones: milliseconds), n
 more than about 40 ms step after step (a 0.2 s mask happens once, as the step that ends
 its sequence). A constraint past a limit is that line's error (`grammar_too_large` when
 compiling, `grammar_too_complex` at a step), never a hang.
+
+A JSON schema with keywords the grammar cannot express (`uniqueItems`, `not`, ...) gets a
+`KeywordGuard` (keyword_guard.py): a scan of each token's bytes, a check at each value's
+end where such a keyword applies, and a retry (a backtrack, a token barred) where one
+breaks; nothing for other schemas.
 """
 
 from aici_cli.control.grammar.compiler import CompiledGrammar, GrammarCompiler

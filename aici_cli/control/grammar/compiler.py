@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ import referencing
 
 from aici_cli.control import tool_calls
 from aici_cli.control.grammar.hints import NO_HINTS, Hints, hints_for
+from aici_cli.control.grammar.keyword_schema import KeywordSchema
 from aici_cli.control.grammar.limits import (
     GRAMMAR_LIMITS,
     RELAX_SECONDS,
@@ -48,6 +49,10 @@ class CompiledGrammar:
     tools: dict[str, Any] = field(default_factory=dict)
     relaxed: list[str] = field(default_factory=list)  # what `relax` changed (relax.py)
     hints: Hints = NO_HINTS  # what the closer tries where its tokens cannot close (hints.py)
+    # A JSON schema's keywords the grammar cannot express (keyword_schema.py), None when it
+    # has none; and tokens to their exact bytes, for the guard that checks them.
+    keywords: KeywordSchema | None = None
+    decode: Callable[[list[int]], bytes] | None = None
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int,
@@ -140,7 +145,9 @@ class GrammarCompiler:
                                       constraint.permissive, relax=relax)
         return CompiledGrammar(constraint, prepared.matcher, prepared.warnings,
                                prepared.validator, relaxed=prepared.relaxed,
-                               hints=hints_for(prepared.schema))
+                               hints=hints_for(prepared.schema),
+                               keywords=KeywordSchema.of(constraint.value),
+                               decode=self.tokenizer.decode_bytes)
 
     def _prepare_json(self, original: Any, whitespace: str | None, permissive: bool | None,
                       where: str = "", relax: bool = False) -> _PreparedJson:

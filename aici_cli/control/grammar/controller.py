@@ -7,12 +7,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 
 from aici_cli.control import tool_calls
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.grammar.compiler import CompiledGrammar
 from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose
+from aici_cli.control.grammar.keyword_guard import KeywordGuard, clear_bits
 from aici_cli.control.grammar.limits import is_limit_error, tidy_error
 from aici_cli.core.errors import ControllerError
 
@@ -21,7 +23,10 @@ class GrammarController(ControllerBase):
     """A sequence constrained by a compiled grammar; see `aici_cli.control.base`."""
 
     def __init__(self, grammar: CompiledGrammar, fast_forward: bool = True,
-                 closing: Closing | None = None) -> None:
+                 closing: Closing | None = None, keywords: bool = True) -> None:
+        """`keywords`: hold the output to the schema's keywords the grammar cannot express
+        (keyword_guard.py), where it has any; its backtracks are the sequence's own, so
+        a controller whose tokens are counted by another (a wasm segment) turns it off."""
         self.grammar = grammar
         self._matcher = grammar.template.deep_copy()
         self.fast_forward = fast_forward
@@ -31,26 +36,34 @@ class GrammarController(ControllerBase):
             grammar.constraint.kind == "json_schema" and grammar.validator is not None) else None
         self._early = (EarlyClose(closing, grammar.hints, accepts) if closing is not None
                        else None)
+        self._guard = (KeywordGuard(grammar.keywords, grammar.validator, grammar.decode)
+                       if keywords and grammar.keywords is not None
+                       and grammar.decode is not None else None)
 
     @property
     def closed_early(self) -> bool:
         return self._early is not None and self._early.reason is not None
 
-    def _next(self) -> Directive:
+    def _next(self, sampled: Sequence[int] = ()) -> Directive:
+        """What follows `sampled` (just consumed): the grammar's forced tokens, a retry of
+        a value that breaks a keyword (keyword_guard.py), a close, or a stop."""
         m = self._matcher
         if m.is_error():
             raise self.matcher_fault()
-        if m.is_stopped():
-            return Directive(stop=True)
         ff_tokens: list[int] = []
-        if self.fast_forward:
+        if self.fast_forward and not m.is_stopped():
             ff_tokens = m.compute_ff_tokens()  # forced by the grammar: no need to sample them
             if m.is_error() or (ff_tokens and not m.consume_tokens(ff_tokens)):
                 raise self.matcher_fault()
         early = self._early
-        if early is None:
+        if early is not None:
+            early.consumed(ff_tokens)
+        if self._guard is not None:
+            retry = self._retry([*sampled, *ff_tokens], ff_tokens)
+            if retry is not None:
+                return retry
+        if early is None or m.is_stopped():
             return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
-        early.consumed(ff_tokens)
         close = early.decide(m)
         if close is None:
             return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
@@ -60,6 +73,22 @@ class GrammarController(ControllerBase):
                              ff_tokens=tuple(close.tokens), stop=True, finish=finish)
         kept = ff_tokens[: len(ff_tokens) - close.backtrack]
         return Directive(ff_tokens=tuple(kept + close.tokens), stop=True, finish=finish)
+
+    def _retry(self, tokens: list[int], ff_tokens: list[int]) -> Directive | None:
+        """After `tokens` (the last `ff_tokens` of them forced, not yet the engine's): a
+        backtrack to the choice point of a value they finish that breaks a keyword, or
+        None."""
+        guard = self._guard
+        assert guard is not None
+        fault = guard.consumed(tokens)
+        back = guard.mend(self._matcher, fault) if fault is not None else 0
+        if not back:
+            return None
+        if self._early is not None:
+            self._early.rollback(back)
+        if back > len(ff_tokens):  # back into what the engine already holds
+            return Directive(backtrack=back - len(ff_tokens))
+        return Directive(ff_tokens=tuple(ff_tokens[: len(ff_tokens) - back]))
 
     def matcher_fault(self) -> ControllerError:
         """The error of a matcher in its error state, typed by cause.
@@ -86,18 +115,26 @@ class GrammarController(ControllerBase):
         if self._early is not None:
             self._early.consumed(tokens)
             self._early.sampled = True
-        return self._next()
+        return self._next(tokens)
 
     def stats(self) -> dict[str, float | bool | str]:
         """`closed_early` and `close_reason` ("limit", "loop", or "loop_unclosable": a
-        loop the guard cut, its output not a whole value) when it was."""
-        if self._early is None or self._early.reason is None:
-            return {}
-        return {"closed_early": True, "close_reason": self._early.reason}
+        loop the guard cut, its output not a whole value) when it was;
+        `keyword_retries`, the tokens barred to mend a keyword (keyword_guard.py), when
+        any was."""
+        out: dict[str, float | bool | str] = {}
+        if self._early is not None and self._early.reason is not None:
+            out.update(closed_early=True, close_reason=self._early.reason)
+        if self._guard is not None and self._guard.barred_count:
+            out["keyword_retries"] = self._guard.barred_count
+        return out
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of `tokens` the grammar accepts from the current state, consuming
-        nothing (used to trim draft tokens before they are verified)."""
+        nothing (used to trim draft tokens before they are verified); none when the first
+        is barred here."""
+        if self._guard is not None and tokens and tokens[0] in self._guard.barred():
+            return 0
         return int(self._matcher.validate_tokens(list(tokens)))
 
     def on_eos(self) -> Directive | None:
@@ -111,13 +148,22 @@ class GrammarController(ControllerBase):
             raise self.matcher_fault()
         return None
 
-    def matcher(self) -> llguidance.LLMatcher:
+    def matcher(self) -> llguidance.LLMatcher | None:
+        """The matcher, which the engine fills with the batch's others; None at a position
+        where the keyword guard barred a token (then `fill_mask` clears it from the
+        matcher's mask: only for the one step after a retry)."""
+        if self._guard is not None and self._guard.barred():
+            return None
         return self._matcher
 
     def fill_mask(self, out: torch.Tensor) -> bool:
         self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
         if self._matcher.is_error():
             raise self.matcher_fault()
+        if self._guard is not None:
+            barred = self._guard.barred()
+            if barred:
+                clear_bits(out.numpy().view(np.uint32), barred)
         return True
 
     def report(self, text: str) -> dict[str, Any]:

@@ -103,6 +103,18 @@ class EarlyClose:
             self._text += self.token_bytes([t])
             self._ends.append(len(self._text))
 
+    def rollback(self, n: int) -> None:
+        """The last `n` tokens were taken back (the keyword guard's retry): a plan made
+        past the new end goes with them; one made before it still holds."""
+        if not n:
+            return
+        keep = len(self.tokens) - n
+        del self.tokens[keep:]
+        del self._ends[keep:]
+        del self._text[self._ends[-1] if self._ends else 0 :]
+        if self._plan is not None and self._plan[0] > keep:
+            self._plan = None
+
     def text(self, tail: int | None = None) -> str:
         raw = self._text if tail is None else self._text[-tail:]
         return bytes(raw).decode("utf-8", "replace")

@@ -307,7 +307,8 @@ class WasmController(ControllerBase):
                 if self.trace is not None:
                     self.trace("grammar compile", t0, time.perf_counter(),
                                {"aici.grammar.kind": spec.grammar.kind})
-            grammar = GrammarController(compiled, self.fast_forward)
+            # No keyword guard: its backtracks would not reach the segment's own count.
+            grammar = GrammarController(compiled, self.fast_forward, keywords=False)
         self.segment = SegmentState(spec, grammar)
         d = grammar.start([]) if grammar is not None else Directive()
         self.segment.tokens += d.ff_tokens

@@ -1,0 +1,185 @@
+"""Holding an output to the schema keywords its grammar cannot express, as it is written.
+
+A JSON-schema line whose schema has a keyword of keyword_schema.py's `CHECKED` gets a
+`KeywordGuard`. It reads every token the matcher consumes (`consumed`), follows the
+JSON text with a `JsonScanner`, and at each value's end checks it against the keywords
+that apply at its path (`KeywordSchema.checks`, on the schema as written):
+
+- an array item that repeats an earlier one, under `uniqueItems`, and a member past
+  `maxProperties`, as soon as the item or member ends;
+- every checked keyword on a whole value when it ends (`minProperties`,
+  `dependentRequired` at an object's `}`; `not`, `oneOf`, `if`/`then`/`else`).
+
+A value that breaks one is taken back to a *choice point* and the token the model chose
+there is *barred*: it may not be chosen at that position again (`barred`), so the model
+chooses again. The choice point is the first position, from where the fault can be
+mended, at which the grammar allows another token than the one written: from the comma
+before a member past `maxProperties` (the model must close the object), from a
+container's closing bracket (it must write another member), from a repeated item's or a
+scalar's first byte (the first of its tokens that was a choice: a string's quote is
+forced, its first letters are not). Where the grammar allows nothing else up to the end of
+the value, the check is given up and the output stays as written (`valid: false`).
+
+Bounds: at most `MAX_RETRIES` faults are acted on per line; after that the guard only
+records text. Cost: a decode and a scan of each token's bytes (microseconds), a cached
+path lookup at each value's end, and a jsonschema check (and a parse of the value) only
+where a keyword applies; a fault costs a matcher mask per position searched.
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from aici_cli.control.grammar.json_scan import JsonScanner, ValueEnd
+from aici_cli.control.grammar.keyword_schema import KeywordSchema, first_byte_type
+
+# Faults acted on per line (bars applied, or checks given up): each costs a backtrack and
+# the tokens rewritten; a model that keeps breaking a keyword ends `valid: false` instead
+# of spending its budget on retries.
+MAX_RETRIES = 8
+_OBJECT = ord("{")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A value that breaks a checked keyword: mend it at the first choice between bytes
+    `mend_from` and `until` (the value's end); `keyword` names what it broke."""
+
+    mend_from: int
+    until: int
+    keyword: str
+
+
+class KeywordGuard:
+    """One sequence's check of the checked keywords; see the module docstring."""
+
+    def __init__(self, schema: KeywordSchema, validator: Any,
+                 decode: Callable[[list[int]], bytes]) -> None:
+        """`validator`: the jsonschema validator of the schema as written (its `$ref`s
+        resolve against it); `decode`: a token list to its exact bytes."""
+        self.schema = schema
+        self.validator = validator
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.ends: list[int] = []  # bytes of output after each token
+        self.scanner = JsonScanner()
+        self.bars: dict[int, set[int]] = {}  # position -> tokens barred there
+        self.retries = 0  # faults acted on (<= MAX_RETRIES)
+        self.barred_count = 0  # bars applied: the `keyword_retries` stat
+        self.last_fault: Fault | None = None
+
+    def barred(self) -> set[int]:
+        """Tokens the model may not choose next (empty almost always)."""
+        return self.bars.get(len(self.tokens), set()) if self.bars else set()
+
+    def consumed(self, tokens: Sequence[int]) -> Fault | None:
+        """`tokens` were consumed by the matcher: the first fault they complete, if any."""
+        fault = None
+        for t in tokens:
+            data = self.decode([t])
+            self.tokens.append(t)
+            self.ends.append((self.ends[-1] if self.ends else 0) + len(data))
+            for end in self.scanner.feed(data):
+                if fault is None and self.retries < MAX_RETRIES:
+                    fault = self._check(end)
+        return fault
+
+    def mend(self, m: llguidance.LLMatcher, fault: Fault) -> int:
+        """Take `m` (which has consumed exactly `self.tokens`) back to the first choice
+        point at or after the fault's first byte, and bar the token written there. Returns the
+        tokens taken back; 0 when no choice point is found (the check is given up, `m`
+        unchanged)."""
+        self.retries += 1
+        self.last_fault = fault
+        n = len(self.tokens)
+        first = bisect_right(self.ends, fault.mend_from)  # the token holding that byte
+        last = min(n - 1, bisect_right(self.ends, fault.until - 1))  # and the value's last
+        if first > last:
+            return 0
+        m.rollback(n - first)
+        for at in range(first, n):
+            if at <= last and self._other_allowed(m, at):
+                self._cut(at)
+                return n - at
+            if not m.consume_token(self.tokens[at]):  # it was accepted before: cannot fail
+                break
+        return 0
+
+    def _other_allowed(self, m: llguidance.LLMatcher, at: int) -> bool:
+        """Whether, at position `at`, the grammar allows a token that is neither the one
+        written there nor one barred there."""
+        words = np.frombuffer(m.compute_bitmask(), dtype=np.uint32).copy()
+        clear_bits(words, {self.tokens[at], *self.bars.get(at, ())})
+        return bool(words.any())
+
+    def _cut(self, at: int) -> None:
+        """Keep the first `at` tokens; bar the one that was at `at` there."""
+        token = self.tokens[at]
+        self.rollback(len(self.tokens) - at)
+        self.bars.setdefault(at, set()).add(token)
+        self.barred_count += 1
+
+    def rollback(self, n: int) -> None:
+        """Take back the last `n` tokens (also where someone else took them back). Bars
+        past the new end are dropped: what follows is written afresh."""
+        if not n:
+            return
+        keep = len(self.tokens) - n
+        del self.tokens[keep:]
+        del self.ends[keep:]
+        self.bars = {p: b for p, b in self.bars.items() if p <= keep}
+        kept = bytes(self.scanner.text[: self.ends[-1] if self.ends else 0])
+        self.scanner = JsonScanner()  # the kept text was checked already: scanned only
+        self.scanner.feed(kept)
+
+    def _check(self, end: ValueEnd) -> Fault | None:
+        """The fault `end` completes: its parent's items or members so far, then the
+        value itself."""
+        text = self.scanner.text
+        if end.parent_start >= 0:
+            parent_kind = "object" if text[end.parent_start] == _OBJECT else "array"
+            for check in self.schema.checks(end.path[:-1], parent_kind):
+                fault = self._prefix_fault(check, end, parent_kind)
+                if fault is not None:
+                    return fault
+        checks = self.schema.checks(end.path, first_byte_type(end.kind))
+        if not checks:
+            return None
+        value = json.loads(bytes(text[end.start : end.end]))
+        for check in checks:
+            if not self.validator.evolve(schema=check).is_valid(value):
+                # A container is mended from its closing bracket (write more, or
+                # other members), a scalar from its first byte.
+                mend_from = end.end - 1 if end.kind in b"{[" else end.start
+                return Fault(mend_from, end.end, ",".join(sorted(check)))
+        return None
+
+    def _prefix_fault(self, check: dict[str, Any], end: ValueEnd,
+                      parent_kind: str) -> Fault | None:
+        """A new item equal to an earlier one (`uniqueItems`), or the member one past
+        `maxProperties`: the parent's contents so far suffice to tell."""
+        most = check.get("maxProperties")
+        if parent_kind == "object" and isinstance(most, int) and end.count == most + 1:
+            return Fault(end.separator if end.separator >= 0 else end.member_start,
+                         end.end, "maxProperties")
+        if parent_kind == "array" and check.get("uniqueItems") is True and end.count > 1:
+            items = json.loads(bytes(self.scanner.text[end.parent_start : end.end]) + b"]")
+            unique = self.validator.evolve(schema={"uniqueItems": True}).is_valid
+            # Only a new repeat: one an earlier check gave up on is not counted again.
+            if not unique(items) and unique(items[:-1]):
+                return Fault(end.member_start, end.end, "uniqueItems")
+        return None
+
+
+def clear_bits(words: np.ndarray, tokens: set[int]) -> None:
+    """Clear `tokens`' bits in a token bitmask (uint32 words, bit t = token t)."""
+    for t in tokens:
+        if (t >> 5) < words.size:
+            words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
