@@ -14,24 +14,41 @@
 #include <string.h>
 
 /* Nearest, ties away from zero, clamped to -127..127: the torch operator's quantise,
- * float32 operation for operation (inputs finite). */
+ * float32 operation for operation (inputs finite).
+ *
+ * Written without branches on the data, so that the compiler vectorises it (SSE2 at
+ * least): with a branch on each value's sign it ran ~6 ns an element (a mispredict every
+ * other value), a tenth of a decode step on AVX2. The same operations either way:
+ * - the absolute maximum is taken on the bit patterns: for finite floats with the sign
+ *   cleared, integer order is float order, and a max is exact in any order;
+ * - t - 0.5f for t < 0 is t + (-0.5f), one rounding alike; t = -0.0 gives -0.5f and
+ *   truncates to 0, as t + 0.5f does. */
 static void quantise_group(const float v[AICI_GROUP], int8_t *x8, float *xd, int32_t *s) {
-  float amax = 0.0f;
+  int32_t top = 0; /* the largest |v| as its bits (sign cleared: a non-negative int32) */
   for (int i = 0; i < AICI_GROUP; i++) {
-    float a = v[i] < 0 ? -v[i] : v[i];
-    amax = a > amax ? a : amax;
+    int32_t b;
+    memcpy(&b, &v[i], 4);
+    b &= 0x7fffffff;
+    top = b > top ? b : top;
   }
+  float amax;
+  memcpy(&amax, &top, 4);
   float d = amax / 127.0f;
   float inv = d != 0.0f ? 1.0f / d : 0.0f;
   /* 1 / d overflows where amax < ~3.7e-37 (d < 2^-128): v inf (NaN for v = 0) would then
    * be converted to int, which is undefined (the torch operator on x86 gets INT_MIN, so
    * -127 for every element of such a group). Divide there instead. */
-  int tiny = isinf(inv);
+  float t[AICI_GROUP];
+  if (isinf(inv)) {
+    for (int i = 0; i < AICI_GROUP; i++) t[i] = v[i] / d;
+  } else {
+    for (int i = 0; i < AICI_GROUP; i++) t[i] = v[i] * inv;
+  }
   int32_t sum = 0;
   for (int i = 0; i < AICI_GROUP; i++) {
-    float t = tiny ? v[i] / d : v[i] * inv;
-    int c = (int)(t < 0 ? t - 0.5f : t + 0.5f);
-    c = c > 127 ? 127 : (c < -127 ? -127 : c);
+    int c = (int)(t[i] + copysignf(0.5f, t[i]));
+    c = c > 127 ? 127 : c;
+    c = c < -127 ? -127 : c;
     x8[i] = (int8_t)c;
     sum += c;
   }

@@ -324,8 +324,8 @@ static void run_case(const spec *c, int which) {
 static void check_ties(void) {
   /* 0.49999997 + 0.5 rounds up to 1 in float32: 1, as the operator and its reference */
   float x[AICI_GROUP] = {127.0f, 0.5f,   1.5f,    2.5f,     -0.5f,
-                         -1.5f,  -2.5f,  126.5f,  -126.5f,  0.49999997f};
-  int8_t want[AICI_GROUP] = {127, 1, 2, 3, -1, -2, -3, 127, -127, 1};
+                         -1.5f,  -2.5f,  126.5f,  -126.5f,  0.49999997f, -0.0f};
+  int8_t want[AICI_GROUP] = {127, 1, 2, 3, -1, -2, -3, 127, -127, 1, 0};
   int8_t x8[AICI_GROUP];
   float xd;
   int32_t s;
@@ -335,6 +335,14 @@ static void check_ties(void) {
       fprintf(stderr, "FAIL quantise: %.9g rounds to %d, want %d\n", x[i], x8[i], want[i]);
       exit(1);
     }
+  /* A group so small that 1 / xd overflows: divided instead, so its extremes are +-127. */
+  float tiny[AICI_GROUP] = {1e-38f, -1e-38f};
+  aici_quantise_f32(tiny, 1, AICI_GROUP, x8, &xd, &s);
+  if (x8[0] != 127 || x8[1] != -127 || x8[2] != 0 || s != 0) {
+    fprintf(stderr, "FAIL quantise: a group of amax 1e-38 gave %d %d %d %d (sum %d)\n",
+            x8[0], x8[1], x8[2], x8[3], s);
+    exit(1);
+  }
 }
 
 int main(int argc, char **argv) {
