@@ -7,7 +7,12 @@ default model, and reports per subset:
   compliance         share of schemas whose output is valid JSON that validates (and
                      `unclosed`: counting only outputs the model finished itself);
   cut off            outputs the token limit cut (goal 0 at the default options), and
-                     closed early (at the limit, on a loop);
+                     closed early (at the limit, on a loop); loops undone (the first
+                     loop taken back, the model going on); outputs that are not JSON, and
+                     closed outputs that fail their schema (goal 0 for both);
+  controller share   the largest share of any line's time spent in its controller
+                     (goal <= 10%), and the run's p99 controller ms per step beside the
+                     forward pass's (with per-step records);
   forward passes per output token (below 1.0 by what fast-forward saved), tokens/s,
   grammar compile time p50/p99, and step time outside the forward pass p50/p99.
 
@@ -103,7 +108,7 @@ def main() -> int:
         input=str(prompts), output=str(args.out / "results.jsonl"), model=args.model,
         engine=EngineConfig(batch_size=args.batch_size, fast_forward=not args.no_ff,
                             close_at_limit=not args.no_close_at_limit,
-                            loop_guard=not args.no_loop_guard),
+                            loop_guard=not args.no_loop_guard, step_stats=True),
         defaults=JobDefaults(max_tokens=args.max_tokens),
         stats_out=str(args.out / "stats.json"), quiet=True,
     )
@@ -129,6 +134,11 @@ def main() -> int:
             "closed_early": sum(bool(r["stats"].get("closed_early")) for r in rs),
             "closed_limit": sum(r["stats"].get("close_reason") == "limit" for r in rs),
             "closed_loop": sum(r["stats"].get("close_reason") == "loop" for r in rs),
+            "loops_undone": sum(bool(r["stats"].get("loops_undone")) for r in rs),
+            "not_json": sum(_not_json(r) for r in compiled),
+            "closed_invalid": sum(bool(r["stats"].get("closed_early")) and not r.get("valid")
+                                  for r in rs),
+            "max_controller_share": max((_controller_share(r) for r in compiled), default=0.0),
             # Compliance counting only outputs the model finished itself as valid.
             "compliance_unclosed": round(sum(bool(r.get("valid")) and not r["stats"].get(
                 "closed_early") for r in rs) / len(rs), 3),
@@ -140,6 +150,9 @@ def main() -> int:
     steps = outcome.summary["steps"]
     report["step_overhead_ms"] = steps["overhead_ms"]
     report["step_forward_ms"] = steps["forward_ms"]
+    per_step = [s for r in results for s in r.get("steps") or ()]
+    report["step_controller_ms_p99"] = percentile([s["controller_ms"] for s in per_step], 99)
+    report["step_forward_ms_p99"] = percentile([s["forward_ms"] for s in per_step], 99)
     ttft = [r["stats"]["ttft_ms"] for r in results if r["finish_reason"] != "error"]
     report["ttft_ms"] = {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)}
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -161,7 +174,27 @@ def main() -> int:
         print(f"grammar compile ms p50/p99 {c['p50']}/{c['p99']} over {c['grammars']} schemas")
     print(f"step forward ms p50/p99 {steps['forward_ms']['p50']}/{steps['forward_ms']['p99']}; "
           f"outside forward p50/p99 {steps['overhead_ms']['p50']}/{steps['overhead_ms']['p99']}")
+    whole = report["subsets"]["all"]
+    print(f"loops undone {whole['loops_undone']}, not JSON {whole['not_json']}, closed and "
+          f"invalid {whole['closed_invalid']}, largest controller share of a line "
+          f"{whole['max_controller_share']:.1%}; per line-step p99: controller "
+          f"{report['step_controller_ms_p99']} ms, forward {report['step_forward_ms_p99']} ms")
     return 0
+
+
+def _not_json(result: dict[str, Any]) -> bool:
+    try:
+        json.loads(result["text"])
+    except (ValueError, KeyError, TypeError):
+        return True
+    return False
+
+
+def _controller_share(result: dict[str, Any]) -> float:
+    """The share of a line's time spent in its controller (0 for an empty line)."""
+    stats = result.get("stats") or {}
+    total = stats.get("total_ms") or 0
+    return round(stats.get("controller_ms", 0) / total, 3) if total else 0.0
 
 
 if __name__ == "__main__":

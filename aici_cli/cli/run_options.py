@@ -162,9 +162,11 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
                       "it off, with a completion its constraint allows (`stats.closed_early`, "
                       "`close_reason: limit`)."),
     click.option("--loop-guard/--no-loop-guard", default=True, show_default=True,
-                 help="Finish such a line's value at once when its text loops (a unit of any "
-                      "length repeated; `close_reason: loop`; where nothing can close it, the "
-                      "output is cut where the loop began: `loop_unclosable`)."),
+                 help="When such a line's text loops (a unit of any length repeated), take the "
+                      "loop back once and bar the token that began it (`loops_undone`); a "
+                      "loop after that is closed from where it began (`close_reason: loop`); "
+                      "where nothing can close it, the output is cut where the loop began "
+                      "(`loop_unclosable`)."),
     click.option("--deterministic", is_flag=True,
                  help="Batch-invariant passes: a line's tokens are the same whatever its batch "
                       "size, neighbours, row, drafts, prefix-cache hits or --resume (costs "

@@ -1,5 +1,6 @@
-"""The loops the default model writes on dev schemas (the `tune` half of the split) end
-closed and valid at the default options, and without the guard they run to the limit.
+"""The loops the default model writes on dev schemas (the `tune` half of the split) are
+undone and end valid at the default options (the model going another way, or a second
+loop closed from where it began), and without the guard they run to the limit.
 
 Marked `real_model`: the default SmolLM2 model, bf16, greedy, three lines of up to 256
 tokens each.
@@ -63,11 +64,9 @@ def test_the_default_model_s_loops_end_closed_and_valid(tmp_path: Path) -> None:
         schema = json.loads((DATA / name).read_text())
         after = guarded[name]
         assert after["finish_reason"] == "stop", (name, after["text"][-80:])
-        assert after["stats"]["close_reason"] == "loop", name
+        assert after["stats"].get("loops_undone") == 1, (name, after["stats"])
+        # After the undo: ended by the model, or a second loop closed, or closed at the
+        # limit; never cut.
+        assert after["stats"].get("close_reason") in (None, "loop", "limit"), name
         assert after["valid"] is True, name
         jsonschema.validate(json.loads(after["text"]), schema)
-        # Closed on the loop, before the limit. Where in the 256 tokens a loop starts
-        # depends on the machine and the batch (o10089 closed at 121 tokens alone and at
-        # 199 in this batch on an AVX2 CPU): that the detector fires as soon as a tail is
-        # a loop is `test_loop_guard.py`'s property, on generated loops.
-        assert after["stats"]["output_tokens"] < 256, name

@@ -13,7 +13,7 @@ import torch
 from aici_cli.control import tool_calls
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.grammar.compiler import CompiledGrammar
-from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose
+from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose, Undo
 from aici_cli.control.grammar.keyword_guard import KeywordGuard, clear_bits
 from aici_cli.control.grammar.limits import is_limit_error, tidy_error
 from aici_cli.core.errors import ControllerError
@@ -67,6 +67,10 @@ class GrammarController(ControllerBase):
         close = early.decide(m)
         if close is None:
             return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
+        if isinstance(close, Undo):  # a loop taken back: the model goes on from there
+            if self._guard is not None:
+                self._guard.rollback(close.backtrack)
+            return _back(close.backtrack, ff_tokens)
         finish = "length" if close.reason == UNCLOSABLE else "stop"  # a cut, not a close
         if close.backtrack > len(ff_tokens):  # back into what the engine already holds
             return Directive(backtrack=close.backtrack - len(ff_tokens),
@@ -86,9 +90,7 @@ class GrammarController(ControllerBase):
             return None
         if self._early is not None:
             self._early.rollback(back)
-        if back > len(ff_tokens):  # back into what the engine already holds
-            return Directive(backtrack=back - len(ff_tokens))
-        return Directive(ff_tokens=tuple(ff_tokens[: len(ff_tokens) - back]))
+        return _back(back, ff_tokens)
 
     def matcher_fault(self) -> ControllerError:
         """The error of a matcher in its error state, typed by cause.
@@ -119,12 +121,15 @@ class GrammarController(ControllerBase):
 
     def stats(self) -> dict[str, float | bool | str]:
         """`closed_early` and `close_reason` ("limit", "loop", or "loop_unclosable": a
-        loop the guard cut, its output not a whole value) when it was;
+        loop the guard cut, its output not a whole value) when it was; `loops_undone`,
+        the loops taken back for the model to write again (early_close.py), and
         `keyword_retries`, the tokens barred to mend a keyword (keyword_guard.py), when
         any was."""
         out: dict[str, float | bool | str] = {}
         if self._early is not None and self._early.reason is not None:
             out.update(closed_early=True, close_reason=self._early.reason)
+        if self._early is not None and self._early.loops_undone:
+            out["loops_undone"] = self._early.loops_undone
         if self._guard is not None and self._guard.barred_count:
             out["keyword_retries"] = self._guard.barred_count
         return out
@@ -133,7 +138,7 @@ class GrammarController(ControllerBase):
         """How many of `tokens` the grammar accepts from the current state, consuming
         nothing (used to trim draft tokens before they are verified); none when the first
         is barred here."""
-        if self._guard is not None and tokens and tokens[0] in self._guard.barred():
+        if tokens and tokens[0] in self._barred():
             return 0
         return int(self._matcher.validate_tokens(list(tokens)))
 
@@ -150,21 +155,24 @@ class GrammarController(ControllerBase):
 
     def matcher(self) -> llguidance.LLMatcher | None:
         """The matcher, which the engine fills with the batch's others; None at a position
-        where the keyword guard barred a token (then `fill_mask` clears it from the
-        matcher's mask: only for the one step after a retry)."""
-        if self._guard is not None and self._guard.barred():
-            return None
-        return self._matcher
+        where a token is barred (by the keyword guard, or a loop undone): then `fill_mask`
+        clears it from the matcher's mask, only for the one step after a retry."""
+        return None if self._barred() else self._matcher
 
     def fill_mask(self, out: torch.Tensor) -> bool:
         self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
         if self._matcher.is_error():
             raise self.matcher_fault()
-        if self._guard is not None:
-            barred = self._guard.barred()
-            if barred:
-                clear_bits(out.numpy().view(np.uint32), barred)
+        barred = self._barred()
+        if barred:
+            clear_bits(out.numpy().view(np.uint32), barred)
         return True
+
+    def _barred(self) -> set[int]:
+        """Tokens barred at this position: by the keyword guard, or by a loop undone."""
+        guard = self._guard.barred() if self._guard is not None else set()
+        early = self._early.barred() if self._early is not None else set()
+        return guard | early if guard and early else guard or early
 
     def report(self, text: str) -> dict[str, Any]:
         warnings = list(self.grammar.warnings)
@@ -210,6 +218,14 @@ class GrammarController(ControllerBase):
             warnings.append(f"a tool call cut off at max_tokens was dropped; the "
                             f"{len(calls)} whole call(s) before it are kept")
         return fields
+
+
+def _back(n: int, ff_tokens: list[int]) -> Directive:
+    """Take back the last `n` tokens, of which the last `ff_tokens` are this step's forced
+    ones (not yet the engine's), and go on."""
+    if n > len(ff_tokens):  # back into what the engine already holds
+        return Directive(backtrack=n - len(ff_tokens))
+    return Directive(ff_tokens=tuple(ff_tokens[: len(ff_tokens) - n]))
 
 
 def _accepts(validator: Any) -> Callable[[str], bool]:

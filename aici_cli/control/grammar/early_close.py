@@ -12,16 +12,23 @@ Two promises, for every JSON-schema, grammar and tool-call line (on by default):
   sequence goes back to the plan's position and takes the plan's completion: a backtrack
   of the tokens since, never a cut-off output. Only a value whose very first completion
   does not fit `max_tokens` can still end cut off.
-- **Loops end** (`loops.find_loop` on the output's text): the value is closed at once.
-  When no completion from the current position is found, the sequence goes back to its
-  plan, if it holds one, and takes the plan's completion (reason "loop"); with no plan
-  either, the output is cut where the loop's text begins and the sequence stops
-  (reason "loop_unclosable", finish_reason "length": not a valid value, but no run on
-  to `max_tokens`).
+- **Loops are undone, then closed from where they began** (`loops.find_loop` on the
+  output's text). The loop begins where its unit is written the second time. The first
+  loop of a line is taken back to there (one unit kept), and the token the model wrote
+  there is *barred* at that position (`barred`; the first position in that unit where the
+  grammar allows another token), so the model goes on once more by another way
+  (`Undo`, stat `loops_undone`). A loop after that (or one with no other way) is closed
+  from where it began: the state there is shallow, so a completion is short and likely
+  (reason "loop"); failing that from the plan's position, then from the current one.
+  Only where none of them has a completion that fits `max_tokens` is the output cut
+  where the loop begins and the sequence stopped (reason "loop_unclosable",
+  finish_reason "length": not a valid value, but no run on to `max_tokens`).
 
 Cost: a completion walk (a matcher copy and a few token checks per completion token) every
-`REPLAN_EVERY` tokens, and at each token near the limit; the loop check is microseconds
-(a loop ends the sequence, so it costs one walk, once).
+`REPLAN_EVERY` tokens, and at each token near the limit; a walk that finds nothing is not
+tried again for `REPLAN_EVERY` tokens (a state with no completion would otherwise cost a
+failed walk of up to `WALK_LIMIT` tokens at every token). The loop check is
+microseconds; an undo costs a mask per position searched, a close up to three walks.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.hints import NO_HINTS, Hints
@@ -52,6 +60,8 @@ VARIANTS = 8
 # The close reason of a loop neither the current position nor a plan could close: the
 # output is cut where the loop begins, and the sequence ends as at the limit ("length").
 UNCLOSABLE = "loop_unclosable"
+# Loops a line undoes (backtrack, bar, go on) before the next one is closed.
+UNDO_LOOPS = 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class Closing:
     max_tokens: int
     at_limit: bool = True
     loop_guard: bool = True
+    undo_loops: int = UNDO_LOOPS
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,14 @@ class Close:
     backtrack: int
     tokens: list[int]
     reason: str
+
+
+@dataclass(frozen=True)
+class Undo:
+    """A loop taken back: drop the last `backtrack` tokens (the matcher is rolled back
+    already) and go on; the token written next there before is barred (`barred`)."""
+
+    backtrack: int
 
 
 class EarlyClose:
@@ -96,6 +115,14 @@ class EarlyClose:
         self._plan: tuple[int, list[int]] | None = None  # (position, completion)
         self.reason: str | None = None  # set once the sequence was closed early
         self.sampled = False  # the model has written a token (closing waits for one)
+        self.loops_undone = 0
+        self._bars: dict[int, set[int]] = {}  # position -> tokens barred there
+        self._missed = -REPLAN_EVERY  # where a completion walk last found none
+
+    def barred(self) -> set[int]:
+        """Tokens the model may not write next: the first of an undone loop, at the
+        position where it began (empty almost always)."""
+        return self._bars.get(len(self.tokens), set()) if self._bars else set()
 
     def consumed(self, tokens: Sequence[int]) -> None:
         for t in tokens:
@@ -109,19 +136,29 @@ class EarlyClose:
         if not n:
             return
         keep = len(self.tokens) - n
+        self._truncate(keep)
+        if self._plan is not None and self._plan[0] > keep:
+            self._plan = None
+        self._bars = {p: b for p, b in self._bars.items() if p <= keep}
+
+    def _truncate(self, keep: int) -> None:
+        if self._missed > keep:
+            self._missed = -REPLAN_EVERY
         del self.tokens[keep:]
         del self._ends[keep:]
         del self._text[self._ends[-1] if self._ends else 0 :]
-        if self._plan is not None and self._plan[0] > keep:
-            self._plan = None
 
-    def text(self, tail: int | None = None) -> str:
+    def text(self, tail: int | None = None, upto: int | None = None) -> str:
+        """The output decoded: its last `tail` bytes, or its first `upto` tokens'."""
         raw = self._text if tail is None else self._text[-tail:]
+        if upto is not None:
+            raw = self._text[: self._ends[upto - 1] if upto else 0]
         return bytes(raw).decode("utf-8", "replace")
 
-    def decide(self, m: llguidance.LLMatcher) -> Close | None:
-        """Whether to finish now, from `m`, the matcher after every token so far. A
-        returned `Close` is already applied to `m` (rolled back, completion consumed)."""
+    def decide(self, m: llguidance.LLMatcher) -> Close | Undo | None:
+        """Whether to finish now (a `Close`) or take a loop back (an `Undo`), from `m`,
+        the matcher after every token so far. What is returned is already applied to `m`
+        (rolled back, completion consumed)."""
         c = self.closing
         if m.is_stopped() or m.is_accepting() or m.is_error():
             return None
@@ -137,8 +174,12 @@ class EarlyClose:
         near = plan is not None and left <= len(plan[1]) + NEAR
         if plan is not None and not near and pos - plan[0] < REPLAN_EVERY:
             return None
+        if not near and left > NEAR and pos - self._missed < REPLAN_EVERY:
+            return None
         done = self._complete(m, left)
-        if done is not None:
+        if done is None:
+            self._missed = pos
+        else:
             self._plan = (pos, done)
             # Not before the model's first token (at `start`, after the grammar's forced
             # opening): a line then takes at least one pass, so its logprobs are read, and
@@ -147,22 +188,87 @@ class EarlyClose:
                 return self._close(m, 0, done, "limit")
             return None
         if plan is not None and near:  # no way on from here fits: back to the plan
+            m.rollback(pos - plan[0])
+            self._truncate(plan[0])
             return self._close(m, pos - plan[0], plan[1], "limit")
         return None
 
     def _end_loop(self, m: llguidance.LLMatcher, left: int, tail: str,
-                  loop: Loop) -> Close | None:
-        """`tail` (the output's last bytes, decoded) ends in `loop`: close the value from
-        here, or from the plan (a backtrack), or else cut the output where the loop
-        begins."""
-        done = self._complete(m, left)
-        if done is not None:
-            return self._close(m, 0, done, "loop")
+                  loop: Loop) -> Close | Undo | None:
+        """`tail` (the output's last bytes, decoded) ends in `loop`: undo it (the first
+        `undo_loops` times), or close the value from where the loop began, from the
+        plan, or from here, or else cut the output where the loop begins."""
+        n = len(self.tokens)
+        begun = self._loop_start(tail, loop)
+        # The loop's second unit: its first token on is the loop (the first unit stays).
+        first = bisect_right(self._ends, begun + len(
+            tail[len(tail) - loop.span :][: loop.period].encode("utf-8")))
+        first = min(first, n - 1)
+        if self.loops_undone < self.closing.undo_loops:
+            unit_end = min(n - 1, first + max(1, self._tokens_in(first, loop)))
+            at = self._first_choice(m, first, unit_end)
+            if at is not None:
+                self.loops_undone += 1
+                return Undo(n - at)
+        keep = bisect_right(self._ends, begun)
         plan = self._plan
-        if plan is not None:  # a valid value is better than a cut one
-            return self._close(m, len(self.tokens) - plan[0], plan[1], "loop")
-        keep = bisect_right(self._ends, self._loop_start(tail, loop))
-        return self._close(m, len(self.tokens) - keep, [], UNCLOSABLE)
+        for pos in dict.fromkeys([first, *([plan[0]] if plan else []), n]):
+            if pos > n:
+                continue
+            if pos == n or pos == (plan[0] if plan else -1):
+                done = self._plan_or_walk(m, pos, left + n - pos)
+            else:
+                done = self._walk_from(m, pos, left + n - pos)
+            if done is not None:
+                return self._close(m, n - pos, done, "loop")
+        m.rollback(n - keep)
+        self._truncate(keep)
+        return self._close(m, n - keep, [], UNCLOSABLE)
+
+    def _plan_or_walk(self, m: llguidance.LLMatcher, pos: int, left: int) -> list[int] | None:
+        """A completion from `pos`: the plan's where it was made there, else a walk."""
+        plan = self._plan
+        if plan is not None and plan[0] == pos and pos < len(self.tokens):
+            m.rollback(len(self.tokens) - pos)
+            self._truncate(pos)
+            return plan[1]
+        return self._walk_from(m, pos, left)
+
+    def _walk_from(self, m: llguidance.LLMatcher, pos: int, left: int) -> list[int] | None:
+        """A completion walked from position `pos` (<= the tokens so far) within `left`
+        tokens: on success `m` and this state are left at `pos`; else both unchanged."""
+        n = len(self.tokens)
+        if pos < n:
+            m.rollback(n - pos)
+        done = self.closing.closer.completion(
+            m, self.text(upto=pos), min(left, WALK_LIMIT), self.hints) or None
+        if done is None:
+            if pos < n:
+                m.consume_tokens(self.tokens[pos:])  # accepted before: cannot fail
+            return None
+        self._truncate(pos)
+        return done
+
+    def _tokens_in(self, first: int, loop: Loop) -> int:
+        """How many tokens from `first` one unit of `loop` takes (at least 1)."""
+        start = self._ends[first - 1] if first else 0
+        return bisect_right(self._ends, start + loop.period) - first
+
+    def _first_choice(self, m: llguidance.LLMatcher, first: int, last: int) -> int | None:
+        """The first position in [first, last] where the grammar allows a token other
+        than the one written there: `m` is rolled back to it, the written token barred
+        there and this state cut to it. None (and `m`, this state unchanged) if none."""
+        n = len(self.tokens)
+        m.rollback(n - first)
+        for at in range(first, n):
+            if at <= last and _other_allowed(m, self.tokens[at]):
+                self._bars.setdefault(at, set()).add(self.tokens[at])
+                self._truncate(at)
+                if self._plan is not None and self._plan[0] > at:
+                    self._plan = None
+                return at
+            m.consume_token(self.tokens[at])  # accepted before: cannot fail
+        return None
 
     def _loop_start(self, tail: str, loop: Loop) -> int:
         """The byte offset in the output where `loop`'s text begins (`tail` being the
@@ -199,11 +305,8 @@ class EarlyClose:
 
     def _close(self, m: llguidance.LLMatcher, backtrack: int, tokens: list[int],
                reason: str) -> Close | None:
-        if backtrack:
-            m.rollback(backtrack)
-            del self.tokens[len(self.tokens) - backtrack :]
-            del self._ends[len(self._ends) - backtrack :]
-            del self._text[self._ends[-1] if self._ends else 0 :]
+        """Finish with `tokens` after `backtrack` tokens taken back (from `m` and this
+        state already)."""
         if tokens and self.accepts is not None:
             tokens = self._accepted(m, tokens)
         if not m.consume_tokens(tokens):
@@ -211,3 +314,11 @@ class EarlyClose:
         self.consumed(tokens)
         self.reason = reason
         return Close(backtrack, tokens, reason)
+
+
+def _other_allowed(m: llguidance.LLMatcher, written: int) -> bool:
+    """Whether the grammar allows, where `m` stands, a token other than `written`."""
+    words = np.frombuffer(m.compute_bitmask(), dtype=np.uint32).copy()
+    if (written >> 5) < words.size:
+        words[written >> 5] &= np.uint32(~(1 << (written & 31)) & 0xFFFFFFFF)
+    return bool(words.any())

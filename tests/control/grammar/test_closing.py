@@ -76,23 +76,38 @@ def test_values_the_limit_would_cut_are_finished_and_valid(lm: LoadedModel,
             assert after["text"] == before["text"] and "closed_early" not in after["stats"]
 
 
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _first_loop(lm: LoadedModel, ids: list[int]) -> int | None:
+    """The token count at which `ids`' text first loops (None: never)."""
+    text = lm.tokenizer.decode
+    return next((n for n in range(1, len(ids) + 1) if find_loop(text(ids[:n]))), None)
+
+
 def test_the_loop_guard_changes_only_looping_outputs(lm: LoadedModel) -> None:
     lines = [dataclasses.replace(j, logprobs=0) for j in jobs(60)]  # the token ids, too
     plain = run(lm, lines, close_at_limit=False, loop_guard=False)
     guarded = run(lm, lines, close_at_limit=False)
-    assert any(r["stats"].get("closed_early") for r in guarded.values())
+    assert any(r["stats"].get("loops_undone") for r in guarded.values())
     for j in lines:
         before, after = plain[j.index], guarded[j.index]
-        if not after["stats"].get("closed_early"):
-            assert after["text"] == before["text"]
-            continue
-        assert after["valid"] is True and after["finish_reason"] == "stop"
-        assert after["stats"]["close_reason"] == "loop"
-        # Up to where the guard fired, the same tokens as unguarded, and a loop there.
         ids = [e["id"] for e in after["logprobs"]]
-        text = lm.tokenizer.decode
-        fired = next(n for n in range(1, len(ids) + 1) if find_loop(text(ids[:n])))
-        assert ids[:fired] == [e["id"] for e in before["logprobs"]][:fired]
+        plain_ids = [e["id"] for e in before["logprobs"]]
+        fired = _first_loop(lm, plain_ids)
+        if fired is None:  # never looped: not touched
+            assert after["text"] == before["text"] and after["stats"].keys() == \
+                before["stats"].keys()
+            continue
+        # The first loop was taken back: up to where it began, the unguarded tokens.
+        assert after["stats"]["loops_undone"] == 1
+        assert 0 < _shared(ids, plain_ids) < fired
+        assert find_loop(after["text"]) is None
+        if after["stats"].get("closed_early"):  # it looped again: closed, valid
+            assert after["valid"] is True and after["finish_reason"] == "stop"
+            assert after["stats"]["close_reason"] == "loop"
 
 
 def test_close_at_limit_through_the_cli(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -206,16 +221,14 @@ def test_a_loop_no_completion_closes_ends_cut_at_the_loop(lm: LoadedModel,
     for j in lines:
         before, after = plain[j.index], cut[j.index]
         ids = [e["id"] for e in after["logprobs"]]
-        assert ids == [e["id"] for e in before["logprobs"]][: len(ids)]  # a prefix of it
+        plain_ids = [e["id"] for e in before["logprobs"]]
         if after["stats"].get("close_reason") != "loop_unclosable":
-            assert after["text"] == before["text"]
+            if not after["stats"].get("loops_undone"):
+                assert after["text"] == before["text"]
             continue
-        assert after["stats"]["closed_early"] is True
+        # Undone once, looped again, cut where that loop began: never run to the limit.
+        assert after["stats"]["loops_undone"] == 1 and after["stats"]["closed_early"] is True
+        assert _shared(ids, plain_ids) < (_first_loop(lm, plain_ids) or 0)
         assert after["finish_reason"] == "length" and after["valid"] is False
         assert after["stats"]["output_tokens"] == len(ids) < j.max_tokens
         assert find_loop(after["text"]) is None
-        # The guard fired at the first token where the text loops; the cut is before it.
-        fired = next(n for n in range(1, len(before["logprobs"]) + 1)
-                     if find_loop(lm.tokenizer.decode([e["id"] for e in
-                                                       before["logprobs"][:n]])))
-        assert len(ids) < fired

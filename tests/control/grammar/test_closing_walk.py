@@ -55,7 +55,8 @@ class Walker:
     def early(self, grammar: CompiledGrammar, max_tokens: int = 512) -> EarlyClose:
         from aici_cli.control.grammar.controller import _accepts
 
-        return EarlyClose(Closing(self.closer, max_tokens), grammar.hints,
+        # No loop undone first: a loop here is one the model wrote again, to be closed.
+        return EarlyClose(Closing(self.closer, max_tokens, undo_loops=0), grammar.hints,
                           _accepts(grammar.validator))
 
 

@@ -99,33 +99,47 @@ def compiler(lm: LoadedModel) -> GrammarCompiler:
 
 def feed(lm: LoadedModel, compiler: GrammarCompiler, text: str,
          max_tokens: int = 10_000, closer: Closer | None = None,
-         seen: list[Directive] | None = None) -> tuple[GrammarController, list[int]]:
+         seen: list[Directive] | None = None,
+         then: str | None = None) -> tuple[GrammarController, list[int]]:
     """A JSON-schema controller with closing on, fed `text`'s tokens one at a time as a
     model would sample them (until it stops); returns it and the output. `closer`: in
-    place of the run's; `seen` collects every directive the controller answered."""
+    place of the run's; `seen` collects every directive the controller answered; `then`:
+    what the model writes instead once a loop of `text` was undone (without it, it
+    stops there: the token it would write is barred)."""
     closer = closer or Closer(lm.tokenizer, compiler.tokenizer.decode_bytes)
     grammar = compiler.compile(Constraint("json_schema", SCHEMA))
     controller = GrammarController(grammar, closing=Closing(closer, max_tokens))
+    decode = compiler.tokenizer.decode_bytes
     # The text's own tokens, by the byte offset each starts at: the model writes the next
     # one from wherever the output (with the grammar's forced tokens) has got to.
-    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    starts, at = {}, 0
-    for t in ids:
-        starts[at] = t
-        at += len(compiler.tokenizer.decode_bytes([t]))
-    target = text.encode()
+    starts: dict[int, int] = {}
+
+    def aim(at: int, more: str) -> bytes:
+        for t in lm.tokenizer(more, add_special_tokens=False)["input_ids"]:
+            starts[at] = t
+            at += len(decode([t]))
+        return more.encode()
+
+    target = aim(0, text)
     output: list[int] = []
     directive = controller.start([])
     output += directive.ff_tokens
     seen = seen if seen is not None else []
     seen.append(directive)
+    undone = 0
     while not directive.stop:
-        written = compiler.tokenizer.decode_bytes(output)
+        written = decode(output)
+        if controller.stats().get("loops_undone", 0) > undone:  # the model goes another way
+            undone += 1
+            if then is None:
+                break
+            starts = {k: v for k, v in starts.items() if k < len(written)}
+            target = written + aim(len(written), then)
         token = starts.get(len(written))
         if not target.startswith(written) or token is None:
             break  # done, or the grammar forced something else (its own completion)
-        if not controller.matcher().validate_tokens([token]):
-            break  # the grammar would not let the model write this token
+        if not controller.valid_prefix([token]):
+            break  # the grammar (or a bar) would not let the model write this token
         output.append(token)
         directive = controller.advance([token])
         seen.append(directive)
@@ -135,27 +149,51 @@ def feed(lm: LoadedModel, compiler: GrammarCompiler, text: str,
     return controller, output
 
 
+# Text before a loop, its unit and how often it is written; what the model writes where
+# its loop's first token is barred (a way on), and then to finish the value.
 LOOPS = [
-    '{"name": "a", "code": "' + "1234567890" * 12,
-    '{"name": "' + "\u205f" * 60,
-    '{"name": "x", "n": 1' + "0" * 80,
-    '{"name": "x", "tags": ["light"' + ', "dark"' * 30,
-    '{"name": "x", "scores": [' + "1, " * 40,
-    '{"name": "dereferenced_by' + "_self" * 20,
-    '{"name": "' + "2000000; " * 12,
+    ('{"name": "a", "code": "', "1234567890", 12, "x", '"}'),
+    ('{"name": "', "\u205f", 60, "a", '"}'),
+    ('{"name": "x", "n": 1', "0", 80, "5", "}"),
+    ('{"name": "x", "tags": ["light"', ', "dark"', 30, 'er"', ']}'),
+    ('{"name": "x", "scores": [', "1, ", 40, "2, ", "3]}"),
+    ('{"name": "dereferenced_by', "_self", 20, "x", '"}'),
+    ('{"name": "', "2000000; ", 12, "x", '"}'),
 ]
 
 
-@pytest.mark.parametrize("text", LOOPS)
-def test_a_looping_output_is_closed_at_once_and_valid(lm: LoadedModel,
-                                                      compiler: GrammarCompiler,
-                                                      text: str) -> None:
-    controller, output = feed(lm, compiler, text)
-    assert controller.stats() == {"closed_early": True, "close_reason": "loop"}
+@pytest.mark.parametrize(("before", "unit", "times", "other", "end"), LOOPS)
+def test_a_loop_is_undone_and_the_model_goes_another_way(
+        lm: LoadedModel, compiler: GrammarCompiler, before: str, unit: str, times: int,
+        other: str, end: str) -> None:
+    """The first loop is taken back to its second unit and the token there barred: a
+    model that writes something else there and ends the value ends it as it wrote it,
+    not closed."""
+    controller, output = feed(lm, compiler, before + unit * times, then=other + end)
+    assert controller.stats() == {"loops_undone": 1}
+    written = lm.tokenizer.decode(output)
+    assert written.startswith(before + unit[:1]) and written.endswith(other + end)
+    assert find_loop(written) is None
+    jsonschema.validate(json.loads(written), SCHEMA)
+
+
+@pytest.mark.parametrize(("before", "unit", "times", "other", "end"), LOOPS)
+def test_a_loop_after_an_undone_one_is_closed_from_where_it_began(
+        lm: LoadedModel, compiler: GrammarCompiler, before: str, unit: str, times: int,
+        other: str, end: str) -> None:
+    """A model that loops again after the undo: the value is closed from where the second
+    loop began (one unit of it kept), valid."""
+    again = other + unit * times
+    controller, output = feed(lm, compiler, before + unit * times, then=again)
+    assert controller.stats() == {"closed_early": True, "close_reason": "loop",
+                                  "loops_undone": 1}
     written = lm.tokenizer.decode(output)
     jsonschema.validate(json.loads(written), SCHEMA)
-    # Closed soon after the loop became one, not at some later point.
-    assert len(written) < len(text) + 40
+    assert find_loop(written) is None
+    # Closed from the loop's start: at most its first unit, the way on and a second unit
+    # kept after the text before it, and a short completion.
+    assert written.startswith(before) and other in written
+    assert len(written) <= len(before) + 3 * len(unit) + len(other) + 12, written
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
@@ -198,27 +236,30 @@ class NoCompletionInALoop(Closer):
         return None if find_loop(text) else super().completion(matcher, text, limit, hints)
 
 
-# Text before a loop, the loop's unit, and how often it is written.
+# Text before a loop, the loop's unit, and how often it is written; what the model writes
+# after the loop is undone, before it loops again.
 CUTS = [
-    ('{"name": "a", "code": "', "1234567890", 12),
-    ('{"name": "white', ", dark", 20),
-    ('{"name": "x", "tags": ["light"', ', "dark"', 30),
-    ('{"name": "', "\u205f", 60),
-    ('{"name": "x", "scores": [', "1, ", 40),
-    ('{"name": "v', ", 1.0.0.0.0.12345678.0.0", 8),
+    ('{"name": "a", "code": "', "1234567890", 12, "x"),
+    ('{"name": "white', ", dark", 20, "er"),
+    ('{"name": "x", "tags": ["light"', ', "dark"', 30, 'er"'),
+    ('{"name": "', "\u205f", 60, "a"),
+    ('{"name": "x", "scores": [', "1, ", 40, "2, "),
+    ('{"name": "v', ", 1.0.0.0.0.12345678.0.0", 8, "x"),
 ]
 
 
 def ended_at_the_loop(lm: LoadedModel, compiler: GrammarCompiler, before: str, looping: str,
-                      max_tokens: int = 10_000) -> str:
-    """Feed `before + looping` with a closer that never completes: the line must end as
-    cut at the loop's start (a "length" stop, close_reason loop_unclosable). Returns the
-    output's text."""
+                      other: str | None, max_tokens: int = 10_000) -> str:
+    """Feed `before + looping` (and, once it was undone, `other + looping`) with a closer
+    that never completes: the line must end as cut at the (second) loop's start (a
+    "length" stop, close_reason loop_unclosable). Returns the output's text."""
     seen: list[Directive] = []
     controller, output = feed(lm, compiler, before + looping, max_tokens,
                               NoCompletion(lm.tokenizer, compiler.tokenizer.decode_bytes),
-                              seen)
-    assert controller.stats() == {"closed_early": True, "close_reason": "loop_unclosable"}
+                              seen, then=None if other is None else other + looping)
+    stats = controller.stats()
+    assert stats == {"closed_early": True, "close_reason": "loop_unclosable",
+                     "loops_undone": 1}
     last = seen[-1]
     assert last.stop and last.finish == "length" and not last.ff_tokens
     assert all(d.finish == "stop" for d in seen[:-1])
@@ -226,32 +267,36 @@ def ended_at_the_loop(lm: LoadedModel, compiler: GrammarCompiler, before: str, l
     return str(lm.tokenizer.decode(output))
 
 
-@pytest.mark.parametrize(("before", "unit", "times"), CUTS)
+@pytest.mark.parametrize(("before", "unit", "times", "other"), CUTS)
 def test_a_loop_nothing_closes_is_cut_where_it_begins(lm: LoadedModel,
                                                       compiler: GrammarCompiler,
                                                       before: str, unit: str,
-                                                      times: int) -> None:
-    written = ended_at_the_loop(lm, compiler, before, unit * times)
-    assert before.startswith(written)  # the text before the loop, unchanged
+                                                      times: int, other: str) -> None:
+    written = ended_at_the_loop(lm, compiler, before, unit * times, other)
+    assert written.startswith(before)  # the text before the loop, unchanged
+    assert other[0] in written[len(before):]  # and the model's way on after the undo
     assert find_loop(written) is None  # and the loop gone
-    # Cut at the token where the loop begins: at most that token's start is lost.
-    assert len(written) >= len(before) - 8, (written, before)
+    # Cut at the token where the second loop begins.
+    assert len(written) <= len(before) + 2 * len(unit) + len(other) + 8, (written, before)
 
 
-@pytest.mark.parametrize(("before", "unit", "times"), CUTS)
-def test_a_loop_is_closed_from_the_plan_when_not_from_where_it_is(
+@pytest.mark.parametrize(("before", "unit", "times", "other"), CUTS)
+def test_a_loop_is_closed_from_where_it_began_not_from_where_it_is(
         lm: LoadedModel, compiler: GrammarCompiler, before: str, unit: str,
-        times: int) -> None:
-    text = before + unit * times
+        times: int, other: str) -> None:
+    """A closer that finds nothing where the text loops: the close comes from the loop's
+    start."""
     closer = NoCompletionInALoop(lm.tokenizer, compiler.tokenizer.decode_bytes)
     seen: list[Directive] = []
-    controller, output = feed(lm, compiler, text, closer=closer, seen=seen)
-    assert controller.stats() == {"closed_early": True, "close_reason": "loop"}
+    controller, output = feed(lm, compiler, before + unit * times, closer=closer, seen=seen,
+                              then=other + unit * times)
+    assert controller.stats() == {"closed_early": True, "close_reason": "loop",
+                                  "loops_undone": 1}
     assert seen[-1].stop and seen[-1].finish == "stop"
     written = lm.tokenizer.decode(output)
     jsonschema.validate(json.loads(written), SCHEMA)
     assert find_loop(written) is None
-    assert len(written) < len(text)
+    assert written.startswith(before) and other in written
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
@@ -277,6 +322,7 @@ def test_with_no_completion_loops_end_early_and_the_rest_run_unchanged(
     if loops_by_definition(before):
         return  # hypothesis wrote a loop already in the name
     times = -(-min_span(len(unit)) // len(unit)) + 2
-    written = ended_at_the_loop(lm, compiler, before, unit * times, max_tokens=4_000)
-    assert (before + unit * times).startswith(written)
+    other = "Q" if unit[0] != "Q" else "R"
+    written = ended_at_the_loop(lm, compiler, before, unit * times, other, max_tokens=4_000)
+    assert written.startswith(before)
     assert find_loop(written) is None
