@@ -53,6 +53,8 @@ class CompiledGrammar:
     # has none; and tokens to their exact bytes, for the guard that checks them.
     keywords: KeywordSchema | None = None
     decode: Callable[[list[int]], bytes] | None = None
+    # With tool calls: those keywords of each tool's `parameters` that has any, by name.
+    tool_keywords: dict[str, KeywordSchema] = field(default_factory=dict)
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int,
@@ -285,6 +287,12 @@ class GrammarCompiler:
                                          "tool call grammar", "unsupported_schema")
         compiled.warnings = warnings
         compiled.tools = validators
+        for tool in spec["tools"]:
+            keywords = KeywordSchema.of(tool["parameters"])
+            if keywords is not None:
+                compiled.tool_keywords[tool["name"]] = keywords
+        if compiled.tool_keywords:
+            compiled.decode = self.tokenizer.decode_bytes
         compiled.hints = hints_for({"anyOf": [schema for _, schema in arguments]})
         return compiled
 

@@ -14,7 +14,7 @@ from aici_cli.control import tool_calls
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.grammar.compiler import CompiledGrammar
 from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose, Undo
-from aici_cli.control.grammar.keyword_guard import KeywordGuard, clear_bits
+from aici_cli.control.grammar.keyword_guard import CallKeywordGuard, KeywordGuard, clear_bits
 from aici_cli.control.grammar.limits import is_limit_error, tidy_error
 from aici_cli.core.errors import ControllerError
 
@@ -36,9 +36,7 @@ class GrammarController(ControllerBase):
             grammar.constraint.kind == "json_schema" and grammar.validator is not None) else None
         self._early = (EarlyClose(closing, grammar.hints, accepts) if closing is not None
                        else None)
-        self._guard = (KeywordGuard(grammar.keywords, grammar.validator, grammar.decode)
-                       if keywords and grammar.keywords is not None
-                       and grammar.decode is not None else None)
+        self._guard = _guard(grammar) if keywords else None
 
     @property
     def closed_early(self) -> bool:
@@ -218,6 +216,18 @@ class GrammarController(ControllerBase):
             warnings.append(f"a tool call cut off at max_tokens was dropped; the "
                             f"{len(calls)} whole call(s) before it are kept")
         return fields
+
+
+def _guard(grammar: CompiledGrammar) -> KeywordGuard | None:
+    """The keyword guard of a grammar whose schema (or a tool's `parameters`) has
+    keywords it cannot express; None for the rest."""
+    if grammar.decode is None:
+        return None
+    if grammar.keywords is not None:
+        return KeywordGuard(grammar.keywords, grammar.validator, grammar.decode)
+    if grammar.tool_keywords:
+        return CallKeywordGuard(grammar.tool_keywords, grammar.tools, grammar.decode)
+    return None
 
 
 def _back(n: int, ff_tokens: list[int]) -> Directive:

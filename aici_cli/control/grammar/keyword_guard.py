@@ -20,6 +20,10 @@ scalar's first byte (the first of its tokens that was a choice: a string's quote
 forced, its first letters are not). Where the grammar allows nothing else up to the end of
 the value, the check is given up and the output stays as written (`valid: false`).
 
+A tool-call line whose tools' `parameters` have such keywords gets a `CallKeywordGuard`:
+the same checks on each call's `arguments`, against the schema of the tool the call names
+(`CallScanner` follows the JSON of each call and skips the text around it).
+
 Bounds: at most `MAX_RETRIES` faults are acted on per line; after that the guard only
 records text. Cost: a decode and a scan of each token's bytes (microseconds), a cached
 path lookup at each value's end, and a jsonschema check (and a parse of the value) only
@@ -37,7 +41,8 @@ from typing import Any
 import llguidance
 import numpy as np
 
-from aici_cli.control.grammar.json_scan import JsonScanner, ValueEnd
+from aici_cli.control import tool_calls
+from aici_cli.control.grammar.json_scan import JsonScanner, Step, ValueEnd
 from aici_cli.control.grammar.keyword_schema import KeywordSchema, first_byte_type
 
 # Faults acted on per line (bars applied, or checks given up): each costs a backtrack and
@@ -69,11 +74,18 @@ class KeywordGuard:
         self.decode = decode
         self.tokens: list[int] = []
         self.ends: list[int] = []  # bytes of output after each token
-        self.scanner = JsonScanner()
+        self.scanner = self.new_scanner()
         self.bars: dict[int, set[int]] = {}  # position -> tokens barred there
         self.retries = 0  # faults acted on (<= MAX_RETRIES)
         self.barred_count = 0  # bars applied: the `keyword_retries` stat
         self.last_fault: Fault | None = None
+
+    def new_scanner(self) -> JsonScanner:
+        return JsonScanner()
+
+    def route(self, path: tuple[Step, ...]) -> tuple[KeywordSchema, Any, tuple[Step, ...]] | None:
+        """The keyword schema and validator that hold at `path`, and the path within it."""
+        return self.schema, self.validator, path
 
     def barred(self) -> set[int]:
         """Tokens the model may not choose next (empty almost always)."""
@@ -136,33 +148,39 @@ class KeywordGuard:
         del self.ends[keep:]
         self.bars = {p: b for p, b in self.bars.items() if p <= keep}
         kept = bytes(self.scanner.text[: self.ends[-1] if self.ends else 0])
-        self.scanner = JsonScanner()  # the kept text was checked already: scanned only
+        self.scanner = self.new_scanner()  # the kept text was checked already: scanned only
         self.scanner.feed(kept)
 
     def _check(self, end: ValueEnd) -> Fault | None:
         """The fault `end` completes: its parent's items or members so far, then the
         value itself."""
         text = self.scanner.text
-        if end.parent_start >= 0:
+        parent = self.route(end.path[:-1]) if end.parent_start >= 0 else None
+        if parent is not None:
             parent_kind = "object" if text[end.parent_start] == _OBJECT else "array"
-            for check in self.schema.checks(end.path[:-1], parent_kind):
-                fault = self._prefix_fault(check, end, parent_kind)
+            schema, validator, path = parent
+            for check in schema.checks(path, parent_kind):
+                fault = self._prefix_fault(check, end, parent_kind, validator)
                 if fault is not None:
                     return fault
-        checks = self.schema.checks(end.path, first_byte_type(end.kind))
+        here = self.route(end.path)
+        if here is None:
+            return None
+        schema, validator, path = here
+        checks = schema.checks(path, first_byte_type(end.kind))
         if not checks:
             return None
         value = json.loads(bytes(text[end.start : end.end]))
         for check in checks:
-            if not self.validator.evolve(schema=check).is_valid(value):
+            if not validator.evolve(schema=check).is_valid(value):
                 # A container is mended from its closing bracket (write more, or
                 # other members), a scalar from its first byte.
                 mend_from = end.end - 1 if end.kind in b"{[" else end.start
                 return Fault(mend_from, end.end, ",".join(sorted(check)))
         return None
 
-    def _prefix_fault(self, check: dict[str, Any], end: ValueEnd,
-                      parent_kind: str) -> Fault | None:
+    def _prefix_fault(self, check: dict[str, Any], end: ValueEnd, parent_kind: str,
+                      validator: Any) -> Fault | None:
         """A new item equal to an earlier one (`uniqueItems`), or the member one past
         `maxProperties`: the parent's contents so far suffice to tell."""
         most = check.get("maxProperties")
@@ -171,11 +189,73 @@ class KeywordGuard:
                          end.end, "maxProperties")
         if parent_kind == "array" and check.get("uniqueItems") is True and end.count > 1:
             items = json.loads(bytes(self.scanner.text[end.parent_start : end.end]) + b"]")
-            unique = self.validator.evolve(schema={"uniqueItems": True}).is_valid
+            unique = validator.evolve(schema={"uniqueItems": True}).is_valid
             # Only a new repeat: one an earlier check gave up on is not counted again.
             if not unique(items) and unique(items[:-1]):
                 return Fault(end.member_start, end.end, "uniqueItems")
         return None
+
+
+class CallScanner(JsonScanner):
+    """A `JsonScanner` over a tool-call output (tool_calls.py): it follows the JSON object
+    of each call (`{"name": ..., "arguments": {...}}`) and skips the text around them,
+    keeping every byte in `text` so that offsets are the output's. `name`: the tool the
+    call being written names, once its name has ended (kept until the next call's name
+    ends: the text between a call's arguments and the next call's name is longer than a
+    token, so the values a token ends are all in one call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name: str | None = None
+        self._outside = True  # between calls: waiting for a call's opening tag, then `{`
+        self._tagged = False
+
+    def feed(self, data: bytes) -> list[ValueEnd]:
+        ended: list[ValueEnd] = []
+        for i, b in enumerate(data):
+            if self._outside:
+                self.text.append(b)
+                self._wait(b)
+                continue
+            for end in super().feed(data[i : i + 1]):
+                ended.append(end)
+                if end.path == ("name",):
+                    self.name = json.loads(bytes(self.text[end.start : end.end]))
+                if end.parent_start < 0:  # the call's object closed
+                    self._outside, self._tagged = True, False
+        return ended
+
+    def _wait(self, b: int) -> None:
+        if not self._tagged:
+            self._tagged = self.text.endswith(_CALL_OPEN)
+        elif b == _OBJECT:  # the call's object begins: scanned from its bracket on
+            self._outside = False
+            del self.text[-1]
+            super().feed(bytes([b]))
+
+
+_CALL_OPEN = tool_calls.OPEN.encode()
+
+
+class CallKeywordGuard(KeywordGuard):
+    """The keyword guard of a tool-call line: each call's `arguments` are held to the
+    keywords of the tool it names (`keywords`, by tool name; `validators`, each tool's
+    `parameters` as written)."""
+
+    def __init__(self, keywords: dict[str, KeywordSchema], validators: dict[str, Any],
+                 decode: Callable[[list[int]], bytes]) -> None:
+        self.keywords = keywords
+        self.validators = validators
+        super().__init__(next(iter(keywords.values())), None, decode)
+
+    def new_scanner(self) -> JsonScanner:
+        return CallScanner()
+
+    def route(self, path: tuple[Step, ...]) -> tuple[KeywordSchema, Any, tuple[Step, ...]] | None:
+        name = self.scanner.name if isinstance(self.scanner, CallScanner) else None
+        if not path or path[0] != "arguments" or name not in self.keywords:
+            return None
+        return self.keywords[name], self.validators[name], path[1:]
 
 
 def clear_bits(words: np.ndarray, tokens: set[int]) -> None:

@@ -108,3 +108,37 @@ def test_members_count_and_separators() -> None:
     assert (b.count, raw[b.member_start:b.member_start + 3]) == (2, b'"b"')
     assert raw[b.separator:b.separator + 1] == b"," and b.separator < b.member_start
     assert by_path[()].parent_start == -1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.text(alphabet="abc_", min_size=1, max_size=6),
+                          st.dictionaries(st.text(alphabet="xyz{}<>", max_size=3), VALUES,
+                                          max_size=3)), min_size=1, max_size=3),
+       st.lists(st.integers(1, 7), min_size=1, max_size=40))
+def test_a_call_scanner_follows_each_call_s_json_and_skips_the_rest(
+        calls: list[tuple[str, dict[str, Any]]], splits: list[int]) -> None:
+    """Over a tool-call output, the values of each call's JSON object at their paths with
+    their texts (offsets the output's), whatever the feeds (of at most a few bytes, as
+    tokens are); and the name of the tool the call being written names."""
+    from aici_cli.control import tool_calls
+    from aici_cli.control.grammar.keyword_guard import CallScanner
+
+    text = tool_calls.calls_text([tool_calls.ToolCall(n, json.dumps(a)) for n, a in calls])
+    data = text.encode()
+    scanner, ends, at, names = CallScanner(), [], 0, []
+    while at < len(data):
+        size = splits[len(ends) % len(splits)]
+        for end in scanner.feed(data[at : at + size]):
+            ends.append(end)
+            if end.path and end.path[0] == "arguments":
+                names.append(scanner.name)
+        at += size
+    assert bytes(scanner.text) == data
+    want: list[tuple[tuple[Step, ...], Any]] = []
+    for name, args in calls:
+        call = json.dumps({"name": name, "arguments": args}).encode()
+        want += [(e.path, json.loads(call[e.start : e.end])) for e in scan(call, [])]
+    assert [(e.path, json.loads(data[e.start : e.end])) for e in ends] == want
+    # Every argument value was read while its call's name was known.
+    assert names == [n for n, a in calls for e in scan(json.dumps(
+        {"name": n, "arguments": a}).encode(), []) if e.path and e.path[0] == "arguments"]

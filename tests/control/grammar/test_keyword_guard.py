@@ -20,6 +20,7 @@ import torch
 from click.testing import CliRunner
 
 from aici_cli.cli.main import main
+from aici_cli.control import tool_calls
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.early_close import Closing
@@ -239,3 +240,44 @@ def test_the_default_model_writes_valid_output_through_the_cli(tmp_path: Path) -
         jsonschema.validate(result["json"], schema)
     # "Repeat the word red" repeats items: the guard barred some (5 on this model).
     assert sum(r["stats"].get("keyword_retries", 0) for r in results) > 0
+
+
+# ------------------------------------------------------------------ tool calls
+
+def calls(*tools: tuple[str, dict[str, Any]], parallel: bool = False) -> Constraint:
+    return Constraint("tool_calls", {"tools": [{"name": n, "parameters": p} for n, p in tools],
+                                     "text": False, "parallel": parallel})
+
+
+def test_a_tool_call_s_arguments_are_held_to_its_tool_s_keywords(
+        lm: LoadedModel, compiler: GrammarCompiler) -> None:
+    """The same repeated items inside a call's `arguments`: held to the tool's
+    `uniqueItems` as a JSON-schema line is; the text around the call is not checked."""
+    constraint = calls(("tag", TAGS))
+    unguarded = GrammarController(compiler.compile(constraint), keywords=False)
+    text = Script(lm, compiler, REPEATS).run(unguarded)
+    [call] = tool_calls.complete_calls(text)[0]
+    assert json.loads(call.arguments) == {"tags": ["a", "a", "a"]}
+    controller = GrammarController(compiler.compile(constraint))
+    text = Script(lm, compiler, REPEATS).run(controller)
+    [call] = tool_calls.complete_calls(text)[0]
+    assert json.loads(call.arguments) == {"tags": ["a", "b", "c"]}
+    assert controller.stats()["keyword_retries"] == 3
+    assert controller.report(text)["valid"] is True
+
+
+def test_each_call_is_held_to_the_tool_it_names(lm: LoadedModel,
+                                                 compiler: GrammarCompiler) -> None:
+    """Two tools with the same shape, one with `uniqueItems`: a call of the other keeps
+    its repeats (its schema allows them); one of the first does not."""
+    free = json.loads(json.dumps(TAGS))
+    del free["properties"]["tags"]["uniqueItems"]
+    constraint = calls(("free", free), ("tag", TAGS))
+    for name, want in (("free", ["f", "f", "f"]), ("tag", ["t", "a", "b"])):
+        # The name's first letter decides the tool, and is then the item it repeats.
+        controller = GrammarController(compiler.compile(constraint))
+        text = Script(lm, compiler, name[0] + REPEATS).run(controller)
+        first = tool_calls.complete_calls(text)[0][0]
+        assert first.name == name
+        assert json.loads(first.arguments)["tags"] == want
+        assert controller.report(text)["valid"] is True
