@@ -437,6 +437,9 @@ def main() -> int:
     ap.add_argument("--schemas", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--stream-batch-sizes", default="",
+                    help="--batch-size of the one-stream rows (default: the engine's); "
+                         "1 is `aici-batch run --batch-size 1`, a one-row cache")
     ap.add_argument("--only", default="stream,prefill,schemas,start")
     ap.add_argument("--prefill-tokens", type=int, default=1500)
     ap.add_argument("--rounds", type=int, default=1,
@@ -485,11 +488,14 @@ def main() -> int:
         # engine computes the busy row only (compiled: its 1-row bucket, whose packaged
         # step a cache of 8 rows can run; a 1-row cache's shapes are a package of their own).
         from aici_cli.core.config import EngineConfig
-        stream_batch = EngineConfig().batch_size
-        stream = [(f"one stream {args.stream_tokens} tok | ours {q} compile {c} drafts {d}",
+        stream_batches = ([int(b) for b in args.stream_batch_sizes.split(",")]
+                          if args.stream_batch_sizes else [EngineConfig().batch_size])
+        stream = [(f"one stream {args.stream_tokens} tok | ours {q} compile {c} drafts {d}"
+                   + (f" batch {b}" if len(stream_batches) > 1 else ""),
                    {"side": "ours", "kind": "stream", "quantize": q, "compile": c,
-                    "batch": stream_batch, "drafts": d, "max_tokens": args.stream_tokens})
-                  for q in quantizes for c in compiles for d in drafts_list]
+                    "batch": b, "drafts": d, "max_tokens": args.stream_tokens})
+                  for b in stream_batches for q in quantizes for c in compiles
+                  for d in drafts_list]
         if have_peer:
             stream.append((f"one stream {args.stream_tokens} tok | llama-cpp-python",
                            {"side": "peer", "kind": "stream",
