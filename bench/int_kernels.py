@@ -9,6 +9,12 @@ and the dense float32 `F.linear` over the same weights: what an AVX2 machine ran
 
     python bench/int_kernels.py                       # 5632 x 2048, 1 and 8 rows
     python bench/int_kernels.py --n 2048 --k 2048 --rows 1
+    python bench/int_kernels.py --stream 40           # one row, weights from memory
+
+`--stream L` times one-row products over L copies of the layer in turn (40 copies of
+5632 x 2048: 260 MB of int4, far past any cache), as a decode step streams a model's
+layers from memory, and reports the bytes read a second beside `sum`'s over a tensor of
+that size (what the memory gives these threads).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import json, sys, time, torch
-n, k, rows_list, calls, repeats, baseline = json.loads(sys.argv[1])
+n, k, rows_list, calls, repeats, baseline, stream = json.loads(sys.argv[1])
 from aici_cli.models.kernels import int_mm
 from aici_cli.models.quant.quantize import Int4Linear, quantize_int4
 torch.manual_seed(0)
@@ -49,6 +55,40 @@ if baseline:
         x = torch.randn(rows, k)
         out[f"torch int4 float32, {rows} rows"] = timed(lambda: layer.few_rows(x))
         out[f"dense float32, {rows} rows"] = timed(lambda: torch.nn.functional.linear(x, w))
+elif stream:
+    assert int_mm.unusable() is None, int_mm.unusable()
+    out["variant"] = int_mm.variant().name
+    x = torch.randn(1, k)
+    c8 = torch.randint(-127, 128, (n, k)).to(torch.int8)
+    scale = torch.rand(n)
+    copies = {
+        "int4": ([int_mm.tile_int4(codes.clone(), d.clone(), m) for _ in range(stream)],
+                 n * k * (0.5 + 2 / 32), lambda t: int_mm.int4_mm(x, t)),
+        "int8": ([int_mm.tile_int8(c8.clone()) for _ in range(stream)],
+                 n * k, lambda t: torch.ops.aici.int8_vnni_mm(x, t, scale, n)),
+    }
+    for name, (tiles, size, call) in copies.items():
+        for _ in range(2):
+            for t in tiles:
+                call(t)
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for t in tiles:
+                call(t)
+            runs.append(time.perf_counter() - start)
+        best = sorted(runs)[len(runs) // 2]
+        out[f"{name} 1 row, {stream} layers"] = {
+            "us_per_layer": round(best / stream * 1e6, 1),
+            "gb_s": round(size * stream / best / 1e9, 1)}
+    big = torch.ones(int(n * k * 0.5625 * stream) // 4)
+    big.sum()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        big.sum()
+        runs.append(time.perf_counter() - start)
+    out["sum gb_s"] = round(big.numel() * 4 / sorted(runs)[len(runs) // 2] / 1e9, 1)
 else:
     assert int_mm.unusable() is None, int_mm.unusable()
     out["variant"] = int_mm.variant().name
@@ -88,6 +128,8 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--stream", type=int, default=0,
+                    help="one-row products over this many copies of the layer (memory-bound)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from aici_cli.models.kernels import int_mm
@@ -101,9 +143,11 @@ def main() -> int:
         if cpu.missing(v.needs):
             report[v.name] = f"not on this CPU (lacks {', '.join(cpu.missing(v.needs))})"
             continue
-        report[v.name] = run(v.name, [args.n, args.k, rows, args.calls, args.repeats, False])
-    report["pytorch at avx2"] = run(None, [args.n, args.k, rows, args.calls, args.repeats,
-                                           True])
+        report[v.name] = run(v.name, [args.n, args.k, rows, args.calls, args.repeats, False,
+                                      args.stream])
+    if not args.stream:
+        report["pytorch at avx2"] = run(None, [args.n, args.k, rows, args.calls,
+                                               args.repeats, True, 0])
     for name, figures in report.items():
         print(f"{name}: {json.dumps(figures)}")
     return 0

@@ -36,8 +36,7 @@ AICI_TILE_KERNEL void int4_tile(const uint8_t *codes, const uint16_t *d16, const
   for (int r = 0; r < AICI_MAX_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
     const uint8_t *block = codes + g * (AICI_TILE * AICI_GROUP / 2);
-    for (int line = 8; line < 12; line++)
-      _mm_prefetch((const char *)(block + line * 64), _MM_HINT_T0);
+    AICI_PREFETCH(block, 4);
     __m256i pairs[AICI_MAX_ROWS][2]; /* int16, at most 30480 in magnitude (above) */
     for (int r = 0; r < AICI_MAX_ROWS; r++) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
     for (int j = 0; j < 4; j++) {
@@ -85,8 +84,7 @@ AICI_TILE_KERNEL void int8_tile(const uint8_t *codes, const float *scale, int64_
   for (int r = 0; r < AICI_MAX_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
     const uint8_t *block = codes + g * (AICI_TILE * AICI_GROUP);
-    for (int line = 8; line < 16; line++)
-      _mm_prefetch((const char *)(block + line * 64), _MM_HINT_T0);
+    AICI_PREFETCH(block, 8);
     __m256i dot[AICI_MAX_ROWS][2];
     for (int r = 0; r < AICI_MAX_ROWS; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int j = 0; j < 8; j++) {
