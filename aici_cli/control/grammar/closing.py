@@ -143,6 +143,14 @@ class Closer:
                 seen.add(tuple(other))
                 yield other
 
+    def walk(self, matcher: llguidance.LLMatcher, text: str, limit: int, hints: Hints,
+             barred: frozenset[tuple[int, int]]) -> tuple[list[int] | None,
+                                                          list[tuple[int, int]]]:
+        """The completion with `barred` (position in the completion, token) choices not
+        taken, and its choices (position, token)."""
+        found = self._walk(matcher, text, limit, hints, barred)
+        return found.tokens, found.choices
+
     def _walk(self, matcher: llguidance.LLMatcher, text: str, limit: int, hints: Hints,
               barred: frozenset[tuple[int, int]]) -> _Walk:
         """The walk of the module docstring from a copy of `matcher`. `barred`: (position

@@ -34,9 +34,10 @@ class GrammarController(ControllerBase):
         # when the line may be closed early, not on every constrained row's step.
         accepts = _accepts(grammar.validator) if (
             grammar.constraint.kind == "json_schema" and grammar.validator is not None) else None
-        self._early = (EarlyClose(closing, grammar.hints, accepts) if closing is not None
-                       else None)
         self._guard = _guard(grammar) if keywords else None
+        fault_at = self._guard.first_fault if self._guard is not None else None
+        self._early = (EarlyClose(closing, grammar.hints, accepts, fault_at)
+                       if closing is not None else None)
 
     @property
     def closed_early(self) -> bool:

@@ -32,6 +32,7 @@ where a keyword applies; a fault costs a matcher mask per position searched.
 
 from __future__ import annotations
 
+import copy
 import json
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
@@ -55,11 +56,13 @@ _OBJECT = ord("{")
 @dataclass(frozen=True)
 class Fault:
     """A value that breaks a checked keyword: mend it at the first choice between bytes
-    `mend_from` and `until` (the value's end); `keyword` names what it broke."""
+    `mend_from` and `until` (the value's end), else at the first between `start` (the
+    value's first byte) and `mend_from`; `keyword` names what it broke."""
 
     mend_from: int
     until: int
     keyword: str
+    start: int = -1  # -1: no earlier place to mend it
 
 
 class KeywordGuard:
@@ -79,6 +82,7 @@ class KeywordGuard:
         self.retries = 0  # faults acted on (<= MAX_RETRIES)
         self.barred_count = 0  # bars applied: the `keyword_retries` stat
         self.last_fault: Fault | None = None
+        self.gave_up = 0  # faults with no choice left to bar: the grammar forced them
 
     def new_scanner(self) -> JsonScanner:
         return JsonScanner()
@@ -110,26 +114,55 @@ class KeywordGuard:
         unchanged)."""
         self.retries += 1
         self.last_fault = fault
+        # An object closed where the grammar allows nothing but `}` (llguidance keeps the
+        # schema's property order: after the last property, no member can follow) is
+        # mended where its members were chosen: from its first member.
+        # There, a choice whose only other way closes the container at once (`{}`) is
+        # passed over: the members it drops are what the keyword asked for.
+        for begin, stop, emptying in ((fault.mend_from, fault.until, True),
+                                      (fault.start, fault.mend_from, False)):
+            if begin >= 0 and begin < stop:
+                taken = self._mend_between(m, begin, stop, emptying)
+                if taken:
+                    return taken
+        self.gave_up += 1
+        return 0
+
+    def _mend_between(self, m: llguidance.LLMatcher, begin: int, stop: int,
+                      emptying: bool = True) -> int:
+        """Take `m` back to the first choice point among the tokens holding bytes `begin`
+        .. `stop - 1` and bar the token written there; the tokens taken back, or 0 (and
+        `m` as it was). `emptying` False: not at a choice whose other ways all close
+        the value."""
         n = len(self.tokens)
-        first = bisect_right(self.ends, fault.mend_from)  # the token holding that byte
-        last = min(n - 1, bisect_right(self.ends, fault.until - 1))  # and the value's last
+        first = bisect_right(self.ends, begin)  # the token holding that byte
+        last = min(n - 1, bisect_right(self.ends, stop - 1))  # and the range's last
         if first > last:
             return 0
         m.rollback(n - first)
         for at in range(first, n):
-            if at <= last and self._other_allowed(m, at):
+            if at <= last and self._other_allowed(m, at, emptying):
                 self._cut(at)
                 return n - at
             if not m.consume_token(self.tokens[at]):  # it was accepted before: cannot fail
                 break
         return 0
 
-    def _other_allowed(self, m: llguidance.LLMatcher, at: int) -> bool:
+    def _other_allowed(self, m: llguidance.LLMatcher, at: int, emptying: bool = True) -> bool:
         """Whether, at position `at`, the grammar allows a token that is neither the one
-        written there nor one barred there."""
+        written there nor one barred there (with `emptying` False: one that does not
+        begin with a closing bracket; the allowed set is then read token by token, few
+        where it matters)."""
         words = np.frombuffer(m.compute_bitmask(), dtype=np.uint32).copy()
         clear_bits(words, {self.tokens[at], *self.bars.get(at, ())})
-        return bool(words.any())
+        if emptying or not words.any():
+            return bool(words.any())
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+        others = np.flatnonzero(bits)
+        if len(others) > 8:  # many ways on: some of them keep the members
+            return True
+        return any(not self.decode([int(t)]).lstrip().startswith((b"}", b"]"))
+                   for t in others)
 
     def _cut(self, at: int) -> None:
         """Keep the first `at` tokens; bar the one that was at `at` there."""
@@ -137,6 +170,19 @@ class KeywordGuard:
         self.rollback(len(self.tokens) - at)
         self.bars.setdefault(at, set()).add(token)
         self.barred_count += 1
+
+    def first_fault(self, text: bytes) -> tuple[int, int] | None:
+        """The first value in `text` (a whole output) that breaks a checked keyword, as
+        (the first byte to mend it from, the byte after its end); None where none does:
+        how a close's completion is checked before it is taken (early_close.py). This
+        guard's own state is unchanged; costs a scan of `text` and a check per value end."""
+        probe = copy.copy(self)
+        probe.scanner = self.new_scanner()
+        for end in probe.scanner.feed(text):
+            fault = probe._check(end)
+            if fault is not None:
+                return fault.mend_from, fault.until
+        return None
 
     def rollback(self, n: int) -> None:
         """Take back the last `n` tokens (also where someone else took them back). Bars
@@ -174,9 +220,12 @@ class KeywordGuard:
         for check in checks:
             if not validator.evolve(schema=check).is_valid(value):
                 # A container is mended from its closing bracket (write more, or
-                # other members), a scalar from its first byte.
-                mend_from = end.end - 1 if end.kind in b"{[" else end.start
-                return Fault(mend_from, end.end, ",".join(sorted(check)))
+                # other members), else from its first member; a scalar from its first
+                # byte.
+                if end.kind in b"{[":
+                    return Fault(end.end - 1, end.end, ",".join(sorted(check)),
+                                 end.start + 1)
+                return Fault(end.start, end.end, ",".join(sorted(check)))
         return None
 
     def _prefix_fault(self, check: dict[str, Any], end: ValueEnd, parent_kind: str,
