@@ -8,6 +8,11 @@ completion (the walk's misses), the completion's length and the walk's time, and
 schemas and texts of the misses. No model runs: only the tokenizer and the grammar.
 
     python bench/closing_walk.py --half held --per-subset 40
+    python bench/closing_walk.py --real tests/data/real_states.jsonl
+
+`--real FILE` walks, instead, from the states real models reached (bench/real_states.py:
+where a loop began, where the limit cut a value), each fed to the matcher as the
+tokenizer writes its text.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--show", type=int, default=10, help="misses printed")
+    ap.add_argument("--real", type=Path, default=None,
+                    help="states of real runs (bench/real_states.py) instead of walks")
     args = ap.parse_args()
 
     from aici_cli.control.grammar.closing import Closer
@@ -104,25 +111,39 @@ def main() -> int:
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     compiler = GrammarCompiler(tok, len(tok), eos)
     closer = Closer(tok, compiler.tokenizer.decode_bytes)
-    picked = sample_schemas(DATA, list(SUBSETS), args.per_subset, args.seed, args.half)
+    if args.real is not None:
+        rows = [json.loads(x) for x in args.real.read_text().splitlines()]
+        picked = [(r["id"].split("/")[0], f'{r["id"]} ({r["kind"]})', r["schema"])
+                  for r in rows]
+        real_texts = [r["text"] for r in rows]
+    else:
+        picked = sample_schemas(DATA, list(SUBSETS), args.per_subset, args.seed, args.half)
+        real_texts = []
     rng = random.Random(args.seed)
+    unreplayable = 0
     states = misses = accepted = invalid = first_invalid = 0
     bad: list[dict[str, Any]] = []
     lengths: list[int] = []
     times: list[float] = []
     shown: list[dict[str, Any]] = []
-    for subset, name, schema in picked:
+    for i, (subset, name, schema) in enumerate(picked):
         try:
             grammar = compiler.compile(Constraint("json_schema", schema), relax=True)
         except GrammarError:
             continue
-        for _ in range(args.states):
+        for _ in range(1 if args.real else args.states):
             m = grammar.template.deep_copy()
-            tokens = walk(m, rng, rng.randrange(1, args.max_steps), args.repeat)
+            if args.real:
+                text = real_texts[i]
+                if not m.consume_tokens(tok(text, add_special_tokens=False)["input_ids"]):
+                    unreplayable += 1  # the grammar differs from the run's (relaxed)
+                    continue
+            else:
+                tokens = walk(m, rng, rng.randrange(1, args.max_steps), args.repeat)
+                text = compiler.tokenizer.decode_bytes(tokens).decode("utf-8", "replace")
             if m.is_error() or m.is_stopped() or m.is_accepting():
                 accepted += 1
                 continue
-            text = compiler.tokenizer.decode_bytes(tokens).decode("utf-8", "replace")
             t0 = time.perf_counter()
             done = closer.completion(m, text, LIMIT, grammar.hints)
             times.append(time.perf_counter() - t0)
@@ -148,9 +169,10 @@ def main() -> int:
                     if len(bad) < args.show:
                         bad.append({"schema": f"{subset}/{name}", "problem": problem,
                                     "closed": closed[-200:]})
-    print(f"{len(picked)} schemas ({args.half} half), {states} states "
-          f"({accepted} walks ended complete): no completion {misses} "
-          f"({misses / max(states, 1):.3f})")
+    source = f"{args.real}" if args.real else f"{args.half} half"
+    print(f"{len(picked)} schemas ({source}), {states} states "
+          f"({accepted} ended complete, {unreplayable} not replayable): no completion "
+          f"{misses} ({misses / max(states, 1):.3f})")
     if lengths:
         print(f"completion tokens p50/p99/max {np.percentile(lengths, 50):.0f}/"
               f"{np.percentile(lengths, 99):.0f}/{max(lengths)}")

@@ -83,6 +83,8 @@ def main() -> int:
     ap.add_argument("--no-loop-guard", action="store_true",
                     help="let values loop to the limit (the guard is on by default)")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--raw-prompt", action="store_true",
+                    help="the request as a plain `prompt` (a model without a chat template)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "coverage")
     args = ap.parse_args()
 
@@ -99,8 +101,10 @@ def main() -> int:
     prompts = args.out / "prompts.jsonl"
     with prompts.open("w") as f:
         for subset, name, schema in picked:
-            line = {"id": f"{subset}/{name}", "messages": prompt_for(schema),
-                    "json_schema": schema}
+            asked = prompt_for(schema)
+            line = ({"id": f"{subset}/{name}", "prompt": asked[0]["content"] + "\n"}
+                    if args.raw_prompt else {"id": f"{subset}/{name}", "messages": asked})
+            line["json_schema"] = schema
             f.write(json.dumps(line) + "\n")
 
     results: list[dict[str, Any]] = []

@@ -17,13 +17,15 @@ import jsonschema
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from paths import DATA as TEST_DATA
 from paths import JSONSCHEMABENCH
 
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.compiler import CompiledGrammar, GrammarCompiler
-from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose
+from aici_cli.control.grammar.early_close import MARGIN, UNCLOSABLE, Closing, EarlyClose
 from aici_cli.control.grammar.hints import hints_for, shortest_match
 from aici_cli.core.constraint import Constraint
+from aici_cli.core.errors import GrammarError
 
 pytestmark = pytest.mark.real_model  # the default model's tokenizer
 
@@ -276,3 +278,44 @@ def test_values_that_do_not_loop_are_left_alone(
     done = walker.closer.completion(m, head + value, 256, grammar.hints)
     assert done is not None
     jsonschema.validate(json.loads(head + value + walker.tok.decode(done)), schema)
+
+
+# -- the states real models reach ---------------------------------------------------------
+
+# Where a loop began and where the limit cut a value, in runs of the default model and of
+# Gemma 3 270M with the loop guard and closing off, on the `tune` half
+# (bench/real_states.py).
+REAL_STATES = TEST_DATA / "real_states.jsonl"
+
+
+def test_the_states_real_models_reach_close_valid(walker: Walker) -> None:
+    """From each recorded state a close at the limit finds a completion, and the value it
+    closes is valid: the shapes random walks never drew (a key repeated inside its own
+    value, a record nesting deeper each cycle) included."""
+    rows = [json.loads(x) for x in REAL_STATES.read_text().splitlines()]
+    assert len({r["model"] for r in rows}) >= 2
+    assert {r["kind"] for r in rows} == {"loop", "limit"}
+    for row in rows:
+        try:
+            grammar = walker.compile(row["schema"])
+        except GrammarError:  # as the run compiled it
+            grammar = walker.compiler.compile(Constraint("json_schema", row["schema"]),
+                                              relax=True)
+        written = walker.written(grammar, row["text"])
+        assert written is not None, row["id"]
+        m, ids = written
+        if m.is_accepting():  # a whole value already (a number the model went on with)
+            value = json.loads(row["text"])
+            assert grammar.validator is None or grammar.validator.is_valid(value), row["id"]
+            continue
+        done = walker.closer.completion(m, row["text"], 256, grammar.hints)
+        assert done is not None, (row["id"], row["text"][-200:])
+        # The limit right past the completion: the close happens now.
+        early = walker.early(grammar, len(ids) + len(done) + MARGIN)
+        early.sampled = True
+        early.consumed(ids)
+        close = early.decide(m)
+        assert close is not None and close.reason in ("limit", "loop"), row["id"]
+        value = json.loads(early.text())
+        assert grammar.validator is None or grammar.validator.is_valid(value), (
+            row["id"], early.text()[-300:])
