@@ -14,6 +14,11 @@ decides every token, so the completion is valid for the grammar; it is not alway
 shortest one, and a grammar that cannot be completed this way within the limit gets
 none.
 
+Cost per walk: a matcher copy, then per completion token a `validate_tokens` call for
+each candidate text tried (a handful), and a bitmask (~0.1 ms at a 49k vocabulary) only
+where no text of the list fits; p50 0.2-0.4 ms, p99 2-9 ms, from random and from real
+models' states (bench/closing_walk.py). early_close.py bounds how often it runs.
+
 When and from where a completion is used (at the limit, on a loop) is early_close.py's.
 """
 
