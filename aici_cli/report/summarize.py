@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from json.scanner import c_make_scanner  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from rich.table import Table
 from aici_cli.core.errors import ReportError
 from aici_cli.core.line_stats import TIMING_FIELDS
 from aici_cli.formats.openai_batch import as_result
-from aici_cli.formats.schemas import schema_validator
+from aici_cli.formats.schemas import schema_check, schema_validator
 from aici_cli.report.plot import plot, pyplot_figure
 from aici_cli.run.tally import RunTally, compliance, compliance_rows, outcome_rows, percentile
 
@@ -49,12 +51,35 @@ NO_RUN_SUMMARY_NOTE = (
 
 
 def _schema_problem(name: str, value: Any) -> str | None:
-    """The most relevant schema violation as `where: what`, or None when valid."""
+    """The most relevant schema violation as `where: what`, or None when valid.
+
+    Asked only about a value `schema_check` found invalid: searching for the most
+    relevant error costs ~30x more than the yes/no check every line gets."""
     err = best_match(schema_validator(name).iter_errors(value))
     if err is None:
         return None
     where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
     return f"{where}: {err.message}"
+
+
+_timings = operator.itemgetter(*TIMING_FIELDS)
+
+# json's own C scanner, the one `json.loads` ends in: called directly, it skips three
+# Python calls and two regex matches a line, a tenth of a 100,000-line report.
+_scan = c_make_scanner(json.JSONDecoder()) if c_make_scanner is not None else None
+
+
+def _loads(text: str) -> Any:
+    """`json.loads(text)` for a stripped `text`: the scanner's value when it reads the
+    whole text; anything else goes to `json.loads`, which raises its own error."""
+    if _scan is not None:
+        try:
+            value, end = _scan(text, 0)
+        except (StopIteration, ValueError, RecursionError):
+            end = -1
+        if end == len(text):
+            return value
+    return json.loads(text)
 
 
 def parse_results(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
@@ -64,19 +89,20 @@ def parse_results(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
     line an editor shows. Checking the schema here means every figure below can index
     fields without guarding, and a file from something else fails loudly, not as zeros.
     """
+    valid = schema_check("result-line")
     for n, raw in enumerate(lines, start=1):
         text = raw.strip()
         if not text:
             continue
         try:
-            value = json.loads(text)
+            value = _loads(text)
         except json.JSONDecodeError as e:
             raise ReportError(f"line {n}: not JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(value, dict):
             raise ReportError(f"line {n}: expected a result object, got {type(value).__name__}")
         value = as_result(value)  # an OpenAI batch output line, read as a result line
-        problem = _schema_problem("result-line", value)
-        if problem is not None:
+        if not valid(value):
+            problem = _schema_problem("result-line", value)
             raise ReportError(f"line {n}: not a result line: {problem}")
         yield value
 
@@ -96,38 +122,56 @@ def _distribution(values: Sequence[float], mean: float | None = None) -> dict[st
 
 
 @dataclass
-class _Tally(RunTally):
+class ResultTally(RunTally):
     """Everything the summary and the plot need, gathered in one pass over the results
     (stdin can be read only once): the run's counts, plus finish reasons and timings."""
 
-    # Per-step records (--step-stats): one value per sequence-step.
-    record_values: dict[str, list[float]] = field(
-        default_factory=lambda: {f: [] for f in TIMING_FIELDS})
-    record_totals: list[float] = field(default_factory=list)
-    # Per-sequence fallback: one per-pass average per sequence that ran a pass.
-    seq_values: dict[str, list[float]] = field(
-        default_factory=lambda: {f: [] for f in TIMING_FIELDS})
-    seq_sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIMING_FIELDS, 0.0))
-    seq_totals: list[float] = field(default_factory=list)
+    # Per-step records (--step-stats): each sequence-step's TIMING_FIELDS, as written.
+    record_rows: list[tuple[float, ...]] = field(default_factory=list)
+    # Per-sequence fallback: each sequence that ran a pass, its TIMING_FIELDS and passes.
+    seq_rows: list[tuple[tuple[float, ...], int]] = field(default_factory=list)
     ran: int = 0  # results with at least one forward pass
     ran_without_steps: int = 0
 
     def add(self, result: dict[str, Any]) -> None:
         super().add(result)  # the counts, by the run's own rules
+        # One append a line (a C-level itemgetter's tuple): this runs for every line of a
+        # 100,000-line file; the figures are made from the rows once, at the end.
         st = result["stats"]
         passes = st["forward_passes"]
         if passes > 0:
             self.ran += 1
-            for f in TIMING_FIELDS:
-                self.seq_values[f].append(st[f] / passes)
-                self.seq_sums[f] += st[f]
-            self.seq_totals.append(sum(st[f] for f in TIMING_FIELDS) / passes)
+            self.seq_rows.append((_timings(st), passes))
             if "steps" not in result:
                 self.ran_without_steps += 1
-        for rec in result.get("steps", ()):
-            for f in TIMING_FIELDS:
-                self.record_values[f].append(float(rec[f]))
-            self.record_totals.append(round(sum(rec[f] for f in TIMING_FIELDS), 3))
+        records = result.get("steps")
+        if records:
+            self.record_rows.extend(map(_timings, records))
+
+    @property
+    def record_totals(self) -> list[float]:
+        """Each step's total (forward+mask+controller+sample), to the microsecond."""
+        return [round(sum(r), 3) for r in self.record_rows]
+
+    def record_values(self, i: int) -> list[float]:
+        """Every step's value of TIMING_FIELDS[i]."""
+        return [float(r[i]) for r in self.record_rows]
+
+    @property
+    def seq_totals(self) -> list[float]:
+        """Each sequence's total per pass."""
+        return [sum(t) / passes for t, passes in self.seq_rows]
+
+    def seq_values(self, i: int) -> list[float]:
+        """Each sequence's TIMING_FIELDS[i] per pass."""
+        return [t[i] / passes for t, passes in self.seq_rows]
+
+    def seq_sum(self, i: int) -> float:
+        """TIMING_FIELDS[i] over every sequence, added in file order."""
+        total = 0.0
+        for t, _ in self.seq_rows:
+            total += t[i]
+        return total
 
     @property
     def step_source(self) -> str | None:
@@ -145,14 +189,14 @@ class _Tally(RunTally):
     def steps(self) -> dict[str, dict[str, float]]:
         source = self.step_source
         if source == "steps":
-            return {f: _distribution(self.record_values[f]) for f in TIMING_FIELDS}
+            return {f: _distribution(self.record_values(i)) for i, f in enumerate(TIMING_FIELDS)}
         if source == "per-sequence":
             # p50/p99 over per-sequence averages; the mean is weighted by passes
             # (sum of ms / sum of passes), the true mean per sequence-step, so it
             # agrees with the "steps" source on the same run.
             return {
-                f: _distribution(self.seq_values[f], self.seq_sums[f] / self.row_forward_passes)
-                for f in TIMING_FIELDS
+                f: _distribution(self.seq_values(i), self.seq_sum(i) / self.row_forward_passes)
+                for i, f in enumerate(TIMING_FIELDS)
             }
         return {}
 
@@ -182,8 +226,8 @@ class _Tally(RunTally):
 
 
 def _tally(lines: Iterable[str],
-           on_result: Callable[[dict[str, Any]], None] | None = None) -> _Tally:
-    tally = _Tally()
+           on_result: Callable[[dict[str, Any]], None] | None = None) -> ResultTally:
+    tally = ResultTally()
     for result in parse_results(lines):
         tally.add(result)
         if on_result is not None:
@@ -220,7 +264,7 @@ def _read_stats(path: Path) -> dict[str, Any]:
         raise ReportError(f"{path}: the stats file is not JSON: {e.msg}") from None
     if not isinstance(value, dict):
         raise ReportError(f"{path}: not a run summary (expected a JSON object)")
-    problem = _schema_problem("stats", value)
+    problem = None if schema_check("stats")(value) else _schema_problem("stats", value)
     if problem is not None:
         raise ReportError(f"{path}: not a run summary (--stats-out): {problem}")
     return value
@@ -248,19 +292,12 @@ def merge_run_summary(summary: dict[str, Any], stats: dict[str, Any]) -> dict[st
     return summary
 
 
-def report(results_path: str | Path, stats_path: str | Path | None = None,
-           plot_to: str | Path | None = None,
-           on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Summarize a results file ("-": stdin), merging a run summary when given.
-
-    The stats file is used only when passed explicitly: guessing one by name could
-    silently pair results with a stale run. With `plot_to` the figure is drawn from the
-    same single pass (stdin cannot be read twice); matplotlib is checked before reading
-    so a missing one fails fast. `on_result` sees every result line of that pass
-    (the CI outputs' per-line views, `report/lines.py`).
-    """
-    if plot_to is not None:
-        pyplot_figure()  # fails fast without matplotlib
+def read_report(results_path: str | Path, stats_path: str | Path | None = None,
+                on_result: Callable[[dict[str, Any]], None] | None = None,
+                ) -> tuple[dict[str, Any], ResultTally]:
+    """The summary of a results file ("-": stdin), merged with a run summary when given,
+    and the tally it was made from (the step totals the plots draw). `on_result` sees
+    every result line of the one pass (stdin cannot be read twice)."""
     stats = _read_stats(Path(stats_path)) if stats_path is not None else None
     if str(results_path) == "-":
         tally = _tally(sys.stdin, on_result)
@@ -276,6 +313,23 @@ def report(results_path: str | Path, stats_path: str | Path | None = None,
     summary = tally.summary()
     if stats is not None:
         merge_run_summary(summary, stats)
+    return summary, tally
+
+
+def report(results_path: str | Path, stats_path: str | Path | None = None,
+           plot_to: str | Path | None = None,
+           on_result: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Summarize a results file ("-": stdin), merging a run summary when given.
+
+    The stats file is used only when passed explicitly: guessing one by name could
+    silently pair results with a stale run. With `plot_to` the figure is drawn from the
+    same single pass (stdin cannot be read twice); matplotlib is checked before reading
+    so a missing one fails fast. `on_result` sees every result line of that pass
+    (the CI outputs' per-line views, `report/lines.py`).
+    """
+    if plot_to is not None:
+        pyplot_figure()  # fails fast without matplotlib
+    summary, tally = read_report(results_path, stats_path, on_result)
     if plot_to is not None:
         plot(summary, plot_to, tally.step_totals(), tally.step_source)
     return summary

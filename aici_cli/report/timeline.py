@@ -57,6 +57,26 @@ def draw_timeline(results: str, out: Path, trace_file: str | None = None) -> Pat
     return _draw(figure_cls, bars, steps, source, out)
 
 
+NO_START = ("the result has no stats.started_ms (an older aici-batch wrote it); draw the "
+            "run's trace instead (run --trace, report --trace)")
+
+
+def result_bar(r: dict[str, Any], n: int) -> Bar | None:
+    """The bar of result line `r` (physical line `n`); None for a line that never ran (a
+    bad input line has no place in time). Raises ReportError(NO_START) without
+    `stats.started_ms`."""
+    stats = r.get("stats") or {}
+    if r.get("finish_reason") == "error" and not stats.get("forward_passes"):
+        return None
+    if "started_ms" not in stats:
+        raise ReportError(NO_START)
+    start = float(stats["started_ms"]) / 1000.0
+    ttft = float(stats.get("ttft_ms") or 0.0) / 1000.0
+    return Bar(int(r.get("index", n)), start,
+               start + float(stats.get("total_ms") or 0.0) / 1000.0,
+               str(r.get("finish_reason", "")), start + ttft if ttft else None)
+
+
 def read_results(path: Path) -> list[Bar]:
     bars = []
     with open(path, encoding="utf-8") as f:
@@ -67,18 +87,12 @@ def read_results(path: Path) -> list[Bar]:
                 r = json.loads(raw)
             except ValueError:
                 raise ReportError(f"{path}:{n}: not JSON") from None
-            stats = r.get("stats") or {}
-            if r.get("finish_reason") == "error" and not stats.get("forward_passes"):
-                continue  # a line that never ran (bad input) has no place in time
-            if "started_ms" not in stats:
-                raise ReportError(
-                    f"{path}:{n}: the result has no stats.started_ms (an older aici-batch "
-                    "wrote it); draw the run's trace instead (run --trace, report --trace)")
-            start = float(stats["started_ms"]) / 1000.0
-            ttft = float(stats.get("ttft_ms") or 0.0) / 1000.0
-            bars.append(Bar(int(r.get("index", n)), start,
-                            start + float(stats.get("total_ms") or 0.0) / 1000.0,
-                            str(r.get("finish_reason", "")), start + ttft if ttft else None))
+            try:
+                bar = result_bar(r, n)
+            except ReportError as e:
+                raise ReportError(f"{path}:{n}: {e}") from None
+            if bar is not None:
+                bars.append(bar)
     return bars
 
 

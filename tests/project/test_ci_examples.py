@@ -56,6 +56,15 @@ def junit_cases(path: Path) -> int:
     return sum(suite.tests for suite in JUnitXml.fromfile(str(path)))
 
 
+def page_lines(path: Path) -> int:
+    """The rows of a `report --html` page, each paired with its input line's prompt."""
+    from aici_cli.report.page.payload import decode
+
+    data = decode(path.read_text(encoding="utf-8"))
+    assert all("prompt" in d.get("input", {}) for d in data["details"])
+    return len(data["rows"])
+
+
 @pytest.mark.subprocess
 def test_the_github_actions_steps(env: dict[str, str], tmp_path: Path) -> None:
     steps = github_steps()
@@ -67,6 +76,7 @@ def test_the_github_actions_steps(env: dict[str, str], tmp_path: Path) -> None:
         assert done.returncode == 0, (name, done.stderr)
     lines = len(EVAL.read_text().splitlines())
     assert junit_cases(work / "junit.xml") == lines
+    assert page_lines(work / "report.html") == lines
     first = Path(env["GITHUB_STEP_SUMMARY"]).read_text()
     assert "### Gates" in first and "Against the baseline" not in first
     # The next gate finds the kept results and compares with them.
@@ -99,6 +109,7 @@ def test_the_gitlab_ci_script(env: dict[str, str], tmp_path: Path) -> None:
     assert "aici-batch report: gate failed: accuracy" in done.stderr
     assert "Against the baseline `previous/results.jsonl`" in (work / "summary.md").read_text()
     assert junit_cases(work / "junit.xml") == len(EVAL.read_text().splitlines())
+    assert page_lines(work / "report.html") == len(EVAL.read_text().splitlines())
     report: dict[str, Any] = json.loads(subprocess.run(
         ["aici-batch", "report", "results.jsonl", "--json", "--baseline",
          "previous/results.jsonl"], cwd=work, env=env, text=True, capture_output=True,

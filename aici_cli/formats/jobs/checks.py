@@ -15,8 +15,6 @@ import math
 import re
 from typing import Any
 
-import numpy as np
-
 from aici_cli.core.job import BadLine
 from aici_cli.core.json_text import field_path
 from aici_cli.formats.jobs.messages import bad_line, json_syntax_problem, show_bytes
@@ -121,6 +119,10 @@ def _text_depth(text: str) -> int:
     million small arrays takes seconds, these few whole-text steps take milliseconds.
     Brackets inside strings do not count, so strings go first; what is left is ASCII.
     """
+    # Imported here: a tenth of a second of every command that reads these modules
+    # (`report` among them), paid only by one that checks a line's depth.
+    import numpy as np
+
     skeleton = _JSON_STRING.sub("", text).encode("ascii", "ignore")
     chars = np.frombuffer(skeleton, dtype=np.uint8)
     steps = np.zeros(len(chars), dtype=np.int8)

@@ -39,7 +39,7 @@ from aici_cli.formats.jobs.checks import (
 from aici_cli.formats.jobs.content_parts import join_text_parts
 from aici_cli.formats.jobs.messages import bad_line, describe, error_rank
 from aici_cli.formats.jobs.tools import messages_problem, tool_constraint
-from aici_cli.formats.schemas import schema_validator
+from aici_cli.formats.schemas import schema_valid, schema_validator
 
 # Maps a parsed line of another format (e.g. an OpenAI batch request) onto this one's
 # fields, given the line number; raises ValueError (a `TranslateError` to choose the
@@ -249,8 +249,13 @@ def _make_job(obj: dict[str, Any], index: int, id_: str | int | None,
 
 
 def _validation_error(obj: dict[str, Any], index: int, id_: str | int | None) -> BadLine | None:
-    """Check the line against schemas/input-line.schema.json, reporting the root cause."""
+    """Check the line against schemas/input-line.schema.json, reporting the root cause.
+
+    The yes/no check first (`schema_valid`, the validator compiled once): collecting
+    every error and ranking them is done only for a line that has one."""
     try:
+        if schema_valid("input-line", obj):
+            return None
         errors = sorted(schema_validator("input-line").iter_errors(obj), key=error_rank)
     except RecursionError:
         return bad_line(index, id_, "too_deep", "line is nested too deeply to validate")
