@@ -79,6 +79,7 @@ bench: setup
 	$(BIN)/python bench/peers.py --repeats 2
 	$(BIN)/python bench/threads.py --threads 1,2 --busy 0,1
 	$(BIN)/python bench/ordered_cost.py --repeats 2
+	$(BIN)/python bench/agent_tools.py --models default --lines 16 --batch-size 8 --delay 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache $(JS_DIR)/node_modules

@@ -7,13 +7,21 @@ Light: click and the vocabulary only (Ray is looked for, not imported, and only 
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
 import click
 
 from aici_cli.cli.errors import FatalError
-from aici_cli.core.config import EngineConfig, JobDefaults, RayOptions, RunConfig
+from aici_cli.core.config import (
+    EngineConfig,
+    JobDefaults,
+    RayOptions,
+    RunConfig,
+    ToolOptions,
+    ToolServer,
+)
 from aici_cli.core.constraint import Constraint
 from aici_cli.core.errors import UsageError
 from aici_cli.core.sampling import Sampling
@@ -27,6 +35,8 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
                grammar: str | None, score: bool, schema_fallback: str, schema_retries: int,
                json_permissive: bool, controller: str | None, plain_http: bool,
                controller_arg: str, controller_timeout_ms: int, max_branches: int,
+               mcp: tuple[str, ...], max_tool_rounds: int, tool_timeout: float,
+               tool_result_bytes: int, tool_record: str | None, tool_replay: str | None,
                no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
                lookahead: int, ordered: bool, threads: int | None, engine_process: str,
                logprobs: int | None,
@@ -69,6 +79,9 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
         engine_process=engine_process,
         ordered=ordered, progress_interval_s=progress_interval,
         plain_http=plain_http, trace=trace,
+        tools=ToolOptions(servers=_tool_servers(mcp), max_rounds=max_tool_rounds,
+                          call_timeout_s=tool_timeout, result_bytes=tool_result_bytes,
+                          record=tool_record, replay=tool_replay),
     )
     _refuse_combinations(config)
     return config
@@ -83,9 +96,32 @@ def _refuse_combinations(config: RunConfig) -> None:
                          f"{config.quantize}")
     if config.engine.deterministic and config.engine.compile == "on":
         raise FatalError("--deterministic runs eager passes: drop --compile on")
+    tools = config.tools
+    if tools.replay is not None and (tools.servers or tools.record is not None):
+        raise FatalError("--tool-replay answers from its file, with no server: drop "
+                         f"{'--mcp' if tools.servers else '--tool-record'}")
+    if tools.record is not None and not tools.servers:
+        raise FatalError("--tool-record records the calls to --mcp servers: give one")
+    if tools.active and config.ray is not None:
+        raise FatalError("--mcp and --tool-replay serve tools to a local run, not on --ray")
     if config.controller is not None and config.defaults.constraint is not None:
         raise FatalError("--controller cannot be combined with "
                          "--json-schema/--regex/--choices/--grammar")
+
+
+def _tool_servers(specs: tuple[str, ...]) -> tuple[ToolServer, ...]:
+    """`--mcp NAME=COMMAND` (or NAME=URL), each name once."""
+    servers: dict[str, ToolServer] = {}
+    for spec in specs:
+        name, sep, target = spec.partition("=")
+        name, target = name.strip(), target.strip()
+        if not sep or not target or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+            raise FatalError(f"--mcp {spec!r}: give NAME=COMMAND or NAME=URL, NAME made of "
+                             "letters, digits, '_', '.' and '-'")
+        if name in servers:
+            raise FatalError(f"--mcp: the name {name!r} is given twice")
+        servers[name] = ToolServer(name, target)
+    return tuple(servers.values())
 
 
 def _constraint(json_schema: str | None, regex: str | None, choices: str | None,

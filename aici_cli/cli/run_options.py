@@ -120,6 +120,31 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
     click.option("--max-branches", type=click.IntRange(1, 4096), default=16, show_default=True,
                  help="Sequences a line may run in all when its controller forks (its samples "
                       "and every fork's branches); a fork past it ends the line (bad_action)."),
+    # Not from an environment variable: click splits one for a repeatable option at every
+    # space, which would cut a command line into pieces.
+    click.option("--mcp", "mcp", multiple=True, metavar="NAME=COMMAND", allow_from_autoenv=False,
+                 help="An MCP server whose tools lines may call (repeatable): COMMAND is "
+                      "started and spoken to over stdio; an http:// or https:// URL is a "
+                      "streamable-HTTP server. A line whose `tools` name a served tool has its "
+                      "calls run here, round after round, and its result holds the transcript "
+                      "(docs/tools.md)."),
+    click.option("--max-tool-rounds", type=click.IntRange(1, 1000), default=8,
+                 show_default=True,
+                 help="Rounds of calls run for a line; calls after them are handed back unrun."),
+    click.option("--tool-timeout", type=click.FloatRange(0.0, min_open=True), default=30.0,
+                 show_default=True, metavar="SECONDS",
+                 help="Deadline of each tool call; a call past it is its line's error "
+                      "(tool_timeout)."),
+    click.option("--tool-result-bytes", type=click.IntRange(1), default=64 * 1024,
+                 show_default=True,
+                 help="Largest tool answer, in UTF-8 bytes; a larger one is its line's error "
+                      "(tool_result_too_large)."),
+    click.option("--tool-record", type=click.Path(dir_okay=False), default=None,
+                 help="Write every tool call and its answer here (JSON lines), for "
+                      "--tool-replay."),
+    click.option("--tool-replay", type=click.Path(dir_okay=False), default=None,
+                 help="Answer tool calls from a --tool-record file, with no server; a call it "
+                      "lacks is its line's error (tool_not_recorded)."),
     click.option("--no-ff", is_flag=True,
                  help="Sample forced tokens one by one (no fast-forward)."),
     click.option("--draft-tokens", type=click.IntRange(0, 64), default=4, show_default=True,

@@ -109,6 +109,39 @@ class RayOptions:
 
 
 @dataclass(frozen=True)
+class ToolServer:
+    """`--mcp NAME=TARGET`: an MCP server the run starts (a command line, spoken to over
+    stdio) or connects to (an http:// or https:// URL, streamable HTTP)."""
+
+    name: str
+    target: str
+
+    @property
+    def url(self) -> bool:
+        return self.target.startswith(("http://", "https://"))
+
+
+@dataclass(frozen=True)
+class ToolOptions:
+    """The tools the host serves to a run's lines (aici_cli/run/tools): their servers,
+    or a record of their answers to replay, and the limits on each call."""
+
+    servers: tuple[ToolServer, ...] = ()
+    # Rounds of calls a line may make before its next calls are handed back unrun.
+    max_rounds: int = 8
+    call_timeout_s: float = 30.0
+    # A result longer than this (UTF-8 bytes) is the line's error: it would fill the
+    # context, and a server that returns megabytes is misbehaving.
+    result_bytes: int = 64 * 1024
+    record: str | None = None  # every call and its answer, as JSON lines
+    replay: str | None = None  # answer from such a file; no server runs
+
+    @property
+    def active(self) -> bool:
+        return bool(self.servers) or self.replay is not None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     input: str  # path or "-"
     output: str = "-"  # path or "-"
@@ -142,6 +175,7 @@ class RunConfig:
     # always: its tracer attaches to the engine). Ray runs ignore it.
     engine_process: str = "child"
     ordered: bool = False  # results in input order (aici_cli/run/ordered.py)
+    tools: ToolOptions = field(default_factory=ToolOptions)  # --mcp and its options
     progress_interval_s: float = 10.0  # off a terminal: a progress line this often; 0: none
 
 

@@ -246,9 +246,10 @@ def _completion_logprobs(entries: list[dict[str, Any] | None]) -> dict[str, Any]
 
 
 def _aici(result: dict[str, Any]) -> dict[str, Any]:
-    """aici-batch's own figures for the line (input line number, stats, validity)."""
+    """aici-batch's own figures for the line (input line number, stats, validity, the
+    transcript of its tool rounds)."""
     keep = ("index", "input_sha256", "made_with", "valid", "relaxed", "attempts", "warnings",
-            "stats", "outputs", "logs", "branches")
+            "stats", "outputs", "logs", "branches", "transcript")
     out = {k: result[k] for k in keep if k in result}
     if "branches" in result and "n" in result:
         out["n"] = result["n"]

@@ -35,6 +35,8 @@ from aici_cli.run.result_sink import ResultSink
 from aici_cli.run.result_writer import ResultWriter
 from aici_cli.run.resume import InputLines, OutputFile, ResumeError, ResumePlan
 from aici_cli.run.summary import RunStart, run_facts, write_summary
+from aici_cli.run.tools.calls import ToolHost
+from aici_cli.run.tools.host import open_tool_host, run_lines, served
 from aici_cli.run.ui import ModelLoading, RunDisplay, failure_line, load_progress, loading_what
 
 # fsync the output at most this often: an fsync costs milliseconds, more than a short
@@ -84,7 +86,7 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
 
     The set-up runs in order, each step once, and nothing is written to the output
     before the last check has passed: check the paths, open the files, plan the resume,
-    pin the controller, build the backend, drive.
+    pin the controller, start the tools' servers, build the backend, drive.
     """
     stderr = stderr or sys.stderr
     started = RunStart.since(t0)
@@ -93,16 +95,23 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
     with _RunFiles(config) as files, interrupts or contextlib.nullcontext():
         plan = _resume_plan(config, files)
         config, controller = _pinned(config, plan)
-        loading = loading or ModelLoading(stderr, config.quiet, loading_what(config.model))
-        with reporting_to(load_progress(stderr, config.quiet)), loading:
-            backend = _start_backend(config)
-        started.load_s = time.perf_counter() - started.t0  # imports, model, controller
+        tools = open_tool_host(config.tools, config.resume)  # a server's fault stops us here
+        if tools is not None and not config.quiet:
+            stderr.write(f"tools: {served(tools) or 'none'}\n")
         try:
-            record = _model_record(config, plan, backend, controller)
-            return _drive(config, backend, files, plan, record, stderr, interrupts,
-                          on_result, started)
+            loading = loading or ModelLoading(stderr, config.quiet, loading_what(config.model))
+            with reporting_to(load_progress(stderr, config.quiet)), loading:
+                backend = _start_backend(config)
+            started.load_s = time.perf_counter() - started.t0  # imports, model, controller
+            try:
+                record = _model_record(config, plan, backend, controller)
+                return _drive(config, backend, files, plan, record, stderr, interrupts,
+                              on_result, started, tools)
+            finally:
+                backend.close()
         finally:
-            backend.close()
+            if tools is not None:
+                tools.close()
 
 
 def _checked(config: RunConfig) -> RunConfig:
@@ -251,11 +260,12 @@ def _note(display: RunDisplay, message: str) -> None:
 def _drive(config: RunConfig, backend: Backend, files: _RunFiles, plan: ResumePlan | None,
            made_with: dict[str, Any], stderr: IO[str], interrupts: Interrupts | None,
            on_result: Callable[[dict[str, Any]], None] | None,
-           started: RunStart) -> RunOutcome:
+           started: RunStart, tools: ToolHost | None = None) -> RunOutcome:
     """Step 6: the output prepared (truncated, or its torn tail cut), the input's format
-    read from its first line, then every line run on the backend, each result written as
-    it finishes (as an OpenAI batch output line for an OpenAI batch input), the lines
-    read on the live reader's thread where there is one."""
+    read from its first line, then every line run on the backend (with its tool rounds
+    where the run serves tools), each result written as it finishes (as an OpenAI batch
+    output line for an OpenAI batch input), the lines read on the live reader's thread
+    where there is one."""
     if files.output is not None:
         files.output.prepare(plan)
     out = files.output.stream() if files.output is not None else sys.stdout
@@ -294,7 +304,8 @@ def _drive(config: RunConfig, backend: Backend, files: _RunFiles, plan: ResumePl
     try:
         with display:
             jobs = sink.not_done(read_jobs(lines, config.defaults, translate))
-            backend.run(jobs, sink, should_admit, note, files.live)
+            run_lines(backend, jobs, sink, should_admit, note, files.live, tools,
+                      config.tools.max_rounds)
     finally:
         sink.flush()
     wall = time.perf_counter() - t0

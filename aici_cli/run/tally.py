@@ -57,6 +57,9 @@ class RunTally:
     error_types: dict[str, int] = field(default_factory=dict)
     finish_reasons: dict[str, int] = field(default_factory=dict)
     first_error: dict[str, str] | None = None  # the first error result written: type, message
+    # Tool calls by server (run/tools): calls, failed (the line's error), tool_errors (the
+    # tool's own, told to the model), ms (each call's time, added up).
+    tools: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def add(self, result: dict[str, Any]) -> None:
         self.lines += 1
@@ -68,6 +71,7 @@ class RunTally:
         self.output_tokens += int(st.get("output_tokens", 0))
         self.ff_tokens += int(st.get("ff_tokens", 0))
         self.row_forward_passes += int(st.get("forward_passes", 0))
+        self._add_calls(result.get("transcript") or ())
         if "correct" in result:
             self.answered += 1
             self.correct += bool(result["correct"])
@@ -93,6 +97,17 @@ class RunTally:
                     self.schema_lines += 1
                     self.valid += bool(sample["valid"])
                     self.valid_unclosed += bool(sample["valid"]) and why is None
+
+    def _add_calls(self, transcript: Iterable[dict[str, Any]]) -> None:
+        for message in transcript:
+            if message.get("role") != "tool":
+                continue
+            server = self.tools.setdefault(str(message.get("server", "")),
+                                           {"calls": 0, "failed": 0, "tool_errors": 0, "ms": 0.0})
+            server["calls"] += 1
+            server["failed"] += "error" in message
+            server["tool_errors"] += bool(message.get("is_error"))
+            server["ms"] = round(server["ms"] + float(message.get("ms", 0.0)), 3)
 
     def counts(self) -> dict[str, Any]:
         """The figures results alone give, as named in the run summary."""
@@ -129,6 +144,7 @@ class RunTally:
                                               self.schema_errors)["compliance"],
             "answered": self.answered,
             "accuracy": round(self.correct / self.answered, 4) if self.answered else None,
+            **({"tools": self.tools} if self.tools else {}),
         }
 
     def _closed_early(self) -> dict[str, int]:
@@ -203,4 +219,8 @@ def outcome_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     reasons = summary.get("finish_reasons", {})
     if reasons:
         rows.append(("finish reasons", ", ".join(f"{k} {v}" for k, v in reasons.items())))
+    for server, calls in (summary.get("tools") or {}).items():
+        rows.append((f"tool calls to {server}",
+                     f"{calls['calls']} ({calls['failed']} failed, {calls['tool_errors']} "
+                     f"tool errors), {calls['ms'] / 1000:.2f} s"))
     return rows

@@ -11,6 +11,7 @@ nothing of it. The span tree:
     │   ├── start                         (gen_ai.request.*, gen_ai.usage.*,
     │   ├── mid-process  (one per call)   gen_ai.response.finish_reasons)
     │   └── fork replay
+    ├── execute_tool NAME                 one per tool call (run/tools), its line an attribute
     └── step                              one per forward pass, linked to the lines it
                                           served (kind, rows, tokens, ms per phase)
 
@@ -217,6 +218,23 @@ class RunTracer(EngineTracer):
             },
         ).end(self.ns(marks["committed"]))
         self.steps += 1
+
+    # --- the tools' hook (run/tools/loop.py) ---------------------------------------------
+
+    def tool_call(self, index: int, name: str, outcome: Any) -> None:
+        """A span per tool call (a `CallOutcome`), in the GenAI conventions'
+        `execute_tool`. A line's span ends with each round (the engine's result), so the
+        call's parent is the run, and its line is an attribute."""
+        attributes = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
+                      "aici.line.index": index, "aici.tool.server": outcome.server,
+                      "aici.tool.ms": outcome.ms}
+        span = self.tracer.start_span(f"execute_tool {name}", context=self.run_context,
+                                      start_time=self.ns(outcome.t0), attributes=attributes)
+        if outcome.error is not None:
+            self._error(span, outcome.error[0], outcome.error[1])
+        elif outcome.is_error:
+            span.set_attribute("error.type", "tool_error")
+        span.end(self.ns(outcome.t1))
 
     # --- spans of a line ----------------------------------------------------------------
 

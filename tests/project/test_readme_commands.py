@@ -10,7 +10,7 @@ model (`AICI_BATCH_MODEL`; a `--model` in a command is dropped, since the docume
 are not all on this machine), with a small `--max-tokens` default. Commands run through
 Click in this process (a process each would cost seconds of imports); the shell around them
 is the shapes the pages use, `cat FILE | `, `echo 'TEXT' | ` and `> FILE`, and any other is
-this test's failure, to be taught here.
+this test's failure, to be taught here. An `--mcp` server's `python` is this interpreter.
 
 What does not run here, and why: `aici-batch build` is replaced by the session's build of
 the same example (`built`, `built_js`: the component `aici-batch build` makes, tested in
@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import click
@@ -107,6 +108,14 @@ def without_model(args: list[str]) -> list[str]:
     return out
 
 
+def this_python(args: list[str]) -> list[str]:
+    """An `--mcp NAME=python ...` server started by this interpreter (the one with the
+    `mcp` package), not the `python` first on PATH."""
+    return [re.sub(r"^(\w[\w.-]*)=python(?= )", lambda m: f"{m[1]}={shlex.quote(sys.executable)}",
+                   word) if before == "--mcp" else word
+            for before, word in zip(["", *args], args)]
+
+
 def commands_of(name: str) -> list[str]:
     return [c for page, _, block in BLOCKS if page == name for c in block]
 
@@ -175,7 +184,7 @@ def test_each_documented_command_runs(page: str, line: int, commands: list[str],
             or any(w.startswith("oci://") for w in args) \
             or (args[0] == "report" and "--baseline" in args)
         after_remote = remote
-        for word in args[1:]:
+        for word in (w for arg in args[1:] for w in arg.split()):  # --mcp's command too
             local = word.endswith(".wasm") and not remote  # built by its block
             if word.startswith(("examples/", "controllers/")) or local:
                 assert (tmp_path / word).exists(), f"{page} line {line}: {word} does not exist"
@@ -184,7 +193,7 @@ def test_each_documented_command_runs(page: str, line: int, commands: list[str],
         stdin = shell.stdin
         if stdin is not None and stdin.startswith("@"):
             stdin = (tmp_path / stdin[1:]).read_text(encoding="utf-8")
-        res = CliRunner(env=env).invoke(main, without_model(args), input=stdin)
+        res = CliRunner(env=env).invoke(main, this_python(without_model(args)), input=stdin)
         assert res.exit_code in (0, 1), (command, res.output[-2000:], res.exception)
         assert "Traceback" not in res.stderr, (command, res.stderr[-2000:])
         if shell.stdout_to is not None:

@@ -1,0 +1,14 @@
+"""Tools the host serves: a line's calls to tools of MCP servers run inside the run, round
+after round, and its result is the transcript (docs/tools.md).
+
+    host          `open_tool_host`: the servers (or a replay), before the model loads;
+                  `served`: their tools, as the run's start lists them;
+                  `run_lines`: a backend's run with the tool rounds around it
+    servers       `ToolServers`: MCP client sessions on a thread of their own (imports mcp)
+    loop          `ToolLoop`: results with calls held back, next rounds handed in
+    conversation  `Conversation`: one line's rounds, its next job, its transcript
+    calls         `CallOutcome`, `ToolHost`, answers as untrusted text
+    record        `--tool-record` and `--tool-replay`
+
+Torch-free; only `servers` imports the `mcp` package, when a run has servers.
+"""

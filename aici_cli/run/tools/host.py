@@ -1,0 +1,69 @@
+"""`open_tool_host`: the run's tools as its options ask for them, before the model loads:
+the `--mcp` servers started (or the `--tool-replay` file read), behind a `--tool-record`
+recording; `served`, their list as the run's start shows it; and `run_lines`, a backend's
+run with the tool rounds around it where there are tools."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from aici_cli.core.config import ToolOptions
+from aici_cli.core.job import BadLine, Job
+from aici_cli.run.tools.calls import ToolHost
+from aici_cli.run.tools.loop import ToolLoop
+from aici_cli.run.tools.record import Recorder, ReplayedTools
+
+if TYPE_CHECKING:
+    from aici_cli.engine import Emit
+    from aici_cli.run.backends.protocol import Backend
+    from aici_cli.run.live_input import LiveInput
+
+
+def open_tool_host(options: ToolOptions, resume: bool) -> ToolHost | None:
+    """The run's `ToolHost`, None without tools; raises `UsageError` where a server does
+    not start, two serve one name, or a file cannot be read or written."""
+    if not options.active:
+        return None
+    host: ToolHost
+    if options.replay is not None:
+        host = ReplayedTools(options.replay)
+    else:
+        from aici_cli.run.tools.servers import ToolServers  # mcp, on first use
+
+        host = ToolServers(options.servers, options.call_timeout_s, options.result_bytes)
+    if options.record is not None:
+        try:
+            host = Recorder(host, options.record, append=resume)
+        except BaseException:
+            host.close()
+            raise
+    return host
+
+
+def served(host: ToolHost) -> str:
+    """The run's tools by server, for its start: `calc: add, lookup; kv: get`."""
+    by_server: dict[str, list[str]] = {}
+    for tool in host.tools.values():
+        by_server.setdefault(tool.server, []).append(tool.name)
+    return "; ".join(f"{server}: {', '.join(sorted(names))}"
+                     for server, names in sorted(by_server.items()))
+
+
+def run_lines(backend: Backend, items: Iterator[Job | BadLine], emit: Emit,
+              should_admit: Callable[[], bool], note: Callable[[str], None],
+              live: LiveInput[Job | BadLine] | None, host: ToolHost | None,
+              max_rounds: int) -> None:
+    """The backend's run, with the tool rounds of `ToolLoop` between it and the input and
+    results where the run has tools. The loop reads a live input itself (on the live
+    reader's thread), so that a line's next round never waits for the next input line."""
+    if host is None:
+        backend.run(items, emit, should_admit, note, live)
+        return
+    tracer: Any = getattr(backend, "tracing", None)  # a traced run's (backends/local.py)
+    loop = ToolLoop(host, max_rounds, emit, tracer.tool_call if tracer is not None else None)
+    source: Iterator[Job | BadLine | None] = items
+    if live is not None:
+        live.start(items)
+        source = live.items(loop.idle)
+    backend.run(loop.items(source), loop.emit, loop.should_admit(should_admit), note)  # type: ignore[arg-type]
