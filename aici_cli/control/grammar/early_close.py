@@ -42,6 +42,7 @@ import numpy as np
 
 from aici_cli.control.grammar.closing import Closer
 from aici_cli.control.grammar.hints import NO_HINTS, Hints
+from aici_cli.control.grammar.keyword_guard import clear_bits
 from aici_cli.control.grammar.loops import WINDOW, Loop, find_loop
 
 # A fresh plan is made at least this often (tokens), so a backtrack to it loses little.
@@ -373,6 +374,5 @@ class EarlyClose:
 def _other_allowed(m: llguidance.LLMatcher, written: int) -> bool:
     """Whether the grammar allows, where `m` stands, a token other than `written`."""
     words = np.frombuffer(m.compute_bitmask(), dtype=np.uint32).copy()
-    if (written >> 5) < words.size:
-        words[written >> 5] &= np.uint32(~(1 << (written & 31)) & 0xFFFFFFFF)
+    clear_bits(words, {written})
     return bool(words.any())
