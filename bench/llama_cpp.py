@@ -183,9 +183,18 @@ def ours(task: dict[str, Any]) -> dict[str, Any]:
     engine.run(jobs(task["max_tokens"]), results.append)
     wall = time.perf_counter() - started
     tokens = sum(r["stats"]["output_tokens"] for r in results)
-    return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
-            "valid": _valid(results, task), "peak_rss_mib": round(peak_rss_mib()),
-            "compile_s": compile_s, "quantize": lm.quantize}
+    out = {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
+           "valid": _valid(results, task), "peak_rss_mib": round(peak_rss_mib()),
+           "compile_s": compile_s, "quantize": lm.quantize}
+    if task["kind"] == "stream":
+        out["decode_tok_s"] = _decode_rate(tokens, wall, results[0]["stats"]["ttft_ms"] / 1e3)
+    return out
+
+
+def _decode_rate(tokens: int, wall: float, first_s: float) -> float | None:
+    """Tokens a second after the first (the prompt's prefill and the first token left
+    out): llama-bench's `tg`, beside the `tok_s` of the whole request."""
+    return round((tokens - 1) / (wall - first_s), 1) if tokens > 1 and wall > first_s else None
 
 
 def _prefill(lm: Any, config: Any, task: dict[str, Any]) -> dict[str, Any]:
@@ -279,15 +288,24 @@ def peer(task: dict[str, Any]) -> dict[str, Any]:
     if task["kind"] == "stream":
         eos = llm.token_eos()
         started = time.perf_counter()
-        first = llm.create_completion(prompt(STREAM_PROMPT), max_tokens=1, temperature=0.0)
+        llm.create_completion(prompt(STREAM_PROMPT), max_tokens=1, temperature=0.0)  # warm
         first_s = load_s + time.perf_counter() - started
+        # Forget the warm-up's prompt: llama-cpp-python would reuse its keys, where this
+        # project's side prefills the prompt in the timed run (a fresh engine), so both
+        # sides time the same work: the prompt, then every token.
+        llm.reset()
         started = time.perf_counter()
-        out = llm.create_completion(prompt(STREAM_PROMPT), max_tokens=task["max_tokens"],
-                                    temperature=0.0, logit_bias={eos: float("-inf")})
+        first_at, tokens = None, 0
+        for chunk in llm.create_completion(prompt(STREAM_PROMPT), max_tokens=task["max_tokens"],
+                                           temperature=0.0, logit_bias={eos: float("-inf")},
+                                           stream=True):
+            if first_at is None:
+                first_at = time.perf_counter()
+            # a chunk a token; the last, with the finish reason, also says how many
+            tokens = chunk.get("usage", {}).get("completion_tokens", tokens + 1)
         wall = time.perf_counter() - started
-        tokens = out["usage"]["completion_tokens"]
-        del first
         return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
+                "decode_tok_s": _decode_rate(tokens, wall, (first_at or started) - started),
                 "peak_rss_mib": round(peak_rss_mib()), "first_token_s": round(first_s, 2)}
     import jsonschema
 
@@ -602,6 +620,10 @@ def _round_medians(measured: list[dict[str, Any]], per_round: int,
                    "tok_s_rounds": speeds}
         if have_peer:
             summary["peer_tok_s_rounds"] = [r[-1].get("tok_s") for r in rounds]
+        decode = [r[j]["decode_tok_s"] / r[-1]["decode_tok_s"] for r in rounds
+                  if have_peer and r[j].get("decode_tok_s") and r[-1].get("decode_tok_s")]
+        if decode:  # the same after the first token (one-stream rows)
+            summary["decode_ratio_to_peer"] = round(statistics.median(decode), 2)
         print(f"{summary['row']:58} {json.dumps(summary)}", flush=True)
         out.append(summary)
     return out

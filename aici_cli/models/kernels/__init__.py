@@ -25,4 +25,5 @@ Modules (* imports torch):
     int_mm.cpp       the torch operators over native/: checks, output, threads
     probe.py         the kernel probe's verdicts, cached per machine; runs the child
     aligned.py *     every weight a kernel reads at a 64-byte boundary
+    huge_pages.py *  the weights a step streams read onto 2 MiB pages, where the kernel lends them
 """

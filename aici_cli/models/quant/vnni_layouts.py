@@ -23,7 +23,7 @@ compiled step before).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from aici_cli.models.cache.packed_layers import (
 )
 from aici_cli.models.gguf.matrices import GgufMatrices
 from aici_cli.models.kernels import int_mm
+from aici_cli.models.kernels.huge_pages import OnHugePages
 from aici_cli.models.kernels.int_mm import Tiled4
 from aici_cli.models.quant import model_layers
 from aici_cli.models.quant.model_layers import Planned
@@ -61,7 +62,9 @@ def build(model: Any, mode: str, path: Path, dtype: torch.dtype, device: torch.d
     if not todo:
         return 0
     file = vnni_file(path)
-    kept = read_packed(file, device) if file is not None else {}
+    stored = read_packed(file, device) if file is not None else {}
+    # every step streams them: on 2 MiB pages (huge_pages)
+    kept = OnHugePages(file, stored) if file is not None else stored
     made: dict[str, torch.Tensor] = {}
     done = 0
     for key, names in _planned_groups(model, todo):
@@ -96,7 +99,7 @@ def build(model: Any, mode: str, path: Path, dtype: torch.dtype, device: torch.d
         set_module(model, name, new)
         done += 1
     if file is not None and made:
-        write_packed(file, {**kept, **made})
+        write_packed(file, {**stored, **made})
     return done
 
 
@@ -145,7 +148,9 @@ def attach(model: Any, path: Path, dtype: torch.dtype, device: torch.device,
     if not left or not int_mm.wanted(path, dtype, device):
         return 0
     file = vnni_file(path)
-    kept = read_packed(file, device) if file is not None else {}
+    stored = read_packed(file, device) if file is not None else {}
+    # every step streams them: on 2 MiB pages (huge_pages)
+    kept = OnHugePages(file, stored) if file is not None else stored
     made: dict[str, torch.Tensor] = {}
     done = 0
     grouped: set[str] = set()
@@ -181,7 +186,7 @@ def attach(model: Any, path: Path, dtype: torch.dtype, device: torch.device,
                 module.use_vnni(codes)
                 done += 1
     if file is not None and made:
-        write_packed(file, {**kept, **made})
+        write_packed(file, {**stored, **made})
     return done
 
 
@@ -200,7 +205,7 @@ def _groups(model: Any) -> Iterator[tuple[str, list[str], list[Int4Linear]]]:
             yield f"{prefix}.{'+'.join(names)}", [f"{prefix}.{n}" for n in names], found
 
 
-def _kept_int4(kept: dict[str, torch.Tensor], key: str, n: int, k: int) -> Tiled4 | None:
+def _kept_int4(kept: Mapping[str, torch.Tensor], key: str, n: int, k: int) -> Tiled4 | None:
     """The kept layout under `key` (a layer's name, or a stack's), where it fits an [n, k]
     matrix."""
     codes, d, m = (kept.get(f"{key}.vnni4_{t}") for t in ("codes", "d", "m"))
