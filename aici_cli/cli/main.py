@@ -139,11 +139,13 @@ def _silence_stdout() -> None:
 @main.command()
 @click.option("--dir", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Write the contract's files here (controller.wit, "
-                   "deps/storage/storage.wit), the layout componentize-py and jco read.")
+                   "deps/storage/storage.wit, deps/tools/tools.wit), the layout "
+                   "componentize-py and jco read.")
 def wit(out_dir: str | None) -> None:
     """Print the WIT contract that controller components implement: aici:controller@0.2.0
-    (wit/controller.wit) and the storage interface it imports, aici:storage@0.1.0
-    (wit/deps/storage/storage.wit), each after a `// path` line.
+    (wit/controller.wit) and the interfaces it imports, aici:storage@0.1.0
+    (wit/deps/storage/storage.wit) and aici:tools@0.1.0 (wit/deps/tools/tools.wit), each
+    after a `// path` line.
 
     \b
     Examples:

@@ -37,6 +37,7 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
                controller_arg: str, controller_timeout_ms: int, max_branches: int,
                mcp: tuple[str, ...], max_tool_rounds: int, tool_timeout: float,
                tool_result_bytes: int, tool_record: str | None, tool_replay: str | None,
+               allow_tool: tuple[str, ...],
                no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
                lookahead: int, ordered: bool, threads: int | None, engine_process: str,
                logprobs: int | None,
@@ -81,7 +82,8 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
         plain_http=plain_http, trace=trace,
         tools=ToolOptions(servers=_tool_servers(mcp), max_rounds=max_tool_rounds,
                           call_timeout_s=tool_timeout, result_bytes=tool_result_bytes,
-                          record=tool_record, replay=tool_replay),
+                          record=tool_record, replay=tool_replay,
+                          allowed=tuple(dict.fromkeys(allow_tool))),
     )
     _refuse_combinations(config)
     return config
@@ -102,6 +104,11 @@ def _refuse_combinations(config: RunConfig) -> None:
                          f"{'--mcp' if tools.servers else '--tool-record'}")
     if tools.record is not None and not tools.servers:
         raise FatalError("--tool-record records the calls to --mcp servers: give one")
+    if tools.allowed and not tools.active:
+        raise FatalError("--allow-tool names tools of --mcp servers (or of a --tool-replay "
+                         "file): give one")
+    if tools.allowed and config.controller is None:
+        raise FatalError("--allow-tool lets a --controller call tools: give one")
     if tools.active and config.ray is not None:
         raise FatalError("--mcp and --tool-replay serve tools to a local run, not on --ray")
     if config.controller is not None and config.defaults.constraint is not None:

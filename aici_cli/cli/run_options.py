@@ -145,6 +145,9 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
     click.option("--tool-replay", type=click.Path(dir_okay=False), default=None,
                  help="Answer tool calls from a --tool-record file, with no server; a call it "
                       "lacks is its line's error (tool_not_recorded)."),
+    click.option("--allow-tool", "allow_tool", multiple=True, metavar="NAME",
+                 help="A served tool the --controller may call (repeatable), through "
+                      "aici:tools; its calls to any other are refused (docs/tools.md)."),
     click.option("--no-ff", is_flag=True,
                  help="Sample forced tokens one by one (no fast-forward)."),
     click.option("--draft-tokens", type=click.IntRange(0, 64), default=4, show_default=True,

@@ -124,7 +124,8 @@ class ToolServer:
 @dataclass(frozen=True)
 class ToolOptions:
     """The tools the host serves to a run's lines (aici_cli/run/tools): their servers,
-    or a record of their answers to replay, and the limits on each call."""
+    or a record of their answers to replay, the limits on each call, and those its
+    controllers may call."""
 
     servers: tuple[ToolServer, ...] = ()
     # Rounds of calls a line may make before its next calls are handed back unrun.
@@ -135,6 +136,8 @@ class ToolOptions:
     result_bytes: int = 64 * 1024
     record: str | None = None  # every call and its answer, as JSON lines
     replay: str | None = None  # answer from such a file; no server runs
+    # --allow-tool: the served tools the run's controllers may call (aici:tools).
+    allowed: tuple[str, ...] = ()
 
     @property
     def active(self) -> bool:

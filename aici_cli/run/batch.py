@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from aici_cli.control.guest_tools import RunTools
 from aici_cli.core.config import RunConfig
 from aici_cli.core.errors import UsageError
 from aici_cli.core.job import BadLine, Job
@@ -36,7 +37,7 @@ from aici_cli.run.result_writer import ResultWriter
 from aici_cli.run.resume import InputLines, OutputFile, ResumeError, ResumePlan
 from aici_cli.run.summary import RunStart, run_facts, write_summary
 from aici_cli.run.tools.calls import ToolHost
-from aici_cli.run.tools.host import open_tool_host, run_lines, served
+from aici_cli.run.tools.host import guest_tool_host, open_tool_host, run_lines, served
 from aici_cli.run.ui import ModelLoading, RunDisplay, failure_line, load_progress, loading_what
 
 # fsync the output at most this often: an fsync costs milliseconds, more than a short
@@ -101,7 +102,7 @@ def run_batch(config: RunConfig, stderr: IO[str] | None = None,
         try:
             loading = loading or ModelLoading(stderr, config.quiet, loading_what(config.model))
             with reporting_to(load_progress(stderr, config.quiet)), loading:
-                backend = _start_backend(config)
+                backend = _start_backend(config, guest_tool_host(tools, config.tools))
             started.load_s = time.perf_counter() - started.t0  # imports, model, controller
             try:
                 record = _model_record(config, plan, backend, controller)
@@ -194,10 +195,11 @@ def _model_record(config: RunConfig, plan: ResumePlan | None, backend: Backend,
     return record
 
 
-def _start_backend(config: RunConfig) -> Backend:
+def _start_backend(config: RunConfig, guest_tools: RunTools | None = None) -> Backend:
     """Ray workers with `--ray`; else the engine in a child process (`--engine-process
     child`, the default), or in this one (`inline`, and for a traced run: the tracer
-    attaches to the engine and writes its spans from this process)."""
+    attaches to the engine and writes its spans from this process). `guest_tools`: what
+    the controllers' tool calls reach (a local run's only: Ray runs serve no tools)."""
     from aici_cli.run.tracing import open_tracing, tracing_requested
 
     if config.ray is None:
@@ -207,10 +209,10 @@ def _start_backend(config: RunConfig) -> Backend:
         if config.engine_process == "inline" or tracing_requested(config):
             from aici_cli.run.backends.local import LocalEngine  # imports torch
 
-            return LocalEngine(config)
+            return LocalEngine(config, guest_tools)
         from aici_cli.run.backends.supervised import SupervisedEngine
 
-        return SupervisedEngine(config)
+        return SupervisedEngine(config, guest_tools)
 
     open_tracing(config)  # refuses --trace with --ray
     from aici_cli.run.distributed import start_ray_backend  # checks that Ray is installed

@@ -11,7 +11,8 @@ nothing of it. The span tree:
     │   ├── start                         (gen_ai.request.*, gen_ai.usage.*,
     │   ├── mid-process  (one per call)   gen_ai.response.finish_reasons)
     │   └── fork replay
-    ├── execute_tool NAME                 one per tool call (run/tools), its line an attribute
+    ├── execute_tool NAME                 one per tool call (run/tools), the model's or a
+    │                                     controller's, its line an attribute
     └── step                              one per forward pass, linked to the lines it
                                           served (kind, rows, tokens, ms per phase)
 
@@ -221,13 +222,15 @@ class RunTracer(EngineTracer):
 
     # --- the tools' hook (run/tools/loop.py) ---------------------------------------------
 
-    def tool_call(self, index: int, name: str, outcome: Any) -> None:
+    def tool_call(self, index: int, name: str, outcome: Any, caller: str = "model") -> None:
         """A span per tool call (a `CallOutcome`), in the GenAI conventions'
         `execute_tool`. A line's span ends with each round (the engine's result), so the
-        call's parent is the run, and its line is an attribute."""
+        call's parent is the run, and its line is an attribute; `aici.tool.caller` says
+        who called: the model (run/tools/loop.py) or the line's controller (aici:tools).
+        Thread-safe: a controller's call is traced on the tools' thread."""
         attributes = {"gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name,
                       "aici.line.index": index, "aici.tool.server": outcome.server,
-                      "aici.tool.ms": outcome.ms}
+                      "aici.tool.ms": outcome.ms, "aici.tool.caller": caller}
         span = self.tracer.start_span(f"execute_tool {name}", context=self.run_context,
                                       start_time=self.ns(outcome.t0), attributes=attributes)
         if outcome.error is not None:
@@ -235,6 +238,10 @@ class RunTracer(EngineTracer):
         elif outcome.is_error:
             span.set_attribute("error.type", "tool_error")
         span.end(self.ns(outcome.t1))
+
+    def guest_tool_call(self, index: int, name: str, outcome: Any) -> None:
+        """`tool_call` of a call a controller made (`aici:tools`)."""
+        self.tool_call(index, name, outcome, caller="controller")
 
     # --- spans of a line ----------------------------------------------------------------
 

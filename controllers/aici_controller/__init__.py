@@ -12,8 +12,9 @@ A controller steers one sequence. Write a generator function of segments:
 
 or subclass `TokenController` to decide every token. `branch = yield fork(3)` splits the
 sequence into branches that share its tokens; `storage` is shared by a line's branches,
-`set_line_output` reports across them. Build with `aici-batch build FILE`; test in plain
-CPython with `aici_controller.testing.StubHost`.
+`set_line_output` reports across them; `tools` calls the tools the run allows
+(`--allow-tool`). Build with `aici-batch build FILE`; test in plain CPython with
+`aici_controller.testing.StubHost`.
 
 In a built component there is no filesystem and no WASI: import everything at module
 top level (the build snapshots imported modules), and `print` goes to the sequence's logs.
@@ -21,7 +22,7 @@ top level (the build snapshots imported modules), and `print` goes to the sequen
 
 from __future__ import annotations
 
-from . import storage
+from . import storage, tools
 from ._actions import (
     ALL,
     Action,
@@ -92,4 +93,5 @@ __all__ = [
     "stop",
     "storage",
     "tokens_matching",
+    "tools",
 ]

@@ -3,7 +3,8 @@
 Two implementations satisfy `Host`: the in-wasm one (`_wit.WitHost`, which calls the
 component's imports) and `testing.StubHost` (plain CPython). Controller code never picks
 one: the session activates its host around every step, and the module-level helpers
-(`log`, `set_output`, `set_line_output`, `storage.*`) go to whichever host is active.
+(`log`, `set_output`, `set_line_output`, `storage.*`, `tools.*`) go to whichever host is
+active.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 
 @runtime_checkable
 class Host(Protocol):
-    """The primitives of the WIT imports `tokenizer`, `host` and `aici:storage/storage`.
+    """The primitives of the WIT imports `tokenizer`, `host`, `aici:storage/storage` and
+    `aici:tools/tools`.
 
     Every call crosses the wasm boundary in a built component (tens of microseconds, more
     for long lists), so the SDK caches what does not change (eos, vocab size, handles).
@@ -59,6 +61,16 @@ class Host(Protocol):
         """Appends to the key's value (empty if unset); returns its new length in bytes."""
         ...
 
+    def list_tools(self) -> list[tuple[str, str, str]]:
+        """The tools the run allows this controller: (name, description, input schema as
+        JSON text) each (`tools.list_tools` makes them `Tool`s)."""
+        ...
+
+    def call_tool(self, name: str, arguments: str) -> tuple[bool, str]:
+        """Calls tool `name` with `arguments` (JSON text of an object) and waits:
+        (True, its answer) or (False, "TYPE: message")."""
+        ...
+
     # Conveniences: implementations that subclass `Host` explicitly inherit these.
 
     def token_text(self, token: int) -> str:
@@ -97,8 +109,9 @@ def active(host: Host) -> Iterator[Host]:
 def current() -> Host:
     if _active is None:
         raise RuntimeError(
-            "no running controller: log(), set_output(), set_line_output() and storage work "
-            "only while the host runs the controller (inside its generator or step method)"
+            "no running controller: log(), set_output(), set_line_output(), storage and tools "
+            "work only while the host runs the controller (inside its generator or step "
+            "method)"
         )
     return _active
 

@@ -2,8 +2,9 @@
 
 `StubLine` is the line's storage and outputs, with the host's quotas; `SequenceHost` is
 one sequence's view of the stub (its tokenizer, the sequence's own logs and outputs, the
-line's storage), which also journals the storage answers a sequence got, so that a new
-branch can be brought to the fork point by replaying them, as the host does.
+line's storage, the stub's tools), which also journals the storage and tool answers a
+sequence got, so that a new branch can be brought to the fork point by replaying them, as
+the host does (a replay calls no tool).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._host import Host
+from ._stub_tools import MAX_TOOL_CALLS
 
 if TYPE_CHECKING:
     from .testing import StubHost
@@ -67,8 +69,8 @@ class StubLine:
 
 class SequenceHost(Host):
     """One sequence's host: the stub's tokenizer, its own logs and outputs, the line's
-    storage. While `replay` is set, storage answers come from it and writes (made once
-    already, by the sequence that forked) are dropped."""
+    storage, the stub's tools. While `replay` is set, storage and tool answers come from
+    it and writes (made once already, by the sequence that forked) are dropped."""
 
     def __init__(self, stub: StubHost, line: StubLine, logs: list[str] | None = None,
                  outputs: dict[str, Any] | None = None) -> None:
@@ -76,8 +78,9 @@ class SequenceHost(Host):
         self.line = line
         self.logs: list[str] = logs if logs is not None else []
         self.outputs: dict[str, Any] = outputs if outputs is not None else {}
-        self.journal: list[tuple[str, str, Any]] = []  # (op, key, answer) of storage calls
+        self.journal: list[tuple[str, str, Any]] = []  # (op, key, answer) of line calls
         self.replay: Iterator[tuple[str, str, Any]] | None = None
+        self.tool_calls = 0  # call_tool calls, those replayed included (as on the host)
 
     def vocab_size(self) -> int:
         return self.stub.vocab_size()
@@ -129,14 +132,30 @@ class SequenceHost(Host):
         self.journal.append(("append", key, len(new)))
         return len(new)
 
+    def list_tools(self) -> list[tuple[str, str, str]]:
+        return self.stub.tools.list_tools()
+
+    def call_tool(self, name: str, arguments: str) -> tuple[bool, str]:
+        self.tool_calls += 1
+        key = f"{name} {arguments}"
+        if self.replay is not None:
+            return self._replayed("call-tool", key)  # type: ignore[no-any-return]
+        if self.tool_calls > MAX_TOOL_CALLS:
+            answer = (False, f"tool_quota: more than {MAX_TOOL_CALLS} tool calls per sequence")
+        else:
+            answer = self.stub.tools.call_tool(name, arguments)
+        self.journal.append(("call-tool", key, answer))
+        return answer
+
     def _replayed(self, op: str, key: str) -> Any:
         from .testing import StubHostError
 
         assert self.replay is not None
         entry = next(self.replay, None)
         if entry is None or entry[:2] != (op, key):
+            what = op if op == "call-tool" else f"storage {op}"
             raise StubHostError(
-                f"replaying a branch to its fork point, the controller made storage {op} "
+                f"replaying a branch to its fork point, the controller made {what} "
                 f"{key!r} where it had made {entry and entry[:2]}: a controller must act "
                 "alike given the same inputs (no clock, no randomness)"
             )

@@ -20,6 +20,11 @@ from wit_world.imports import storage as wit_storage  # type: ignore[import-not-
 from wit_world.imports import tokenizer as wit_tokenizer  # type: ignore[import-not-found, unused-ignore]
 from wit_world.imports import types as wt  # type: ignore[import-not-found, unused-ignore]
 
+try:  # aici:tools: absent from a component built against a contract without it
+    from wit_world.imports import tools as wit_tools  # type: ignore[import-not-found, unused-ignore]
+except ImportError:
+    wit_tools = None
+
 from ._actions import (
     Action,
     Allow,
@@ -82,6 +87,23 @@ class WitHost(Host):
 
     def storage_append(self, key: str, value: bytes) -> int:
         return int(wit_storage.append(key, value))
+
+    def list_tools(self) -> list[tuple[str, str, str]]:
+        return [(str(t.name), str(t.description), str(t.input_schema))
+                for t in _tools().list_tools()]
+
+    def call_tool(self, name: str, arguments: str) -> tuple[bool, str]:
+        try:
+            return True, str(_tools().call_tool(name, arguments))
+        except Err as err:
+            return False, str(err.value)
+
+
+def _tools() -> ModuleType:
+    if wit_tools is None:
+        raise RuntimeError("tools need the aici:tools@0.1.0 import; this controller was "
+                           "built against a contract without it (rebuild with aici-batch build)")
+    return wit_tools  # type: ignore[no-any-return, unused-ignore]
 
 
 HOST = WitHost()

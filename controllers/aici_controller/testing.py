@@ -23,6 +23,9 @@ What it simulates, and how it differs from the real host:
   controller should not rely on it). `run.branches` lists them, `run.line_outputs` and
   `run.storage` hold what the line shares. Past `max_branches`, a backtrack past the fork
   or a storage quota, the run ends with the host's error type in `run.error`.
+- tools: `tools={name: fake}` serves fake tools to `aici_controller.tools`
+  (`_stub_tools.py` says how they answer), `allow_tools` plays `--allow-tool` (default:
+  every fake); `run.tool_calls` lists the calls made and their answers.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import json
 import random
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
@@ -54,9 +57,11 @@ from ._controller import ControllerSpec, find_controller
 from ._host import Host
 from ._session import ControllerFailed, Session
 from ._stub_line import LineFault, SequenceHost, StubLine, parse_output
+from ._stub_tools import FakeTool, StubToolCall, StubTools
 
 __all__ = [
-    "DEFAULT_VOCAB", "LineFault", "Run", "Session", "StubHost", "StubHostError", "TokenizerLike",
+    "DEFAULT_VOCAB", "FakeTool", "LineFault", "Run", "Session", "StubHost", "StubHostError",
+    "StubToolCall", "TokenizerLike",
 ]
 
 DEFAULT_VOCAB: tuple[str, ...] = ("<eos>",) + tuple(
@@ -95,6 +100,7 @@ class Run:
     branches: list[Run] = field(default_factory=list)  # after a fork: each, in tree order
     line_outputs: dict[str, Any] = field(default_factory=dict)  # set_line_output values
     storage: dict[str, bytes] = field(default_factory=dict)  # the line's, at the end
+    tool_calls: list[StubToolCall] = field(default_factory=list)  # the line's, in order
 
     @property
     def trace(self) -> list[str]:
@@ -118,8 +124,11 @@ class StubHost(Host):
         sampler: Sampler | None = None,
         seed: int = 0,
         max_branches: int = 16,
+        tools: Mapping[str, FakeTool | Callable[[dict[str, Any]], Any]] | None = None,
+        allow_tools: Iterable[str] | None = None,
     ) -> None:
         self.max_branches = max_branches  # sequences a run may have, as --max-branches
+        self.tools = StubTools(tools, allow_tools)  # fake tools, and the calls made to them
         self._tokenizer: TokenizerLike | None = None
         if vocab is None:
             vocab = DEFAULT_VOCAB
@@ -214,6 +223,12 @@ class StubHost(Host):
         self.line.put("append", key, new)
         return len(new)
 
+    def list_tools(self) -> list[tuple[str, str, str]]:
+        return self.tools.list_tools()
+
+    def call_tool(self, name: str, arguments: str) -> tuple[bool, str]:
+        return self.tools.call_tool(name, arguments)
+
     # Driving a controller.
 
     def start(
@@ -224,6 +239,7 @@ class StubHost(Host):
     ) -> Session:
         """A session to step by hand (`session.step(backtrack, tokens, segment_text)`)."""
         self.logs, self.outputs, self.line = [], {}, StubLine()
+        self.tools.calls = []
         return Session(_spec(controller), self, arg, self._prompt(prompt))
 
     def run(
@@ -237,6 +253,7 @@ class StubHost(Host):
         """Run one line to `stop` (every branch, if it forks) or to the first error."""
         spec = _spec(controller)
         self.logs, self.outputs, self.line = [], {}, StubLine()
+        self.tools.calls = []
         root = _Sequence(
             (), SequenceHost(self, self.line, self.logs, self.outputs), spec, arg,
             self._prompt(prompt),
@@ -437,6 +454,7 @@ class _Lineage:
                       branch=first.branch, branches=ordered)
         run.line_outputs = dict(line.outputs)
         run.storage = dict(line.storage)
+        run.tool_calls = list(self.stub.tools.calls)
         return run
 
 

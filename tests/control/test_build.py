@@ -25,6 +25,7 @@ IMPORTS = {
     "aici:controller/tokenizer@0.2.0",
     "aici:controller/host@0.2.0",
     "aici:storage/storage@0.1.0",
+    "aici:tools/tools@0.1.0",  # every SDK build imports it; the host links it only then
 }
 
 
@@ -64,6 +65,8 @@ def test_component_exports_the_runner_and_imports_only_the_contract(
     assert "tokens-matching" in tokenizer
     storage = imports["aici:storage/storage@0.1.0"].ty.exports(wasm_engine)
     assert set(storage) == {"get", "set", "append"}
+    tools = imports["aici:tools/tools@0.1.0"].ty.exports(wasm_engine)
+    assert {"list-tools", "call-tool"} <= set(tools)
 
 
 class Sequence:
@@ -92,6 +95,10 @@ class Sequence:
                 storage.add_func("set", lambda store, key, value: stub.storage_set(key, value))
                 storage.add_func("append",
                                  lambda store, key, value: stub.storage_append(key, value))
+            with root.add_instance("aici:tools/tools@0.1.0") as tools:
+                tools.add_func("list-tools", lambda store: [])
+                tools.add_func("call-tool", lambda store, name, arguments: wc.Variant(
+                    "err", f"tool_not_allowed: tool {name!r} is not on --allow-tool"))
         self.store = wasmtime.Store(wasm_engine)
         instance = linker.instantiate(self.store, component)
         ifc = component.get_export_index(EXPORT)
@@ -259,18 +266,23 @@ def test_wit_dir_without_wit_files_is_an_error(tmp_path: Path) -> None:
         build_controller(CONTROLLERS / "examples" / "yes_no.py", tmp_path / "o.wasm", tmp_path)
 
 
-def test_wit_text_is_the_contract_and_its_storage_dependency(tmp_path: Path) -> None:
+def test_wit_text_is_the_contract_and_its_dependencies(tmp_path: Path) -> None:
     controller_wit = (ROOT / "wit" / "controller.wit").read_text(encoding="utf-8")
     storage_wit = (ROOT / "wit" / "deps" / "storage" / "storage.wit").read_text(encoding="utf-8")
+    tools_wit = (ROOT / "wit" / "deps" / "tools" / "tools.wit").read_text(encoding="utf-8")
     assert wit_text() == (f"// wit/controller.wit\n{controller_wit}\n"
-                          f"// wit/deps/storage/storage.wit\n{storage_wit}")
+                          f"// wit/deps/storage/storage.wit\n{storage_wit}\n"
+                          f"// wit/deps/tools/tools.wit\n{tools_wit}")
     assert "package aici:controller@0.2.0;" in controller_wit
     assert "import aici:storage/storage@0.1.0;" in controller_wit
+    assert "import aici:tools/tools@0.1.0;" in controller_wit
     assert "package aici:storage@0.1.0;" in storage_wit
+    assert "package aici:tools@0.1.0;" in tools_wit
     written = toolchain.write_wit(tmp_path / "wit")
     assert [p.relative_to(tmp_path).as_posix() for p in written] == [
-        "wit/controller.wit", "wit/deps/storage/storage.wit"]
+        "wit/controller.wit", "wit/deps/storage/storage.wit", "wit/deps/tools/tools.wit"]
     assert written[1].read_text(encoding="utf-8") == storage_wit
+    assert written[2].read_text(encoding="utf-8") == tools_wit
 
 
 def test_build_command_stubs_wasi_and_renames_the_export() -> None:

@@ -138,6 +138,7 @@ def test_the_docs_pages_have_the_commands_they_should() -> None:
     for example in ("examples/yes_no.py", "examples/three_ways.py", "examples/vote.py",
                     "js/examples/yes_no.js"):
         assert any(f"controllers/{example}" in c for c in controllers), example
+    assert any("controllers/examples/calculator.py" in c for c in commands_of("docs/tools.md"))
     assert any("--ray" in c for c in commands_of("docs/ray.md"))
     assert any("--score" in c for c in commands_of("docs/evaluations.md"))
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import wasmtime
 from controller_runs import run_controller
+from mcp_servers import command
 from wasmtime import component as wc
 
 CONTRACT = "aici:controller/controller@0.2.0"
@@ -46,6 +47,15 @@ LINES: dict[str, tuple[list[dict[str, Any]], tuple[str, ...]]] = {
           "controller_arg": {"branches": 3, "pattern": "[a-c]", "max_tokens": 2}}],
         (),
     ),
+    # aici:tools: a call to a real MCP server (a process), one refused, one handled.
+    "calculator": (
+        [{"prompt": "What is 17 times 23?"},
+         {"prompt": "Add", "controller_arg": {"tool": "add", "arguments": {"a": 2, "b": 3}}},
+         {"prompt": "Look", "controller_arg": {"tool": "lookup",
+                                               "arguments": {"key": "zorblax"}}}],
+        ("--mcp", f"calc={command('calc')}", "--allow-tool", "multiply", "--allow-tool",
+         "lookup", "--max-tokens", "32"),
+    ),
 }
 
 SAME_STATS = ("output_tokens", "ff_tokens", "forward_passes", "prompt_tokens")
@@ -70,6 +80,7 @@ def test_the_component_imports_only_the_contract(built_js: dict[str, Path]) -> N
         "aici:controller/tokenizer@0.2.0",
         "aici:controller/host@0.2.0",
         "aici:storage/storage@0.1.0",
+        "aici:tools/tools@0.1.0",
     }  # no WASI: every componentize-js feature is disabled
     exports = component.type.exports(wasm_engine)
     assert set(exports) == {CONTRACT}
@@ -99,6 +110,10 @@ def test_each_example_writes_what_its_python_twin_writes(
     if name == "rewrite":
         for r in js.values():
             assert r["text"] == f"Name: {r['outputs']['final']}.\n"
+    if name == "calculator":
+        assert [r["text"] for r in js.values()] == [
+            " Answer: 391.0\n", " Answer: unknown (tool_not_allowed)\n", " Answer: 42\n"]
+        assert js[1]["outputs"]["tools"] == ["lookup", "multiply"]
     if name == "vote":
         for i, r in js.items():
             assert r["branches"] == len(r["choices"]) == (5, 3)[i - 1]

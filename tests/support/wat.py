@@ -27,9 +27,11 @@ and must leave the address of its answer, which the `$stop`... helpers return):
   WIT `grammar`: 0 json-schema, 1 regex, 2 lark, 3 choice, and in 0.2.0 `$fork (n)`;
 - the contract's imports by their WIT names (`$log`, `$set-output`, `$vocab-size`,
   `$eos-token`, `$tokenize`, `$decode`, `$token-bytes`, `$tokens-matching`; in 0.2.0 also
-  `$set-line-output` and storage's `$get`, `$set`, `$append`), lowered: a component
-  imports those its code calls, and no others. Imports that return a list, a string, an
-  option or a result write it to `(global.get $out)` (16 bytes);
+  `$set-line-output` and storage's `$get`, `$set`, `$append`; in any version
+  `aici:tools`' `$list-tools` and `$call-tool`), lowered: a component imports those its
+  code calls, and no others. Imports that return a list, a string, an option or a result
+  write it to `(global.get $out)` (16 bytes; a `tool-info` is 24 bytes: three (address,
+  length) pairs);
 - `$realloc`, the guest's bump allocator (nothing is ever freed: a runner lives for one
   sequence), `(global.get $calls)`: mid-process calls so far, this one included, and
   `$utoa (value) -> (ptr len)`: a number as decimal text (valid until the next call).
@@ -227,19 +229,33 @@ _IMPORTS: dict[str, tuple[str, str, str, str]] = {
             "(param i32 i32 i32 i32)", "(memory $memory) string-encoding=utf8"),
     "append": ("storage", '(func (param "key" string) (param "value" (list u8)) (result u32))',
                "(param i32 i32 i32 i32) (result i32)", "(memory $memory) string-encoding=utf8"),
+    # aici:tools, any version
+    "list-tools": ("tools", "(func (result (list $tool-info)))", "(param i32)",
+                   "(memory $memory) (realloc $realloc) string-encoding=utf8"),
+    "call-tool": ("tools", '(func (param "name" string) (param "arguments" string) '
+                           "(result (result string (error string))))",
+                  "(param i32 i32 i32 i32 i32)",
+                  "(memory $memory) (realloc $realloc) string-encoding=utf8"),
 }
-_INTERFACES = ("tokenizer", "host", "storage")
+_INTERFACES = ("tokenizer", "host", "storage", "tools")
+_VERSIONED_APART = {"storage": "aici:storage/storage@0.1.0", "tools": "aici:tools/tools@0.1.0"}
+# Types an interface's functions name, declared in its instance type before them.
+_INSTANCE_TYPES = {
+    "tools": '    (type $tool-info-t (record (field "name" string) (field "description" string)\n'
+             '                               (field "input-schema" string)))\n'
+             '    (export "tool-info" (type $tool-info (eq $tool-info-t)))',
+}
 
 
 def _component_imports(used: list[str], version: str) -> str:
     lines = []
     for iface in _INTERFACES:
         funcs = [f'    (export "{n}" {_IMPORTS[n][1]})' for n in used if _IMPORTS[n][0] == iface]
-        name = ("aici:storage/storage@0.1.0" if iface == "storage"
-                else f"aici:controller/{iface}@{version}")
+        name = _VERSIONED_APART.get(iface, f"aici:controller/{iface}@{version}")
+        types = [_INSTANCE_TYPES[iface]] if iface in _INSTANCE_TYPES else []
         if funcs:
             lines.append(f'  (import "{name}" (instance ${iface}\n'
-                         + "\n".join(funcs) + "\n  ))")
+                         + "\n".join(types + funcs) + "\n  ))")
     return "\n".join(lines)
 
 

@@ -53,7 +53,8 @@ def checked_wit_dir(given: Path | None) -> Path:
 
 def wit_files(wit_dir: Path | None = None) -> list[Path]:
     """The contract's files, relative to `wit/`: `controller.wit` (package
-    aici:controller), then each dependency under `deps/` (aici:storage), in name order."""
+    aici:controller), then each dependency under `deps/` (aici:storage, aici:tools), in
+    name order."""
     root = wit_dir if wit_dir is not None else find_wit_dir()
     own = sorted(root.glob("*.wit"))
     deps = sorted(root.glob("deps/*/*.wit"))
@@ -69,7 +70,8 @@ def wit_text() -> str:
 
 def write_wit(out_dir: Path) -> list[Path]:
     """Copy the contract to `out_dir` in the layout componentize-py and wit-parser read
-    (`controller.wit`, `deps/storage/storage.wit`); returns the files written."""
+    (`controller.wit`, `deps/storage/storage.wit`, `deps/tools/tools.wit`); returns the
+    files written."""
     root = find_wit_dir()
     written = []
     for rel in wit_files(root):

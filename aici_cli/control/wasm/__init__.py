@@ -2,7 +2,8 @@
 
 A controller implements `aici:controller/controller@0.2.0` (`wit/controller.wit`, which
 adds `fork` and `aici:storage`) or the first version, `@0.1.0`: one `runner` resource per
-sequence, asked by `mid-process` what to do next. A component is loaded and checked once
+sequence, asked by `mid-process` what to do next. Either may import `aici:tools`, the run's
+tools (linked only into a component that imports it). A component is loaded and checked once
 (`ControllerComponent.load`), under the version it exports; each sequence (each branch of
 a fork) gets its own `GuestInstance`, and a `WasmController` drives that instance for the
 engine.
@@ -13,12 +14,16 @@ The modules, in the order a component meets them:
 - `compile_cache`: compiling, through a cache of serialized components on disk.
 - `signatures`: the contract's versions, imports and exports, checked at load.
 - `component`: `ControllerComponent` (load, trial instantiation, instantiate).
-- `host_functions`: the `tokenizer`, `host` and `storage` imports, bound once per component.
+- `host_functions`: the `tokenizer`, `host`, `storage` and `tools` imports, bound once per
+  component.
 - `host_calls`: `HostCalls`, what those imports ask of the calling instance (a protocol
   `instance` implements, so neither imports the other).
-- `services`: what those imports are served from (`HostServices`, `TokenizerServices`).
-- `instance`: `GuestInstance`, one sequence's store, calls and deadlines, and the
-  journal that replays it into a fork's new branch.
+- `services`: what the tokenizer imports are served from (`HostServices`,
+  `TokenizerServices`); the tools are `aici_cli.control.guest_tools`'s.
+- `instance`: `GuestInstance`, one sequence's store, calls and deadlines, and its replay
+  into a fork's new branch.
+- `journal`: `LineCalls`, a guest's calls to its line's storage and the run's tools, and
+  the `Journal` a replay answers them from.
 - `quotas`: `GuestQuotas`, what a sequence may leave in its result line (logs, outputs)
   and the `tokens-matching` patterns it may ask for.
 - `limits`: `GuestLimits`, the per-guest resource limits and why each one is there.

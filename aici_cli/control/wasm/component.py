@@ -10,6 +10,7 @@ from typing import Any
 import wasmtime
 from wasmtime.component import Component, FuncType
 
+from aici_cli.control.guest_tools import NO_TOOLS, GuestTools
 from aici_cli.control.line_scope import LineScope
 from aici_cli.control.wasm.compile_cache import compile_component, default_cache_dir
 from aici_cli.control.wasm.component_file import ComponentError, read_wasm
@@ -23,11 +24,13 @@ from aici_cli.control.wasm.signatures import (
     CONSTRUCTOR,
     MID_PROCESS,
     STORAGE_INTERFACE,
+    TOOLS_INTERFACE,
     Contract,
     check_exports,
     check_imports,
     find_contract,
     import_result_tagged,
+    imports,
     step_field_tagged,
 )
 from aici_cli.control.wasm.values import Lowering
@@ -67,8 +70,7 @@ class ControllerComponent:
         iface = component.get_export_index(contract.controller)
         self.ctor_index = component.get_export_index(CONSTRUCTOR, iface)
         self.mid_index = component.get_export_index(MID_PROCESS, iface)
-        self._linker = make_linker(shared.wasm_engine, contract, lowering.tokens_matching,
-                                   lowering.storage_get)
+        self._linker = make_linker(shared.wasm_engine, contract, lowering)
         self._types_lock = threading.Lock()
         self._mid_type: FuncType | None = None
         self._mid_type_failed = False
@@ -132,6 +134,9 @@ class ControllerComponent:
             tokens_matching=import_result_tagged(component, wasm_engine, contract.tokenizer,
                                                  "tokens-matching"),
             storage_get=import_result_tagged(component, wasm_engine, STORAGE_INTERFACE, "get"),
+            tools=imports(component, wasm_engine, TOOLS_INTERFACE),
+            call_tool=import_result_tagged(component, wasm_engine, TOOLS_INTERFACE,
+                                           "call-tool"),
         )
         self = cls(path, component, shared, limits, contract, lowering, compile_ms, hit,
                    cache_file)
@@ -146,15 +151,17 @@ class ControllerComponent:
         return sorted(ty.exports(wasm_engine)), sorted(ty.imports(wasm_engine))
 
     def instantiate(self, arg: str, prompt: list[int], services: HostServices,
-                    line: LineScope | None = None) -> GuestInstance:
+                    line: LineScope | None = None,
+                    tools: GuestTools = NO_TOOLS) -> GuestInstance:
         """A new guest for one sequence: new Store, instantiate, `runner(arg, prompt)`.
         `line`: what the line's sequences share (storage, line outputs; a fresh scope
-        of its own when None).
+        of its own when None); `tools`: what its `aici:tools` calls reach.
 
         Raises ControllerError (the store is dropped) when instantiation or the
         constructor fails: controller_trap / _timeout / _fuel / _memory / host_error.
         """
-        guest = GuestInstance(self, services, line if line is not None else LineScope())
+        guest = GuestInstance(self, services, line if line is not None else LineScope(),
+                              tools)
         try:
             guest.construct(arg, list(prompt))
         except ControllerError:

@@ -36,6 +36,7 @@ from aici_cli.control.actions import (
 from aici_cli.control.base import Controller, ControllerBase, Directive
 from aici_cli.control.call_trace import CallTrace
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
+from aici_cli.control.guest_tools import NO_TOOLS, GuestTools
 from aici_cli.control.line_scope import LineScope
 from aici_cli.control.stop_strings import find_stop
 from aici_cli.control.wasm.component import ControllerComponent
@@ -74,10 +75,11 @@ class WasmController(ControllerBase):
 
     def __init__(self, component: ControllerComponent, arg: str, services: TokenizerServices,
                  compiler: GrammarCompiler, fast_forward: bool = True,
-                 call_times: list[float] | None = None) -> None:
+                 call_times: list[float] | None = None, tools: GuestTools = NO_TOOLS) -> None:
         self.component = component
         self.arg = arg
         self.services = services
+        self.tools = tools  # what the guest's aici:tools calls reach (its line's)
         self.compiler = compiler
         self.fast_forward = fast_forward
         self.guest: GuestInstance | None = None
@@ -103,7 +105,7 @@ class WasmController(ControllerBase):
     def start(self, prompt: Sequence[int]) -> Directive:
         t0 = time.perf_counter()
         self.guest = self.component.instantiate(self.arg, list(prompt), self.services,
-                                                self.scope)
+                                                self.scope, self.tools)
         if self.trace is not None:
             self.trace("start", t0, time.perf_counter())
         return self._follow(self._call(StepInput()), Directive())
@@ -117,7 +119,8 @@ class WasmController(ControllerBase):
             for _ in range(n - 1):
                 t0 = time.perf_counter()
                 branch = WasmController(self.component, self.arg, self.services,
-                                        self.compiler, self.fast_forward, self.call_times)
+                                        self.compiler, self.fast_forward, self.call_times,
+                                        self.tools)
                 branch.scope = self.scope
                 branch.guest = self.guest.replica()
                 branch.generated = branch.floor = self.generated

@@ -12,6 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from aici_cli.control.guest_tools import ToolAnswer, ToolInfo
     from aici_cli.control.wasm.services import HostServices
     from aici_cli.core.errors import ControllerError
 
@@ -25,9 +26,9 @@ current = threading.local()
 class HostCalls(Protocol):
     """What the host functions ask of the calling instance.
 
-    Quota and storage methods raise `faults.Fault` when the call must end the guest (a
-    quota crossed, a replay that diverged) and ValueError for an error the guest gets back
-    as its `err` (`count_pattern`).
+    Quota, storage and tool methods raise `faults.Fault` when the call must end the guest
+    (a quota crossed, a replay that diverged) and ValueError for an error the guest gets
+    back as its `err` (`count_pattern`; `call_tool` returns its `err` instead).
     """
 
     @property
@@ -65,6 +66,14 @@ class HostCalls(Protocol):
 
     def storage_append(self, key: str, value: bytes) -> int:
         """`storage.append` (0.2.0); returns the value's new length."""
+        ...
+
+    def list_tools(self) -> list[ToolInfo]:
+        """`tools.list-tools`: the tools the run allows its controllers."""
+        ...
+
+    def call_tool(self, name: str, arguments: str) -> ToolAnswer:
+        """`tools.call-tool`: blocks until the answer is in; a failure is its `err`."""
         ...
 
     def host_failed(self, error: ControllerError) -> None:

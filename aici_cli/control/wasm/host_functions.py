@@ -1,5 +1,6 @@
-"""The functions a guest imports (`tokenizer`, `host`, and from contract 0.2.0 on
-`aici:storage/storage`), bound once per component.
+"""The functions a guest imports (`tokenizer`, `host`, from contract 0.2.0 on
+`aici:storage/storage`, and `aici:tools/tools` where the component imports it), bound once
+per component.
 
 One `Linker` per component serves every guest instance of it: a host function finds the
 instance whose call is in progress on its thread in `host_calls.current` (a guest call and
@@ -15,27 +16,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import wasmtime
-from wasmtime.component import Linker, Variant
+from wasmtime.component import Linker, Record, Variant
 
 from aici_cli.control.wasm.faults import Fault
 from aici_cli.control.wasm.host_calls import HostCalls, current, to_u32
-from aici_cli.control.wasm.signatures import STORAGE_INTERFACE, Contract
+from aici_cli.control.wasm.signatures import STORAGE_INTERFACE, TOOLS_INTERFACE, Contract
 from aici_cli.core.errors import ControllerError
 
+if TYPE_CHECKING:
+    from aici_cli.control.wasm.values import Lowering
 
-def make_linker(wasm_engine: wasmtime.Engine, contract: Contract, tokens_matching_tagged: bool,
-                storage_get_tagged: bool = False) -> Linker:
-    """A linker defining every function this host provides to a component of `contract`;
-    `tokens_matching_tagged` / `storage_get_tagged`: whether the component's
-    `tokens-matching` / storage `get` result is lowered as a `Variant`."""
+
+def make_linker(wasm_engine: wasmtime.Engine, contract: Contract, lowering: Lowering) -> Linker:
+    """A linker defining the functions this host provides to a component of `contract`
+    (`aici:tools` only where the component imports it, as `lowering` says); `lowering`
+    says which variant-like results the component wants as a `Variant`."""
     linker = Linker(wasm_engine)
 
     def storage_get(g: HostCalls, key: str) -> Any:
         value = g.storage_get(key)
-        if storage_get_tagged:
+        if lowering.storage_get:
             return Variant("none") if value is None else Variant("some", value)
         return value
 
@@ -45,9 +48,9 @@ def make_linker(wasm_engine: wasmtime.Engine, contract: Contract, tokens_matchin
             handle = g.services.tokens_matching(pattern)
         except ValueError as e:
             msg = str(e) or f"invalid pattern {pattern!r}"
-            return Variant("err", msg) if tokens_matching_tagged else msg
+            return Variant("err", msg) if lowering.tokens_matching else msg
         handle = to_u32(handle, "tokens_matching")
-        return Variant("ok", handle) if tokens_matching_tagged else handle
+        return Variant("ok", handle) if lowering.tokens_matching else handle
 
     tokenizer: dict[str, Callable[..., Any]] = {
         "vocab-size": lambda g: g.vocab_size(),
@@ -71,12 +74,39 @@ def make_linker(wasm_engine: wasmtime.Engine, contract: Contract, tokens_matchin
                                                    "append"),
         }
         interfaces.append((STORAGE_INTERFACE, storage))
+    if lowering.tools:
+        interfaces.append((TOOLS_INTERFACE, _tools(lowering.call_tool)))
     with linker.root() as root:
         for iface, funcs in interfaces:
             with root.add_instance(iface) as inst:
                 for name, fn in funcs.items():
                     inst.add_func(name, _host_function(f"{iface.split('@')[0]}.{name}", fn))
     return linker
+
+
+def _tools(call_tool_tagged: bool) -> dict[str, Callable[..., Any]]:
+    """`aici:tools`: `list-tools` as `tool-info` records, `call-tool`'s answer as its
+    `result<string, string>` (a `Variant`: both cases are strings)."""
+
+    def list_tools(g: HostCalls) -> list[Record]:
+        records = []
+        for info in g.list_tools():
+            record = Record()
+            # wasmtime-py reads record fields by their WIT names, hyphens included.
+            for name, value in (("name", info.name), ("description", info.description),
+                                ("input-schema", info.input_schema)):
+                setattr(record, name, _str(value, "list_tools"))
+            records.append(record)
+        return records
+
+    def call_tool(g: HostCalls, name: str, arguments: str) -> Any:
+        answer = g.call_tool(name, arguments)
+        text = _str(answer.text, "call_tool")
+        if call_tool_tagged:
+            return Variant("ok" if answer.ok else "err", text)
+        return text  # not reached: wasmtime-py tags a result whose cases are both str
+
+    return {"list-tools": list_tools, "call-tool": call_tool}
 
 
 def _host_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

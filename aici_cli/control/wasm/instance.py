@@ -1,6 +1,7 @@
 """One sequence's guest: its own Store, instance and `runner` resource, its calls and
-deadlines, and the journal that replays it into a fork's new branch (what it may leave in
-its result line is `quotas.py`'s).
+deadlines, and its replay into a fork's new branch (what it may leave in its result line
+is `quotas.py`'s; its calls to the line's storage and the run's tools, and their journal,
+are `journal.py`'s).
 
 Isolation: one `Store` per sequence. A trap poisons a store for good ("cannot enter
 component instance"), so one failing controller ends only its own sequence; a dead guest
@@ -25,13 +26,13 @@ vocabulary-sized sets stay on the host behind `tokens-matching` handles.
 Forks (contract 0.2.0): wasmtime cannot copy a store, so a new branch's guest is a new
 instance brought to the forking guest's state by replay: the host journals a guest's
 constructor arguments, every `mid-process` input with the action it got back, and every
-storage call with its answer; `replica` constructs a new instance and calls it with the
-same inputs, answering its storage calls from the journal and dropping its writes (they
-were made once already). The sandbox gives a guest no clock, randomness or other input,
-so it answers alike; a replay that answers otherwise ends the line with
-`controller_nondeterministic`. Its own logs and outputs are re-recorded along the way,
-so a branch starts with the ones made before the fork. Cost: one instantiation and
-constructor, plus one call per journaled call.
+storage and tool call with its answer; `replica` constructs a new instance and calls it
+with the same inputs, answering its storage and tool calls from the journal and dropping
+its writes (they were made once already; a tool is not called again). The sandbox gives
+a guest no clock, randomness or other input, so it answers alike; a replay that answers
+otherwise ends the line with `controller_nondeterministic`. Its own logs and outputs are
+re-recorded along the way, so a branch starts with the ones made before the fork. Cost:
+one instantiation and constructor, plus one call per journaled call.
 """
 
 from __future__ import annotations
@@ -39,17 +40,18 @@ from __future__ import annotations
 import gc
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 import wasmtime
 from wasmtime.component import ResourceAny
 
 from aici_cli.control.actions import Action, StepInput
+from aici_cli.control.guest_tools import NO_TOOLS, GuestTools
 from aici_cli.control.line_scope import LineScope
-from aici_cli.control.wasm.faults import Fault, Overrun, classify, clip
+from aici_cli.control.wasm.faults import Overrun, classify, clip
 from aici_cli.control.wasm.host_calls import HostCalls, current, to_u32
+from aici_cli.control.wasm.journal import DETERMINISM, Journal, LineCalls
 from aici_cli.control.wasm.quotas import GuestQuotas
 from aici_cli.control.wasm.services import HostServices
 from aici_cli.control.wasm.values import split_result, step_record, to_action
@@ -60,8 +62,6 @@ if TYPE_CHECKING:
     from aici_cli.control.wasm.signatures import Contract
     from aici_cli.control.wasm.values import Lowering
     from aici_cli.control.wasm.wasm_engine import EpochTicker
-
-T = TypeVar("T")
 
 
 class GuestBlueprint(Protocol):
@@ -85,20 +85,7 @@ class GuestBlueprint(Protocol):
     def memoize_mid_type(self, func: Any, store: wasmtime.Store) -> None: ...
 
 
-@dataclass
-class Journal:
-    """What a guest was given, in order, so that a new instance can be brought to its
-    state (`GuestInstance.replica`)."""
-
-    inputs: list[StepInput] = field(default_factory=list)  # every mid-process input
-    actions: list[Action] = field(default_factory=list)  # what each call answered
-    storage: list[tuple[str, str, Any]] = field(default_factory=list)  # (op, key, answer)
-
-    def copy(self) -> Journal:
-        return Journal(list(self.inputs), list(self.actions), list(self.storage))
-
-
-class GuestInstance:
+class GuestInstance(LineCalls):
     """One sequence's controller guest: its own Store, instance and `runner` resource.
 
     Not thread-safe by itself: one thread at a time per instance (different instances may
@@ -107,9 +94,11 @@ class GuestInstance:
     """
 
     def __init__(self, component: GuestBlueprint, services: HostServices,
-                 scope: LineScope) -> None:
+                 scope: LineScope, tools: GuestTools = NO_TOOLS) -> None:
         self.services = services
         self.scope = scope  # storage and outputs shared with the line's other sequences
+        self.tools = tools  # what its aici:tools calls reach
+        self.tool_calls = 0
         self.quotas = GuestQuotas(component.limits)  # its logs, outputs and patterns
         self.guest_ms = 0.0  # wall time inside constructor + mid-process calls
         self.host_ms = 0.0  # of which inside host functions
@@ -161,9 +150,9 @@ class GuestInstance:
         raise, or controller_nondeterministic when it answers otherwise."""
         journal = self.journal
         assert journal is not None, "only a 0.2.0 guest can fork"
-        guest = GuestInstance(self._component, self.services, self.scope)
+        guest = GuestInstance(self._component, self.services, self.scope, self.tools)
         guest.journal = None  # a replayed call is journaled already
-        guest._replay = iter(journal.storage)
+        guest._replay = iter(journal.calls)
         try:
             guest.construct(self._arg, self._prompt)
             for i, (inp, expected) in enumerate(zip(journal.inputs, journal.actions)):
@@ -174,13 +163,13 @@ class GuestInstance:
                         f"a new branch's guest, replaying the {len(journal.inputs)} calls "
                         f"before the fork, answered call {i + 1} with "
                         f"{clip(repr(got), 200)} where the forking guest had answered "
-                        f"{clip(repr(expected), 200)}: {_DETERMINISM}",
+                        f"{clip(repr(expected), 200)}: {DETERMINISM}",
                     )
             if next(guest._replay, None) is not None:
                 raise ControllerError(
                     "controller_nondeterministic",
-                    f"a new branch's guest made fewer storage calls than the forking guest "
-                    f"while replaying the calls before the fork: {_DETERMINISM}",
+                    f"a new branch's guest made fewer storage or tool calls than the "
+                    f"forking guest while replaying the calls before the fork: {DETERMINISM}",
                 )
         except ControllerError:
             guest.close()
@@ -346,69 +335,3 @@ class GuestInstance:
 
     def count_pattern(self, pattern: str) -> None:
         self.quotas.count_pattern(pattern)
-
-    # -- storage and the line's outputs (contract 0.2.0), shared by the line's guests --
-
-    def storage_get(self, key: str) -> bytes | None:
-        if self._replay is not None:
-            return self._replayed("get", key)
-        value = self.scope.get(key)
-        self._record("get", key, value)
-        return value
-
-    def storage_set(self, key: str, value: bytes) -> None:
-        if self._replay is not None:
-            self._replayed("set", key)  # applied when the forking guest made it
-            return
-        limits = self._limits
-        _as_fault(lambda: self.scope.set(key, value, limits.storage_keys, limits.storage_bytes))
-        self._record("set", key, None)
-
-    def storage_append(self, key: str, value: bytes) -> int:
-        if self._replay is not None:
-            return int(self._replayed("append", key))
-        limits = self._limits
-        length = _as_fault(
-            lambda: self.scope.append(key, value, limits.storage_keys, limits.storage_bytes)
-        )
-        self._record("append", key, length)
-        return length
-
-    def set_line_output(self, key: str, value: str) -> None:
-        if self._replay is not None:
-            return  # made once already, by the forking guest
-        limits = self._limits
-        _as_fault(lambda: self.scope.set_output(key, value, limits.max_outputs,
-                                               limits.output_bytes))
-
-    def _record(self, op: str, key: str, answer: Any) -> None:
-        if self.journal is not None:
-            self.journal.storage.append((op, key, answer))
-
-    def _replayed(self, op: str, key: str) -> Any:
-        """The journaled answer of the storage call a replay makes now."""
-        assert self._replay is not None
-        entry = next(self._replay, None)
-        if entry is None or entry[:2] != (op, key):
-            was = "no storage call" if entry is None else f"storage {entry[0]} {entry[1]!r}"
-            raise Fault(ControllerError(
-                "controller_nondeterministic",
-                f"a new branch's guest, replaying the calls before the fork, made storage "
-                f"{op} {clip(repr(key), 100)} where the forking guest made {clip(was, 120)}: "
-                f"{_DETERMINISM}",
-            ))
-        return entry[2]
-
-
-_DETERMINISM = (
-    "a controller that forks must answer alike given the same inputs (the sandbox gives it "
-    "no clock or randomness)"
-)
-
-
-def _as_fault(write: Callable[[], T]) -> T:
-    """A write to the line's scope; its quota error ends the call (and the line)."""
-    try:
-        return write()
-    except ControllerError as e:
-        raise Fault(e) from None

@@ -27,6 +27,9 @@
   ends the line with `storage_quota` (the data is the controller's own state: a write
   that silently did not happen would be worse than an error). The line's own outputs
   (`set-line-output`) have the per-sequence output caps.
+- A tool call (`aici:tools`) holds the engine's step until its answer is in, up to
+  `--tool-timeout`, so a sequence may make `max_tool_calls`; past that its calls are
+  answered `err` (`tool_quota`) without reaching a tool, and the guest goes on.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class GuestLimits:
     pattern_chars: int = 16 << 10  # longest tokens-matching pattern; longer: err
     storage_keys: int = 256  # per-line storage keys; beyond: storage_quota
     storage_bytes: int = 1 << 20  # per-line storage key + value bytes; beyond: storage_quota
+    max_tool_calls: int = 32  # aici:tools calls per sequence; beyond: err (tool_quota)
 
 
 DEFAULT_GUEST_LIMITS = GuestLimits()

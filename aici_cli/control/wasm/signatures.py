@@ -2,7 +2,9 @@
 
 A component runs under the `aici:controller` version it exports (`find_contract`): 0.2.0
 (fork, `step-input.branch`, `host.set-line-output`, and the separately versioned
-`aici:storage/storage@0.1.0`) or 0.1.0, which keeps loading and running unchanged.
+`aici:storage/storage@0.1.0`) or 0.1.0, which keeps loading and running unchanged. Any
+version may import `aici:tools/tools@0.1.0`, versioned apart too; every import is
+optional: the host provides what a component imports.
 
 A component built against an edited WIT with the same version fails here, in one line,
 instead of failing value conversions mid-run. Also tells how wasmtime-py represents the
@@ -38,6 +40,7 @@ from aici_cli.control.wasm.component_file import ComponentError
 CONSTRUCTOR = "[constructor]runner"
 MID_PROCESS = "[method]runner.mid-process"
 STORAGE_INTERFACE = "aici:storage/storage@0.1.0"  # versioned apart from aici:controller
+TOOLS_INTERFACE = "aici:tools/tools@0.1.0"  # and so is this one
 
 # The contract's function signatures as `signature` renders them (own/borrow handles
 # carry no resource name in wasmtime-py's reflection).
@@ -74,6 +77,11 @@ _STORAGE = {
     "set": "func(key: string, value: list<u8>)",
     "append": "func(key: string, value: list<u8>) -> u32",
 }
+_TOOLS = {
+    "list-tools": "func() -> list<record{name: string, description: string, "
+                  "input-schema: string}>",
+    "call-tool": "func(name: string, arguments: string) -> result<string, string>",
+}
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,9 @@ class Contract:
     """One version of `aici:controller`: what a component exports and may import.
 
     A component is run under the version it exports; every version the host knows stays
-    loadable (a 0.1.0 component runs unchanged: no fork, no storage).
+    loadable (a 0.1.0 component runs unchanged: no fork, no storage). `aici:tools` is
+    offered to every version: it is versioned apart, and imported only by those that call
+    tools.
     """
 
     version: str
@@ -121,6 +131,7 @@ class Contract:
         if self.forks:
             out[self.host]["set-line-output"] = "func(key: string, value: string)"
             out[STORAGE_INTERFACE] = dict(_STORAGE)
+        out[TOOLS_INTERFACE] = dict(_TOOLS)
         out[self.controller] = {
             CONSTRUCTOR: "func(arg: string, prompt: list<u32>) -> own",
             MID_PROCESS: f"func(self: borrow, input: {step}) -> result<{action}, string>",
@@ -295,11 +306,16 @@ def step_field_tagged(mid_process: FuncType, field: str) -> bool:
     return is_tagged(dict(record.fields)[field])
 
 
+def imports(component: Component, wasm_engine: wasmtime.Engine, iface: str) -> bool:
+    """Whether the component imports interface `iface` (the host links only those)."""
+    return iface in component.type.imports(wasm_engine)
+
+
 def import_result_tagged(component: Component, wasm_engine: wasmtime.Engine, iface: str,
                          func: str) -> bool:
     """How an import's variant-like result (`tokens-matching`'s `result<u32, string>`,
-    storage `get`'s `option<list<u8>>`) must be lowered (False when the component does
-    not import it)."""
+    storage `get`'s `option<list<u8>>`, `call-tool`'s `result<string, string>`) must be
+    lowered (False when the component does not import it)."""
     item = component.type.imports(wasm_engine).get(iface)
     if item is None or not isinstance(item.ty, ComponentInstanceType):
         return False

@@ -46,6 +46,8 @@ class Lowering:
     branch: bool = False  # step-input.branch: option<u32> (0.2.0)
     tokens_matching: bool = False  # tokens-matching's result<u32, string>
     storage_get: bool = False  # storage get's option<list<u8>> (0.2.0)
+    tools: bool = False  # whether the component imports aici:tools (linked only then)
+    call_tool: bool = False  # call-tool's result<string, string>
 
 
 

@@ -11,6 +11,7 @@
     engine_process  one life of that child, seen from the run: start, send, receive, end
     engine_child    the child itself (`python -m aici_cli.run.backends.engine_child`)
     child_messages  what the two say over their socket
+    tool_relay      a controller's tool calls from that child, answered by the run
     progress_relay  the child's model-loading progress, shown by the run
     line_deaths     what a death costs each line in flight; `engine_crash`
     child_faults    the deaths the tests inject

@@ -21,6 +21,7 @@ from aici_cli.engine import ControllerFactory, Engine
 from aici_cli.models.load import LoadedModel, load_model
 
 if TYPE_CHECKING:
+    from aici_cli.control.guest_tools import LineTools
     from aici_cli.control.wasm import ControllerComponent, WasmController
 
 
@@ -44,11 +45,13 @@ class BuiltEngine:
         return self.load_ended - self.load_started
 
 
-def build_engine(config: RunConfig, wasm: bytes | None = None) -> BuiltEngine:
+def build_engine(config: RunConfig, wasm: bytes | None = None,
+                 tools: LineTools | None = None) -> BuiltEngine:
     """Load `config`'s model, build its `Engine`, and give every line a runner of the
     `--controller` component if there is one: read from its file, or from `wasm`, its
     bytes read elsewhere (a Ray worker gets them through the object store, so its node
-    needs no copy of the file). Raises `ModelError`/`UsageError` as a run reports them.
+    needs no copy of the file); `tools`: what a line's guests' tool calls reach (none
+    allowed when None). Raises `ModelError`/`UsageError` as a run reports them.
     Thread counts are the caller's: a process sets them before torch starts its pool."""
     started = time.perf_counter()
     lm = load_model(config.model, config.device, config.dtype, load_quantize(config),
@@ -57,7 +60,7 @@ def build_engine(config: RunConfig, wasm: bytes | None = None) -> BuiltEngine:
     if config.controller is not None:
         built.component = load_controller(config, wasm)
         built.engine.set_controller_factory(
-            wasm_factory(config, built.engine, built.call_times, built.component))
+            wasm_factory(config, built.engine, built.call_times, built.component, tools))
     return built
 
 
@@ -80,9 +83,12 @@ def load_controller(config: RunConfig, wasm: bytes | None = None) -> ControllerC
 
 
 def wasm_factory(config: RunConfig, engine: Engine, call_times: list[float],
-                 component: ControllerComponent) -> ControllerFactory:
-    """A factory giving every job its own runner of the `--controller` component; each
-    guest call's ms is appended to `call_times`."""
+                 component: ControllerComponent,
+                 tools: LineTools | None = None) -> ControllerFactory:
+    """A factory giving every job its own runner of the `--controller` component, its
+    tool calls reaching `tools` of its line; each guest call's ms is appended to
+    `call_times`."""
+    from aici_cli.control.guest_tools import NO_TOOLS
     from aici_cli.control.wasm import TokenizerServices, WasmController
     from aici_cli.core.errors import ControllerError
 
@@ -101,7 +107,8 @@ def wasm_factory(config: RunConfig, engine: Engine, call_times: list[float],
         if not isinstance(arg, str):
             arg = json.dumps(arg)
         return WasmController(component, arg, services, engine.compiler,
-                              config.engine.fast_forward, call_times)
+                              config.engine.fast_forward, call_times,
+                              tools(job.index) if tools is not None else NO_TOOLS)
 
     return factory
 

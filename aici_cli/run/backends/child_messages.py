@@ -2,10 +2,11 @@
 picklable dataclasses, one per message (`multiprocessing.connection` framing).
 
 Run to engine: `Start` (once, first), lists of `Job`s to run, `Admission` (the run's
-`should_admit` as it changes), `EndOfInput`. Engine to run: load progress (`ProgressNote`,
-`ProgressSteps`, `ProgressAdvance`, `ProgressDone`), then `Ready` or `LoadFailed`; after
-that `Started` as a line takes a row, `Finished` per result, `Drained` when the engine has
-nothing more to do. A closed socket means the other side is gone.
+`should_admit` as it changes), `EndOfInput`, and `ToolAnswered` per `ToolCall`. Engine to
+run: load progress (`ProgressNote`, `ProgressSteps`, `ProgressAdvance`, `ProgressDone`),
+then `Ready` or `LoadFailed`; after that `Started` as a line takes a row, `ToolCall` as a
+controller calls a tool (`tool_relay.py`), `Finished` per result, `Drained` when the engine
+has nothing more to do. A closed socket means the other side is gone.
 
 Torch-free: the run imports this, the engine process too.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from aici_cli.control.guest_tools import ToolAnswer, ToolInfo
 from aici_cli.core.config import RunConfig
 from aici_cli.core.line_stats import StepTimes
 
@@ -23,10 +25,21 @@ from aici_cli.core.line_stats import StepTimes
 
 @dataclass(frozen=True)
 class Start:
-    """The run's settings; `life` counts the engine processes of the run from 1."""
+    """The run's settings; `life` counts the engine processes of the run from 1; `tools`:
+    those its controllers may call (None: none, every call refused in the engine's
+    process, without a message)."""
 
     config: RunConfig
     life: int
+    tools: tuple[ToolInfo, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ToolAnswered:
+    """The answer to the engine's `ToolCall` number `id`."""
+
+    id: int
+    answer: ToolAnswer
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,17 @@ class Started:
     """Line `index` took a row: from now its death is charged to it (`supervised.py`)."""
 
     index: int
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A controller of line `index` calls tool `name` with `arguments` (JSON text), and
+    waits for `ToolAnswered(id)`."""
+
+    id: int
+    index: int
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True)

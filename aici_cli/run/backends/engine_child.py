@@ -7,7 +7,8 @@ It loads the model once (`build_engine`, as a Ray worker does; its load progress
 run sends (a None item: nothing yet), sending `Started` as each line takes a row and
 `Finished` with each result the moment it is emitted, the engine's figures since the last
 message with it. A reader thread takes the run's messages off the socket at once, so the
-run's sends never wait on a step.
+run's sends never wait on a step, and hands a controller's tool answers to the guest that
+waits for them (`tool_relay.py`).
 
 It ignores SIGINT (the run owns Ctrl-C and says what to do through `Admission`), writes
 nothing on stdout (the run's results may go there: fd 1 is the run's stderr), and dies
@@ -43,7 +44,9 @@ from aici_cli.run.backends.child_messages import (
     Ready,
     Start,
     Started,
+    ToolAnswered,
 )
+from aici_cli.run.backends.tool_relay import RelayedTools
 
 if TYPE_CHECKING:
     from aici_cli.core.line_stats import StepTimes
@@ -91,6 +94,9 @@ class EngineChild:
         self.ended = False  # the run said EndOfInput
         self.steps = 0
         self.reported = (0, 0, 0)  # figures sent so far: steps, compile times, calls
+        # The run's tools its controllers may call, their calls relayed to the run.
+        self.relay = (RelayedTools(start.tools, self.send, self.config.tools.call_timeout_s)
+                      if start.tools is not None else None)
 
     def send(self, message: object) -> None:
         with self.send_lock:
@@ -112,8 +118,10 @@ class EngineChild:
             self.faults.at_load_time()
             from aici_cli.run.backends.build import build_engine
 
+            relay = self.relay
             with reporting_to(RelayProgress(self.send)):
-                built = build_engine(self.config)
+                built = build_engine(self.config,
+                                     tools=relay.for_line if relay is not None else None)
         except UsageError as e:
             self._fail("usage", str(e))
         except ModelError as e:
@@ -167,6 +175,10 @@ class EngineChild:
                 _exit(0)
             if isinstance(message, list):
                 self.feed.put(message)
+                continue
+            if isinstance(message, ToolAnswered):  # a guest waits for it on the engine's thread
+                if self.relay is not None:
+                    self.relay.answered(message)
                 continue
             with self.changed:
                 if isinstance(message, Admission):

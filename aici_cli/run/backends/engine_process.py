@@ -19,12 +19,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from aici_cli.control.guest_tools import ToolInfo
 from aici_cli.core.config import RunConfig
 from aici_cli.core.errors import ModelError, UsageError
 from aici_cli.run.backends.child_messages import LoadFailed, Ready, Start
@@ -43,7 +45,8 @@ LOAD_HINT = ("a native crash (torch's kernels, a driver, the OOM killer); `aici-
 class EngineProcess:
     """One engine process: `send`, `receive`, `wait_ready`, and how it ended."""
 
-    def __init__(self, config: RunConfig, life: int) -> None:
+    def __init__(self, config: RunConfig, life: int,
+                 tools: tuple[ToolInfo, ...] | None = None) -> None:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -60,18 +63,22 @@ class EngineProcess:
         self.conn = Connection(ours.detach())
         self.gone = False  # the process has exited (its last messages received)
         self.info: dict[str, Any] = {}  # `Ready.info`
-        self.send(Start(config, life))
+        # Sends come from the run's thread and from the tools' (`tool_relay.serve_call`).
+        self._send_lock = threading.Lock()
+        self.send(Start(config, life, tools))
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def send(self, message: object) -> None:
-        """Send `message`; a process already gone is found by `receive`."""
-        if self.gone:
-            return
-        with contextlib.suppress(OSError):
-            self.conn.send(message)
+        """Send `message` (from any thread); a process already gone is found by
+        `receive`."""
+        with self._send_lock:
+            if self.gone:
+                return
+            with contextlib.suppress(OSError):
+                self.conn.send(message)
 
     def receive(self, timeout: float) -> list[object]:
         """The messages that arrived, waiting up to `timeout` s for the first; sets
@@ -130,8 +137,9 @@ class EngineProcess:
     def stop(self) -> None:
         """End the process: its socket's end-of-file makes it exit; SIGKILL after
         `EXIT_GRACE_S`."""
-        self.conn.close()
-        self.gone = True
+        with self._send_lock:
+            self.conn.close()
+            self.gone = True
         deadline = time.monotonic() + EXIT_GRACE_S
         while self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)

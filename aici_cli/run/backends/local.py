@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from aici_cli.control.guest_tools import RunTools
 from aici_cli.core.config import RunConfig
 from aici_cli.core.job import BadLine, Job
 from aici_cli.engine import Emit
@@ -19,15 +20,19 @@ from aici_cli.run.tally import RunTally
 
 class LocalEngine:
     """The `Backend` of a run in this process: one loaded model and one `Engine`
-    (`build_engine`), traced when the run asks for it."""
+    (`build_engine`), traced when the run asks for it; its controllers' tool calls go
+    to `guest_tools` (a span each, in a traced run)."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, guest_tools: RunTools | None = None) -> None:
         from aici_cli.run.tracing import open_tracing
 
         self.tracing = open_tracing(config)  # None unless --trace or an OTLP endpoint
+        if self.tracing is not None and guest_tools is not None:
+            guest_tools.trace = self.tracing.guest_tool_call
         try:
             threads.apply(config.threads)
-            self.built = build_engine(config)
+            self.built = build_engine(
+                config, tools=guest_tools.for_line if guest_tools is not None else None)
             self.engine = self.built.engine
             self.model_name = self.built.lm.name
             self.quantize = self.built.lm.quantize

@@ -12,8 +12,10 @@ Faults. When the engine process dies (a signal, an exit with an error), a new on
 loads and the lines the dead one held run again, the same `Job`s (so under
 `--deterministic` the results are those of a run without the death); a result is taken
 only for a line the current life holds, so none is written twice; what a death costs a
-line is `line_deaths.py`. Each death is one warning (`note`), and the run exits 1. A
-death while the model loads stops the run (`ModelError`): that is no line's fault.
+line is `line_deaths.py`. A controller's tool calls come as messages and are answered
+here, where the tools live (`tool_relay.py`). Each death is one warning (`note`), and
+the run exits 1. A death while the model loads stops the run (`ModelError`): that is no
+line's fault.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from aici_cli.control.guest_tools import RunTools
 from aici_cli.core.config import RunConfig
 from aici_cli.core.errors import ModelError
 from aici_cli.core.job import BadLine, Job, error_result
@@ -33,6 +36,7 @@ from aici_cli.run.backends.child_messages import (
     Figures,
     Finished,
     Started,
+    ToolCall,
 )
 from aici_cli.run.backends.engine_process import EngineProcess
 from aici_cli.run.backends.line_deaths import (
@@ -43,6 +47,7 @@ from aici_cli.run.backends.line_deaths import (
     death_note,
 )
 from aici_cli.run.backends.progress_relay import ProgressReplay
+from aici_cli.run.backends.tool_relay import serve_call
 from aici_cli.run.live_input import LiveInput
 from aici_cli.run.summary import summarize
 from aici_cli.run.tally import RunTally
@@ -59,8 +64,9 @@ EMPTY_DEATHS = 3
 class SupervisedEngine:
     """A local run's engine in a child process; see the module docstring."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, guest_tools: RunTools | None = None) -> None:
         self.config = config
+        self.guest_tools = guest_tools  # what the controllers' relayed tool calls reach
         self.cap = config.engine.batch_size + config.engine.lookahead
         self.lives = 0
         self.deaths = 0  # of engine processes, for the run's exit status
@@ -87,7 +93,9 @@ class SupervisedEngine:
         """A new engine process, once its model is ready (None: `go_on()` turned False
         first). Its load progress shows as a load in this process would."""
         self.lives += 1
-        process = EngineProcess(self.config, self.lives)
+        tools = self.guest_tools  # told to the process only where the run allows any
+        process = (EngineProcess(self.config, self.lives) if tools is None
+                   else EngineProcess(self.config, self.lives, tuple(tools.infos)))
         try:
             ready = process.wait_ready(ProgressReplay(self.progress), go_on)
         except BaseException:
@@ -208,6 +216,8 @@ class SupervisedEngine:
         elif isinstance(message, Drained):
             self._add(message.figures)
             return True
+        elif isinstance(message, ToolCall):  # answered from the tools' thread
+            serve_call(self.guest_tools, message, self.process.send)
         return False
 
     def _add(self, figures: Figures) -> None:

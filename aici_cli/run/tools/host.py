@@ -1,7 +1,8 @@
 """`open_tool_host`: the run's tools as its options ask for them, before the model loads:
-the `--mcp` servers started (or the `--tool-replay` file read), behind a `--tool-record`
-recording; `served`, their list as the run's start shows it; and `run_lines`, a backend's
-run with the tool rounds around it where there are tools."""
+the `--mcp` servers started (or the `--tool-replay` file read), `--allow-tool` checked
+against them, behind a `--tool-record` recording; `guest_tool_host`, those tools as the
+run's controllers may call them; `served`, their list as the run's start shows it; and
+`run_lines`, a backend's run with the tool rounds around it where there are tools."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from aici_cli.core.config import ToolOptions
 from aici_cli.core.job import BadLine, Job
 from aici_cli.run.tools.calls import ToolHost
+from aici_cli.run.tools.guest import GuestToolHost, allowed_tools
 from aici_cli.run.tools.loop import ToolLoop
 from aici_cli.run.tools.record import Recorder, ReplayedTools
 
@@ -32,13 +34,22 @@ def open_tool_host(options: ToolOptions, resume: bool) -> ToolHost | None:
         from aici_cli.run.tools.servers import ToolServers  # mcp, on first use
 
         host = ToolServers(options.servers, options.call_timeout_s, options.result_bytes)
-    if options.record is not None:
-        try:
-            host = Recorder(host, options.record, append=resume)
-        except BaseException:
-            host.close()
-            raise
+    try:
+        listed = allowed_tools(host.tools, options.allowed, replay=options.replay is not None)
+        if options.record is not None:
+            host = Recorder(host, options.record, append=resume, listed=listed)
+    except BaseException:
+        host.close()
+        raise
     return host
+
+
+def guest_tool_host(host: ToolHost | None, options: ToolOptions) -> GuestToolHost | None:
+    """The tools the run's controllers may call (`--allow-tool`); None where it allows
+    none (a controller's calls are then refused, its list empty)."""
+    if host is None or not options.allowed:
+        return None
+    return GuestToolHost(host, options.allowed, options.call_timeout_s)
 
 
 def served(host: ToolHost) -> str:

@@ -7,7 +7,10 @@ recorded time too).
 A call is found by its line, tool and arguments (spacing and key order aside), and a line
 that makes one call twice gets the answers in their recorded order. A call that the file
 lacks for its line is answered as the same call of another line was, where the file has
-one; else it is the line's error (`tool_not_recorded`). Torch-free and mcp-free.
+one; else it is the line's error (`tool_not_recorded`). Controllers' calls (`aici:tools`)
+are recorded and replayed alike, under their line's index; the file also lists the tools
+`--allow-tool` names as their servers did (a line with `tool` and no `index`), so that a
+replay's `list-tools` gives controllers what the servers gave. Torch-free and mcp-free.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import IO, Any
 
@@ -34,12 +38,19 @@ def _entry(index: int, name: str, arguments: str, outcome: CallOutcome) -> dict[
     return entry
 
 
+def _listing(tool: ServedTool) -> dict[str, Any]:
+    return {"tool": tool.name, "server": tool.server, "description": tool.description,
+            "input_schema": tool.input_schema}
+
+
 class Recorder:
     """`host`, with every answer written to `path` as it comes (appended on `--resume`,
     so the file keeps the calls of the lines the earlier run finished; a line a kill cut
-    short is cut off first)."""
+    short is cut off first), after a line for each tool of `listed` (those controllers
+    may call)."""
 
-    def __init__(self, host: ToolHost, path: str, append: bool = False) -> None:
+    def __init__(self, host: ToolHost, path: str, append: bool = False,
+                 listed: Sequence[ServedTool] = ()) -> None:
         self.host = host
         self.tools = host.tools
         self._lock = threading.Lock()
@@ -47,6 +58,9 @@ class Recorder:
             if append:
                 _cut_torn_tail(path)
             self._file: IO[str] = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
+            for tool in listed:
+                self._file.write(json.dumps(_listing(tool), ensure_ascii=False) + "\n")
+            self._file.flush()
         except OSError as e:
             raise UsageError(f"cannot write --tool-record {path}: {e.strerror}") from None
 
@@ -117,6 +131,11 @@ class ReplayedTools:
                              f"({type(e).__name__}: {e})") from None
 
     def _add(self, entry: dict[str, Any]) -> None:
+        if "index" not in entry and "tool" in entry:  # a listing: it wins over a call's guess
+            name = str(entry["tool"])
+            self.tools[name] = ServedTool(str(entry["server"]), name, entry.get("description"),
+                                          dict(entry.get("input_schema") or {}))
+            return
         error = entry.get("error")
         outcome = CallOutcome(
             str(entry["server"]), entry.get("content"), bool(entry.get("is_error", False)),

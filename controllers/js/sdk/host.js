@@ -3,13 +3,16 @@
 // Two hosts implement them: the in-component one (`wit/bindings.js`, which calls the
 // component's imports) and `testing.js`'s `StubHost` (plain node). Controller code never
 // picks one: the session activates its host around every step, and the module-level
-// helpers (`log`, `setOutput`, `setLineOutput`, `storage`) go to whichever host is active.
+// helpers (`log`, `setOutput`, `setLineOutput`, `storage`, `tools`) go to whichever host is
+// active.
 //
 // A host has: vocabSize(), eosToken(), tokenize(text) -> number[], decode(tokens) -> string,
 // tokenBytes(token) -> Uint8Array, tokensMatching(pattern) -> handle (throws on a bad
 // pattern), log(message), setOutput(key, jsonText); and for aici:controller@0.2.0:
 // setLineOutput(key, jsonText), storageGet(key) -> Uint8Array | null,
-// storageSet(key, bytes), storageAppend(key, bytes) -> number, and `canFork`.
+// storageSet(key, bytes), storageAppend(key, bytes) -> number, and `canFork`; and for
+// aici:tools@0.1.0: listTools() -> [{ name, description, inputSchema (JSON text) }],
+// callTool(name, argumentsJson) -> [ok, text] (text: the answer, or "TYPE: message").
 
 let active = null;
 
@@ -24,8 +27,8 @@ export function activate(host) {
 export function currentHost() {
   if (active === null) {
     throw new Error(
-      "no running controller: log(), setOutput() and storage work only while the host runs " +
-        "the controller (inside its generator or step method)",
+      "no running controller: log(), setOutput(), storage and tools work only while the host " +
+        "runs the controller (inside its generator or step method)",
     );
   }
   return active;
@@ -80,6 +83,57 @@ export const storage = Object.freeze({
     );
   },
 });
+
+/** A tool call the host answered with `err`: `type` ("tool_not_allowed", "tool_error",
+ * "tool_timeout", ...) and `message`. */
+export class ToolError extends Error {
+  constructor(type, message) {
+    super(`${type}: ${message}`);
+    this.name = "ToolError";
+    this.type = type;
+    this.detail = message;
+  }
+
+  /** The host's "TYPE: message". */
+  static parse(text) {
+    const at = text.indexOf(": ");
+    const type = at < 0 ? "" : text.slice(0, at);
+    if (at < 0 || type.includes(" ")) return new ToolError("tool_failed", text);
+    return new ToolError(type, text.slice(at + 2));
+  }
+}
+
+/**
+ * The tools the run allows this controller (aici:tools@0.1.0; `aici-batch run --mcp
+ * NAME=COMMAND --allow-tool TOOL`). `callTool` waits for the answer (the host bounds it
+ * with --tool-timeout, and the engine's step waits with it); the answer is the server's
+ * text, untrusted. A call the host cannot answer throws `ToolError`.
+ */
+export const tools = Object.freeze({
+  /** The tools this controller may call: [{ name, description, inputSchema (an object) }]. */
+  listTools() {
+    return currentHost()
+      .listTools()
+      .map((t) => ({ name: t.name, description: t.description, inputSchema: parseSchema(t.inputSchema) }));
+  },
+  /** Call tool `name` with `args` (an object, or its JSON text; default {}); its answer's text. */
+  callTool(name, args = {}) {
+    if (typeof name !== "string") throw new TypeError(`tools.callTool() takes the tool's name as a string, got ${typeof name}`);
+    const text = typeof args === "string" ? args : JSON.stringify(args);
+    const [ok, answer] = currentHost().callTool(name, text);
+    if (!ok) throw ToolError.parse(answer);
+    return answer;
+  },
+});
+
+function parseSchema(text) {
+  try {
+    const value = JSON.parse(text);
+    return value !== null && typeof value === "object" && !Array.isArray(value) ? value : {};
+  } catch {
+    return {};
+  }
+}
 
 export function toJson(value, key, where = "setOutput") {
   let text;

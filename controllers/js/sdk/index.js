@@ -41,5 +41,5 @@ export {
   tokensMatching,
 } from "./actions.js";
 export { Context, TokenController } from "./context.js";
-export { log, setLineOutput, setOutput, storage } from "./host.js";
+export { ToolError, log, setLineOutput, setOutput, storage, tools } from "./host.js";
 export { ControllerFailed, checkController, findController } from "./session.js";

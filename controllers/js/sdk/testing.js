@@ -22,10 +22,23 @@
 //   first stop string and at `maxTokens`, as the host would. There is no model;
 // - `fork(n)`: the stub cannot copy a running controller, so it continues one branch,
 //   `forkBranch` (default 0); run once per branch to test each. `storage` is a Map that
-//   runs may share (pass the same `storage` option) to play branches that run in turn.
+//   runs may share (pass the same `storage` option) to play branches that run in turn;
+// - tools: `tools: { name: fake }` serves fake tools to `tools.listTools()` /
+//   `tools.callTool()`. A fake is a function of the arguments (an object) or
+//   `{ call, description, inputSchema }`; its return value is the answer (a string as it
+//   is, anything else as JSON); throwing a `ToolError` answers with that host error (a
+//   `new ToolError("tool_timeout", "...")` plays a hung server), throwing anything else is
+//   the tool's own error (`tool_error`). As on the host, a tool not on `allowTools`
+//   (default: every fake) is `tool_not_allowed`, arguments that are not a JSON object are
+//   `tool_bad_arguments`, the 33rd call is `tool_quota`, and the answer's control
+//   characters (but tab and newline) are dropped; `run.toolCalls` lists the calls made.
 
 import { AllTokens, Allow, Bitmask, Deny, Fork, Generate, Matching, Sample, Splice, Stop } from "./actions.js";
+import { ToolError } from "./host.js";
 import { ControllerFailed, Session, checkController, findController } from "./session.js";
+
+// The host's calls per sequence (`GuestLimits.max_tool_calls`).
+const MAX_TOOL_CALLS = 32;
 
 // EOS, then Python's `string.printable` without "\r\x0b\x0c", in its order (the Python
 // SDK's stub vocabulary, so both stubs give the same token ids).
@@ -57,6 +70,7 @@ export class Run {
     this.tokens = []; // the output tokens
     this.text = "";
     this.error = null; // the err message, when the controller failed
+    this.toolCalls = []; // { name, arguments (JSON text), ok, text } per call, in order
   }
 
   /** The actions in their SDK spelling: ['fixed(" A: ")', 'gen({choices: [...], ...})', ...]. */
@@ -68,7 +82,8 @@ export class Run {
 export class StubHost {
   /**
    * Options: `vocab` (token strings), `eos` (its text or id), `respond`, `sampler`,
-   * `seed`, `forkBranch`, `storage` (a Map of key -> Uint8Array).
+   * `seed`, `forkBranch`, `storage` (a Map of key -> Uint8Array), `tools` (fake tools by
+   * name), `allowTools` (the names controllers may call; default: every fake).
    */
   constructor(options = {}) {
     const {
@@ -79,6 +94,8 @@ export class StubHost {
       seed = 0,
       forkBranch = 0,
       storage = new Map(),
+      tools = {},
+      allowTools,
     } = options;
     if (!Array.isArray(vocab)) throw new TypeError("vocab is an array of token strings");
     this._texts = [...vocab];
@@ -94,6 +111,11 @@ export class StubHost {
     this._sampler = sampler ?? seededChoice(seed);
     this.forkBranch = forkBranch;
     this.storage = storage;
+    this.tools = Object.fromEntries(
+      Object.entries(tools).map(([name, fake]) => [name, typeof fake === "function" ? { call: fake } : fake]),
+    );
+    this.allowTools = new Set(allowTools ?? Object.keys(this.tools));
+    this.toolCalls = [];
     this.contract = "the stub host";
     this.canFork = true;
     this._sets = [];
@@ -185,6 +207,51 @@ export class StubHost {
     return joined.length;
   }
 
+  listTools() {
+    return Object.keys(this.tools)
+      .filter((name) => this.allowTools.has(name))
+      .sort()
+      .map((name) => ({
+        name,
+        description: this.tools[name].description ?? "",
+        inputSchema: JSON.stringify(this.tools[name].inputSchema ?? { type: "object" }),
+      }));
+  }
+
+  callTool(name, args) {
+    const [ok, text] = this.toolCalls.length >= MAX_TOOL_CALLS
+      ? [false, `tool_quota: more than ${MAX_TOOL_CALLS} tool calls per sequence`]
+      : this._toolAnswer(name, args);
+    this.toolCalls.push({ name, arguments: args, ok, text });
+    return [ok, text];
+  }
+
+  _toolAnswer(name, args) {
+    const fake = this.tools[name];
+    if (fake === undefined || !this.allowTools.has(name)) {
+      return [false, `tool_not_allowed: tool '${name}' is not on --allow-tool`];
+    }
+    let value;
+    try {
+      value = JSON.parse(args);
+    } catch (e) {
+      return [false, `tool_bad_arguments: the arguments of ${name} are not JSON (${e.message})`];
+    }
+    if (value === null || typeof value !== "object" || Array.isArray(value)) {
+      return [false, `tool_bad_arguments: the arguments of ${name} are not a JSON object`];
+    }
+    let answer;
+    try {
+      answer = fake.call(value);
+    } catch (e) {
+      if (e instanceof ToolError) return [false, e.message];
+      return [false, `tool_error: ${e instanceof Error ? e.message : String(e)}`];
+    }
+    const text = typeof answer === "string" ? answer : JSON.stringify(answer);
+    // eslint-disable-next-line no-control-regex
+    return [true, text.replace(/\r\n?/g, "\n").replace(/[\x00-\x08\x0b-\x1f\x7f]/g, "")];
+  }
+
   // Driving a controller.
 
   /** A session to step by hand: `session.step(backtrack, tokens, segmentText, branch)`. */
@@ -193,6 +260,7 @@ export class StubHost {
     this.logs = [];
     this.outputs = {};
     this.lineOutputs = {};
+    this.toolCalls = [];
     const promptIds = typeof prompt === "string" ? this.tokenize(prompt) : Array.from(prompt);
     return new Session(spec, this, arg, promptIds);
   }
@@ -201,6 +269,7 @@ export class StubHost {
   run(controller, { arg = "", prompt = "", maxSteps = 10000 } = {}) {
     const session = this.start(controller, { arg, prompt });
     const run = new Run(this.outputs, this.lineOutputs, this.logs);
+    run.toolCalls = this.toolCalls;
     const out = run.tokens;
     let tokens = [];
     let backtrack = 0;

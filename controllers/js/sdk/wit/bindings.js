@@ -4,7 +4,7 @@
 // functions and passes them here as `wit`:
 //   { contract, canFork, tokenizer: { vocabSize, eosToken, tokenize, decode, tokenBytes,
 //     tokensMatching }, host: { log, setOutput, setLineOutput? },
-//     storage: { get, set, append } | null }
+//     storage: { get, set, append } | null, tools: { listTools, callTool } | null }
 // This module imports nothing from the WIT, so node can load it too. Values follow
 // componentize-js's conventions: a variant is `{ tag, val }` with the WIT case name as the
 // tag, an `option` is a value or undefined, a `list<u32>` arrives as a Uint32Array, an
@@ -104,6 +104,31 @@ export class WitHost {
 
   storageAppend(key, value) {
     return this._needs("storage.append()", this.wit.storage?.append)(key, value);
+  }
+
+  listTools() {
+    const tools = this._needsTools("tools.listTools()");
+    return Array.from(tools.listTools(), (t) => ({
+      name: t.name,
+      description: t.description,
+      inputSchema: t.inputSchema,
+    }));
+  }
+
+  callTool(name, args) {
+    const tools = this._needsTools("tools.callTool()");
+    try {
+      return [true, tools.callTool(name, args)];
+    } catch (e) {
+      return [false, String(e?.payload ?? e?.message ?? e)];
+    }
+  }
+
+  _needsTools(what) {
+    if (!this.wit.tools) {
+      throw new Error(`${what} needs the aici:tools@0.1.0 import; this controller was built against ` + this.contract);
+    }
+    return this.wit.tools;
   }
 
   _needs(what, fn) {

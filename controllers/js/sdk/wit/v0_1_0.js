@@ -20,5 +20,6 @@ export function exportController(module, filename) {
     tokenizer: { vocabSize, eosToken, tokenize, decode, tokenBytes, tokensMatching },
     host: { log, setOutput },
     storage: null,
+    tools: null,
   });
 }
