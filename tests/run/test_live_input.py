@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import interruptible
 import pytest
 
 from aici_cli.run.live_input import LiveInput, may_block
@@ -29,17 +30,10 @@ class Producer:
     """`aici-batch run -` fed by hand, its results read as they come, with their times."""
 
     def __init__(self, tiny_model_dir: Path, *args: str) -> None:
-        previous = signal.getsignal(signal.SIGINT)
-        if previous is signal.SIG_IGN:  # a child inherits an ignored SIGINT
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            self.proc = subprocess.Popen(
-                [*aici_batch(), "run", "-", "--model", str(tiny_model_dir), "--device", "cpu",
-                 "--dtype", "float32", "--batch-size", "4", *args],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        self.proc = interruptible.popen(
+            [*aici_batch(), "run", "-", "--model", str(tiny_model_dir), "--device", "cpu",
+             "--dtype", "float32", "--batch-size", "4", *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.t0 = time.monotonic()
         self.written: dict[str, float] = {}
         self.results: dict[str, tuple[float, dict[str, Any]]] = {}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import interruptible
 import pytest
 
 
@@ -41,17 +42,9 @@ class Run:
 
     def __init__(self, args: list[str], out: Path | None = None) -> None:
         self.out = out
-        # A child inherits an ignored SIGINT (e.g. from a shell's background job) and then
-        # rightly keeps ignoring it; make sure this one can be interrupted.
-        previous = signal.getsignal(signal.SIGINT)
-        if previous is signal.SIG_IGN:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            self.proc = subprocess.Popen([*aici_batch(), "run", *args],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                         text=True)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        self.proc = interruptible.popen([*aici_batch(), "run", *args],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True)
         self.err: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import interruptible
 import jsonschema
 import pytest
 from paths import CONTROLLERS
@@ -223,8 +224,8 @@ def test_resume_across_local_and_ray_runs(reference: tuple[Path, Path], tiny_mod
 
 def interrupted_after(results: int, args: list[str], out: Path) -> tuple[int, str]:
     """Run `args`, send SIGINT once `out` holds `results` lines; its exit code and stderr."""
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = interruptible.popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(proc.stderr or []), daemon=True)
     reader.start()
