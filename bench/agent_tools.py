@@ -6,7 +6,13 @@ tool that answers at once against one that takes `--delay` seconds a call.
 
     python bench/agent_tools.py --models default --lines 16 --batch-size 8 --delay 1
 
-Accuracy: a line is right when its final answer holds the expected value. Throughput:
+`--models` takes comma-separated `--model` values: `default`, a short name, a hub id, a
+model directory or a GGUF file (`--models default,path/to/model.gguf`); each model's row
+is keyed by that value. `--skip-throughput` measures accuracy alone.
+
+Accuracy: a line is right when its final answer holds the expected value; a line that
+fails (an error instead of text) is wrong, and the row counts those by error type (a
+model whose tool calls the constraint cannot write fails every tooled line). Throughput:
 the same 16 lines at batch 8, each making its calls (one round) to the instant server,
 then to the slow one, after a warm-up run (a first run builds the compiled step), best of
 `--repeats`; the ratio of their wall times says how much of the tools' time the batch
@@ -93,6 +99,40 @@ def accuracy(pairs: list[tuple[str, str]], results: dict[str, dict[str, Any]]) -
     return round(right / len(pairs), 3)
 
 
+def failures(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's failed lines: how many, by error type, and the first error's message."""
+    first = summary.get("first_error") or {}
+    return {"count": summary.get("errors", 0), "types": summary.get("error_types", {}),
+            **({"first": first.get("message", "")} if first else {})}
+
+
+def throughput(work: Path, pairs: list[tuple[str, str]], model: str | None,
+               batch: list[str], max_tokens: int, delay: float,
+               repeats: int) -> dict[str, Any]:
+    """Wall times of one round of calls a line, an instant tool against a slow one (`delay`
+    seconds a call), after a run that builds what a first run builds (the compiled step's
+    graphs for these row counts, cached on disk): best of `repeats`, interleaved."""
+    row: dict[str, Any] = {}
+    text = lines(pairs, True, max_tokens)
+    run(work, text, model, [*batch, "--mcp", server(0), "--max-tool-rounds", "1"])
+    walls: dict[str, list[float]] = {"instant": [], "slow": []}
+    for _ in range(repeats):
+        for label, seconds in (("instant", 0.0), ("slow", delay)):
+            summary, _ = run(work, text, model, [*batch, "--mcp", server(seconds),
+                                                 "--max-tool-rounds", "1"])
+            walls[label].append(summary["wall_s"])
+            # No "tools" when no line made a call (every line failed).
+            row[f"{label}_tool_ms"] = summary.get("tools", {}).get("calc", {}).get("ms")
+            row[f"{label}_failed_lines"] = failures(summary)
+    # Best of, and every run: a run's wide prefill passes (and whether the int4 layers'
+    # dense copy is made) follow when lines arrive, so walls vary.
+    for label, runs in walls.items():
+        row[f"wall_s_{label}_tool"] = min(runs)
+        row[f"wall_s_{label}_tool_runs"] = runs
+    row["slow_over_instant"] = round(min(walls["slow"]) / min(walls["instant"]), 3)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -104,6 +144,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3, help="throughput runs of each tool")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true",
+                    help="measure accuracy alone (no instant/slow tool runs)")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "agent_tools.json")
     args = ap.parse_args()
     pairs = questions(args.lines)
@@ -116,30 +158,18 @@ def main() -> int:
             model = None if name == "default" else name
             row: dict[str, Any] = {}
             if not args.skip_accuracy:
-                _, plain = run(work, lines(pairs, False, args.max_tokens), model, batch)
+                plain_summary, plain = run(work, lines(pairs, False, args.max_tokens),
+                                           model, batch)
                 summary, tooled = run(work, lines(pairs, True, args.max_tokens), model,
                                       [*batch, "--mcp", server(0), "--max-tool-rounds", "2"])
                 row["accuracy_without_tools"] = accuracy(pairs, plain)
                 row["accuracy_with_tools"] = accuracy(pairs, tooled)
                 row["tool_calls"] = summary.get("tools", {})
-            # Throughput: one round of calls a line, an instant tool against a slow one,
-            # after a run that builds what a first run builds (the compiled step's graphs
-            # for these row counts, cached on disk), best of --repeats, interleaved.
-            text = lines(pairs, True, args.max_tokens)
-            run(work, text, model, [*batch, "--mcp", server(0), "--max-tool-rounds", "1"])
-            walls: dict[str, list[float]] = {"instant": [], "slow": []}
-            for _ in range(args.repeats):
-                for label, delay in (("instant", 0.0), ("slow", args.delay)):
-                    summary, _ = run(work, text, model, [*batch, "--mcp", server(delay),
-                                                         "--max-tool-rounds", "1"])
-                    walls[label].append(summary["wall_s"])
-                    row[f"{label}_tool_ms"] = summary["tools"]["calc"]["ms"]
-            # Best of, and every run: a run's wide prefill passes (and whether the int4
-            # layers' dense copy is made) follow when lines arrive, so walls vary.
-            for label, runs in walls.items():
-                row[f"wall_s_{label}_tool"] = min(runs)
-                row[f"wall_s_{label}_tool_runs"] = runs
-            row["slow_over_instant"] = round(min(walls["slow"]) / min(walls["instant"]), 3)
+                row["failed_lines_without_tools"] = failures(plain_summary)
+                row["failed_lines_with_tools"] = failures(summary)
+            if not args.skip_throughput:
+                row.update(throughput(work, pairs, model, batch, args.max_tokens,
+                                      args.delay, args.repeats))
             report["models"][name] = row
             print(f"{name}: {json.dumps(row)}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

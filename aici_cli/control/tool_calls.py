@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,15 +56,25 @@ def calls_text(calls: Sequence[ToolCall]) -> str:
 
 
 def lark_grammar(arguments: Sequence[tuple[str, dict[str, Any]]], text: bool,
-                 parallel: bool) -> str:
+                 parallel: bool, special: Mapping[str, int] | None = None) -> str:
     """The grammar of an output that calls the tools: for each tool, its name and the JSON
     schema of its arguments (with llguidance's JSON options under `x-guidance`). `text`:
     plain text is allowed instead (`auto`); `parallel`: one call or more, else exactly one.
+    `special`: the tags (`OPEN`, `CLOSE`) that are one special token of the model's
+    vocabulary, by token id (Qwen 2.5's `<tool_call>` is 151657): written as that token
+    (`<[id]>`), since llguidance never matches a special token as text, where the tag as
+    text would refuse the very token the model writes it with. Decoded, the token is the
+    tag's text, so the output reads back the same (`parse_calls`).
 
     Each tool's arguments are their own `%json` root, so a `$ref` in them resolves in the
     tool's own `parameters`, as its author wrote it. (Lark string literals are JSON
     strings, hence `json.dumps`.)
     """
+    special = special or {}
+
+    def tag(text: str) -> str:
+        return f"<[{special[text]}]>" if text in special else json.dumps(text)
+
     calls = "call (SEP call)*" if parallel else "call"
     lines = ["%llguidance {}", f"start: TEXT | {calls}" if text else f"start: {calls}"]
     if text:
@@ -74,8 +84,9 @@ def lark_grammar(arguments: Sequence[tuple[str, dict[str, Any]]], text: bool,
     lines.append(f"SEP: {json.dumps(SEPARATOR)}")
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(arguments))))
     for i, (name, schema) in enumerate(arguments):
-        lines.append(f"call_{i}: {json.dumps(call_prefix(name), ensure_ascii=False)} args_{i} "
-                     f"{json.dumps(_TAIL)}")
+        head = call_prefix(name)[len(OPEN):]
+        lines.append(f"call_{i}: {tag(OPEN)} {json.dumps(head, ensure_ascii=False)} args_{i} "
+                     f"{json.dumps(_TAIL[:-len(CLOSE)])} {tag(CLOSE)}")
         lines.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
     return "\n".join(lines) + "\n"
 

@@ -19,6 +19,8 @@ from tiny_model import CHAT_TEMPLATE, TOOLS_CHAT_TEMPLATE, build_tiny_model
 from aici_cli.cli.main import main
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
 from aici_cli.control.tool_calls import (
+    CLOSE,
+    OPEN,
     SEPARATOR,
     ToolCall,
     call_text,
@@ -162,6 +164,45 @@ def test_names_and_keys_are_fast_forwarded(lm: LoadedModel) -> None:
         '<tool_call>\n{"name": "')
     auto = GrammarController(compiler.compile(_constraint()))
     assert auto.start([]).ff_tokens == ()  # text may answer: nothing is forced
+
+
+def test_tags_that_are_tokens_of_their_own_are_taken_as_those_tokens(
+        tiny_model_dir: Path) -> None:
+    """A vocabulary whose `<tool_call>` and `</tool_call>` are added tokens, as Qwen 2.5's
+    are (not flagged special in its tokenizer.json, special to llguidance all the same):
+    the model writes a tag with its one token, which the grammar takes; as text the tag
+    refused it, and every line calling a tool failed with a grammar error."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens([OPEN, CLOSE], special_tokens=False)
+    open_id, close_id = tokenizer.convert_tokens_to_ids([OPEN, CLOSE])
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    assert compiler.special_tags == {OPEN: open_id, CLOSE: close_id}
+
+    def accepts(constraint: Constraint, text: str) -> bool:
+        m = GrammarController(compiler.compile(constraint), fast_forward=False).matcher()
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return m.try_consume_tokens(tokens) == len(tokens) and m.is_accepting()
+
+    weather = call_text("get_weather", '{"unit": "c", "now": true}')
+    two = weather + SEPARATOR + call_text("ping", "{}")
+    assert tokenizer(weather, add_special_tokens=False)["input_ids"][0] == open_id
+    for fields in ({"tool_choice": "required"}, {}):
+        assert accepts(_constraint(**fields), weather) and accepts(_constraint(**fields), two)
+        assert not accepts(_constraint(**fields), call_text("get_weather", '{"unit": "k"}'))
+    assert accepts(_constraint(), "Sunny.")  # auto: text, which cannot hold the tag
+    assert not accepts(_constraint(), "Sunny " + OPEN)
+    # A named call is forced from its first token, the tag's, to its arguments; it reads
+    # back from its text.
+    named = GrammarController(compiler.compile(_constraint(tool_choice=NAMED)))
+    forced = list(named.start([]).ff_tokens)
+    assert forced[0] == open_id
+    text = tokenizer.decode(forced)
+    assert text.startswith(OPEN + '\n{"name": "switch", "arguments": {"on":')
+    whole = call_text("switch", '{"on": true}')
+    assert whole.startswith(text) and accepts(_constraint(tool_choice=NAMED), whole)
+    assert parse_calls(whole) == [ToolCall("switch", '{"on": true}')]
 
 
 def test_choices_that_call_nothing_make_no_constraint() -> None:

@@ -73,6 +73,18 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int,
                                   eos_token=sorted(eos_token_ids))
 
 
+def special_tags(tokenizer: Any, ll: llguidance.LLTokenizer) -> dict[str, int]:
+    """The tool-call tags (`tool_calls.OPEN`, `CLOSE`) that are a token of their own in
+    `tokenizer`'s vocabulary which llguidance treats as special, by id."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    found = {}
+    for tag in (tool_calls.OPEN, tool_calls.CLOSE):
+        token = backend.token_to_id(tag) if backend is not None else None
+        if token is not None and token < ll.vocab_size and ll.is_special_token(token):
+            found[tag] = token
+    return found
+
+
 class GrammarCompiler:
     """Compiles constraints for one model's tokenizer; caches per distinct constraint."""
 
@@ -80,6 +92,8 @@ class GrammarCompiler:
                  strict_json: bool = True) -> None:
         # Wrapping the tokenizer is the expensive part: once per model.
         self.tokenizer = ll_tokenizer(hf_tokenizer, vocab_size, eos_token_ids)
+        # The tool-call tags that are one special token here, by id (`tool_calls.lark_grammar`)
+        self.special_tags = special_tags(hf_tokenizer, self.tokenizer)
         self.vocab_size = vocab_size
         self.strict_json = strict_json
         self._cache: dict[str, CompiledGrammar | GrammarError] = {}
@@ -282,7 +296,8 @@ class GrammarCompiler:
             arguments.append((name, {**prepared.schema, "x-guidance": prepared.options}))
             validators[name] = prepared.validator
             warnings += [f"tool {name!r}: {w}" for w in prepared.warnings]
-        lark = tool_calls.lark_grammar(arguments, text=spec["text"], parallel=spec["parallel"])
+        lark = tool_calls.lark_grammar(arguments, text=spec["text"], parallel=spec["parallel"],
+                                       special=self.special_tags)
         compiled = self._compile_grammar(constraint, llguidance.LLMatcher.grammar_from_lark(lark),
                                          "tool call grammar", "unsupported_schema")
         compiled.warnings = warnings
