@@ -29,6 +29,7 @@ import torch
 from aici_cli.core.errors import ModelError
 from aici_cli.models.gguf import blocks, kquant
 from aici_cli.models.gguf.entry_record import BASE_FILE, source_gguf
+from aici_cli.models.kernels import aligned
 
 MATRICES_KEY = "aici:matrices"  # the base file's metadata entry (`tensors`)
 STORED_DTYPE = torch.bfloat16  # the dtype of a conversion's dense tensors
@@ -177,8 +178,6 @@ def read_header(file: Path) -> dict[str, Any]:
     cannot be read."""
     try:
         with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            value = json.loads(f.read(length))
+            return aligned.read_header(f)[0]
     except (OSError, ValueError, struct.error):
         return {}
-    return value if isinstance(value, dict) else {}

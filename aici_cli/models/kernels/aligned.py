@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -108,6 +108,18 @@ def save_aligned(tensors: dict[str, Any], file: Path | str,
         f.write(text)
         for blob in blobs:
             f.write(blob)
+
+
+def read_header(f: BinaryIO) -> tuple[dict[str, Any], int]:
+    """The JSON header of the safetensors file `f` reads from its start (its tensors by
+    name, each with `dtype`, `shape` and `data_offsets` from the data's start, and
+    `__metadata__`), and the offset in the file where the data starts. Raises ValueError
+    (or struct.error) where it is not one."""
+    (length,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("a safetensors header is a JSON object")
+    return header, 8 + length
 
 
 def without_padding(tensors: dict[str, Any]) -> dict[str, Any]:

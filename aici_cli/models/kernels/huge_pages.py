@@ -16,7 +16,6 @@ nothing over the file's.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import struct
@@ -24,6 +23,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+
+from aici_cli.models.kernels.aligned import read_header
 
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # every tensor at a cache line (aligned.py: what a kernel's loads may assume)
@@ -67,7 +68,7 @@ class OnHugePages(Mapping[str, torch.Tensor]):
             return
         try:
             spans, self._identity = _data_offsets(file)
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
             return
         size = 0
         for name, t in tensors.items():
@@ -119,10 +120,8 @@ def _data_offsets(file: Path) -> tuple[dict[str, tuple[int, int]], tuple[int, ..
     """Each tensor's (offset of its bytes in `file`, byte count), from its safetensors
     header (an 8-byte little-endian length, then JSON), and the file's identity then."""
     with open(file, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+        header, base = read_header(f)
         identity = _identity(f.fileno())
-    base = 8 + length
     return {name: (base + entry["data_offsets"][0],
                    entry["data_offsets"][1] - entry["data_offsets"][0])
             for name, entry in header.items() if name != "__metadata__"}, identity
