@@ -13,9 +13,10 @@ The arithmetic is native/, plain C without torch, as llama.cpp's CPU backend kee
 generic reference (generic.c, which also quantises the activations) beside one file per
 instruction set (x86_avx512_vnni.c, x86_avx_vnni.c, x86_avx2.c, arm_neon.c with and
 without the dot product: each only its two tile kernels, tiles.h walks the tiles and the
-rows for all), all declared in int_dot.h, which states the layout and the order of every
-float operation: every variant's outputs are the generic one's, bit for
-bit. A new instruction set is a new file there and a row of `int_mm.X86_VARIANTS` or
+rows for all; x86_quantise.c quantises the activations with AVX2 for every x86 variant,
+the generic quantiser's bytes), all declared in int_dot.h, which states the layout and
+the order of every float operation: every variant's outputs are the generic one's, bit
+for bit. A new instruction set is a new file there and a row of `int_mm.X86_VARIANTS` or
 `int_mm.ARM_VARIANTS`, not a branch in a caller.
 
 Modules (* imports torch):

@@ -268,17 +268,25 @@ class Variant:
     cflags: tuple[str, ...]
     source: str
     capability: str | None  # None: any (ARM)
+    # The activation quantiser's own file and flags (x86: AVX2's, which every x86
+    # variant's CPU has), or None: the generic one in generic.c.
+    quantiser: tuple[str, tuple[str, ...]] | None = None
+
+
+# The AVX2 quantiser (native/x86_quantise.c), the same bytes as the generic one, ~3x faster.
+X86_QUANTISER = ("x86_quantise.c", ("-mavx2", "-mfma", "-mf16c"))
 
 
 # Best first, per architecture (cpu_features.CpuFeatures.x86 / .arm).
 X86_VARIANTS = (
-    Variant("avx512_vnni", ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
+    Variant("avx512_vnni",
+            ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"),
             ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"),
-            "x86_avx512_vnni.c", "AVX512"),
+            "x86_avx512_vnni.c", "AVX512", X86_QUANTISER),
     Variant("avx_vnni", ("avx2", "avx_vnni", "f16c", "fma"),
-            ("-mavx2", "-mavxvnni", "-mf16c", "-mfma"), "x86_avx_vnni.c", "AVX2"),
+            ("-mavx2", "-mavxvnni", "-mf16c", "-mfma"), "x86_avx_vnni.c", "AVX2", X86_QUANTISER),
     Variant("avx2", ("avx2", "f16c", "fma"), ("-mavx2", "-mf16c", "-mfma"), "x86_avx2.c",
-            "AVX2"),
+            "AVX2", X86_QUANTISER),
 )
 ARM_VARIANTS = (
     Variant("neon_dot", ("asimd", "asimddp"), ("-march=armv8.2-a+dotprod",), "arm_neon.c",
@@ -318,8 +326,16 @@ def unusable() -> str | None:
     return _load(chosen)
 
 
+def _objects(v: Variant) -> list[tuple[Path, list[str]]]:
+    """The C files of variant `v`'s library, each with its own instruction-set flags."""
+    files = [(NATIVE / "generic.c", []), (NATIVE / v.source, list(v.cflags))]
+    if v.quantiser is not None:
+        files.append((NATIVE / v.quantiser[0], list(v.quantiser[1])))
+    return files
+
+
 def _sources(v: Variant) -> list[Path]:
-    return [NATIVE / "int_dot.h", NATIVE / "tiles.h", NATIVE / "generic.c", NATIVE / v.source]
+    return [NATIVE / "int_dot.h", NATIVE / "tiles.h", *(path for path, _ in _objects(v))]
 
 
 @functools.cache
@@ -347,6 +363,7 @@ def _load(v: Variant) -> str | None:
     # libgomp.so.1 resolves to the one torch loaded (one pool).
     cxx_flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17",
                  f"-DAICI_VARIANT={v.name}", f"-I{SOURCE.parent}",
+                 *(["-DAICI_QUANTISE_AVX2"] if v.quantiser == X86_QUANTISER else []),
                  f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                  "-isystem", str(root / "include"),
                  "-isystem", str(root / "include" / "torch" / "csrc" / "api" / "include")]
@@ -383,7 +400,7 @@ def _build(built: Path, v: Variant, cc: str, cxx: str, c_flags: list[str],
     built.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".int-", dir=built.parent) as tmp:
         objects = []
-        for source, flags in ((NATIVE / "generic.c", []), (NATIVE / v.source, list(v.cflags))):
+        for source, flags in _objects(v):
             obj = Path(tmp) / f"{source.stem}.o"
             steps = [cc, *c_flags, *flags, "-c", str(source), "-o", str(obj)]
             done = subprocess.run(steps, capture_output=True, text=True, timeout=300)

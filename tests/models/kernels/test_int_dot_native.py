@@ -39,9 +39,11 @@ REQUIRE_ARM = "AICI_REQUIRE_ARM"
 TILE, GROUP = 16, 32
 # The CPU flags each x86 build needs: the ones the operators' variants declare.
 CPU_NEEDS = {v.name: v.needs for v in int_mm.X86_VARIANTS}
-# What each build's run prints, one line a variant tested (neon_dot links the plain build).
-PRINTS = {"generic": ["generic"], "avx2": ["generic", "avx2"],
-          "avx_vnni": ["generic", "avx_vnni"], "avx512_vnni": ["generic", "avx512_vnni"],
+# What each build's run prints, one line a variant tested (neon_dot links the plain build;
+# each x86 build links the AVX2 quantiser every x86 operator calls, x86_quantise.c).
+PRINTS = {"generic": ["generic"], "avx2": ["x86_quantise", "generic", "avx2"],
+          "avx_vnni": ["x86_quantise", "generic", "avx_vnni"],
+          "avx512_vnni": ["x86_quantise", "generic", "avx512_vnni"],
           "neon_dot": ["generic", "neon_dot", "neon"], "neon": ["generic", "neon"]}
 
 

@@ -77,6 +77,28 @@ def test_bf16_rows_give_the_float32_result_rounded_once(rows: int, seed: int) ->
                        int_mm.int4_mm(x.float(), tiled).bfloat16())
 
 
+@needs_kernel
+@settings(max_examples=6, deadline=None)
+@given(rows=st.integers(129, 300), threads=st.sampled_from([1, 2, 3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_a_pass_of_many_rows_gives_each_row_its_own_result(
+        rows: int, threads: int, dtype: torch.dtype, seed: int) -> None:
+    """Many rows (a prompt's pass) are quantised on several threads, a slice each: every
+    row's outputs are the bits it gets alone, whatever the split."""
+    codes, d, m = _matrix(32, 256, seed, symmetric=seed % 2 == 0)
+    tiled = int_mm.tile_int4(codes, d, m)
+    assert tiled is not None
+    x = (torch.randn(rows, 256, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        whole = int_mm.int4_mm(x, tiled)
+    finally:
+        torch.set_num_threads(before)
+    alone = torch.cat([int_mm.int4_mm(x[i:i + 1], tiled) for i in range(rows)])
+    assert torch.equal(whole, alone)
+
+
 def test_shapes_that_do_not_tile_are_left_to_the_int4_kernel() -> None:
     codes, d, m = _matrix(24, 64, 0, symmetric=True)
     assert int_mm.tile_int4(codes, d, m) is None  # 24 rows: not whole tiles of 16

@@ -38,7 +38,7 @@ declare -A ISA=(
 declare -A CPU_FLAGS=(  # as /proc/cpuinfo names them
   [avx2]="avx2 fma f16c"
   [avx_vnni]="avx2 avx_vnni f16c fma"
-  [avx512_vnni]="avx512f avx512bw avx512vl avx512_vnni f16c fma"
+  [avx512_vnni]="avx2 avx512f avx512bw avx512vl avx512_vnni f16c fma"
 )
 declare -A SOURCE=([avx2]=x86_avx2.c [avx_vnni]=x86_avx_vnni.c [avx512_vnni]=x86_avx512_vnni.c)
 
@@ -68,10 +68,12 @@ build_and_run() {
       "$CC" "${COMMON[@]}" -o "$exe" "$here/test_int_dot.c" "$here/generic.c" -lm &&
         "$exe" "$SEED" ;;
     avx2 | avx_vnni | avx512_vnni)
+      # Each with the AVX2 quantiser every x86 variant's operator calls (x86_quantise.c).
       # shellcheck disable=SC2086  # ISA is a list of flags
       "$CC" "${COMMON[@]}" ${ISA[$v]} -c -o "$out/$v.o" "$here/${SOURCE[$v]}" &&
-        "$CC" "${COMMON[@]}" -DAICI_TEST_"${v^^}" -o "$exe" "$here/test_int_dot.c" \
-          "$here/generic.c" "$out/$v.o" -lm &&
+        "$CC" "${COMMON[@]}" ${ISA[avx2]} -c -o "$out/x86_quantise.o" "$here/x86_quantise.c" &&
+        "$CC" "${COMMON[@]}" -DAICI_TEST_"${v^^}" -DAICI_TEST_X86_QUANTISE -o "$exe" \
+          "$here/test_int_dot.c" "$here/generic.c" "$out/$v.o" "$out/x86_quantise.o" -lm &&
         "$exe" "$SEED" ;;
     neon_dot)
       "$ARM_CC" "${COMMON[@]}" -march=armv8-a -c -o "$out/neon.o" "$here/arm_neon.c" &&

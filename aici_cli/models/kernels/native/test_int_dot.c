@@ -156,6 +156,31 @@ static void make_x(const spec *c, float *x, uint16_t *xb) {
   }
 }
 
+#ifdef AICI_TEST_X86_QUANTISE
+/* The AVX2 quantiser gives the generic one's x8, xd and s (already in x8, xd, s) bit for
+ * bit, from float32 and from bf16 inputs alike. */
+static void check_same_quantiser(const spec *c, const float *x, const uint16_t *xb,
+                                 const int8_t *x8, const float *xd, const int32_t *s,
+                                 int which) {
+  int64_t groups = c->rows * c->k / AICI_GROUP;
+  int8_t *y8 = grab((size_t)(c->rows * c->k));
+  float *yd = grab(sizeof(float) * (size_t)groups);
+  int32_t *ys = grab(sizeof(int32_t) * (size_t)groups);
+  if (c->bf16) aici_quantise_bf16_avx2(xb, c->rows, c->k, y8, yd, ys);
+  else aici_quantise_f32_avx2(x, c->rows, c->k, y8, yd, ys);
+  for (int64_t g = 0; g < groups; g++) {
+    if (bits(yd[g]) != bits(xd[g]))
+      fail("quantise xd", "x86_quantise", which, c, "", g, 0, yd[g], xd[g], 0);
+    if (ys[g] != s[g]) fail("quantise s", "x86_quantise", which, c, "", g, 0, ys[g], s[g], 0);
+    for (int i = 0; i < AICI_GROUP; i++)
+      if (y8[g * AICI_GROUP + i] != x8[g * AICI_GROUP + i])
+        fail("quantise x8", "x86_quantise", which, c, "", g, i, y8[g * AICI_GROUP + i],
+             x8[g * AICI_GROUP + i], 0);
+  }
+  free(y8), free(yd), free(ys);
+}
+#endif
+
 static void check_quantiser(const spec *c, const float *x, const uint16_t *xb, int8_t *x8,
                             float *xd, int32_t *s, int which) {
   int64_t groups = c->rows * c->k / AICI_GROUP;
@@ -173,6 +198,9 @@ static void check_quantiser(const spec *c, const float *x, const uint16_t *xb, i
   } else {
     aici_quantise_f32(x, c->rows, c->k, x8, xd, s);
   }
+#ifdef AICI_TEST_X86_QUANTISE
+  check_same_quantiser(c, x, xb, x8, xd, s, which);
+#endif
   for (int64_t g = 0; g < groups; g++) {
     float amax = 0.0f;
     int32_t sum = 0;
@@ -320,8 +348,10 @@ static void run_case(const spec *c, int which) {
   free(scale), free(t4), free(t8), free(td), free(tm), free(want), free(got);
 }
 
-/* Ties go away from zero: amax 127 makes xd 1 and every x8 the rounded input. */
-static void check_ties(void) {
+/* Ties go away from zero: amax 127 makes xd 1 and every x8 the rounded input; each
+ * quantiser linked in. */
+typedef void quantise_fn(const float *, int64_t, int64_t, int8_t *, float *, int32_t *);
+static void check_ties_of(const char *name, quantise_fn *quantise) {
   /* 0.49999997 + 0.5 rounds up to 1 in float32: 1, as the operator and its reference */
   float x[AICI_GROUP] = {127.0f, 0.5f,   1.5f,    2.5f,     -0.5f,
                          -1.5f,  -2.5f,  126.5f,  -126.5f,  0.49999997f, -0.0f};
@@ -329,20 +359,28 @@ static void check_ties(void) {
   int8_t x8[AICI_GROUP];
   float xd;
   int32_t s;
-  aici_quantise_f32(x, 1, AICI_GROUP, x8, &xd, &s);
+  quantise(x, 1, AICI_GROUP, x8, &xd, &s);
   for (int i = 0; i < AICI_GROUP; i++)
     if (x8[i] != want[i]) {
-      fprintf(stderr, "FAIL quantise: %.9g rounds to %d, want %d\n", x[i], x8[i], want[i]);
+      fprintf(stderr, "FAIL quantise (%s): %.9g rounds to %d, want %d\n", name, x[i], x8[i],
+              want[i]);
       exit(1);
     }
   /* A group so small that 1 / xd overflows: divided instead, so its extremes are +-127. */
   float tiny[AICI_GROUP] = {1e-38f, -1e-38f};
-  aici_quantise_f32(tiny, 1, AICI_GROUP, x8, &xd, &s);
+  quantise(tiny, 1, AICI_GROUP, x8, &xd, &s);
   if (x8[0] != 127 || x8[1] != -127 || x8[2] != 0 || s != 0) {
-    fprintf(stderr, "FAIL quantise: a group of amax 1e-38 gave %d %d %d %d (sum %d)\n",
-            x8[0], x8[1], x8[2], x8[3], s);
+    fprintf(stderr, "FAIL quantise (%s): a group of amax 1e-38 gave %d %d %d %d (sum %d)\n",
+            name, x8[0], x8[1], x8[2], x8[3], s);
     exit(1);
   }
+}
+
+static void check_ties(void) {
+  check_ties_of("generic", aici_quantise_f32);
+#ifdef AICI_TEST_X86_QUANTISE
+  check_ties_of("x86_quantise", aici_quantise_f32_avx2);
+#endif
 }
 
 int main(int argc, char **argv) {
@@ -364,6 +402,9 @@ int main(int argc, char **argv) {
               below(X_KINDS), below(SC_KINDS), below(2), below(2)};
     run_case(&c, which);
   }
+#ifdef AICI_TEST_X86_QUANTISE
+  printf("int_dot x86_quantise: pass (%d cases, bit for bit the generic quantiser)\n", which);
+#endif
   for (int vi = 0; vi < VARIANTS; vi++)
     printf("int_dot %s: pass (%d cases, int4 asymmetric/symmetric and int8, %s)\n",
            variants[vi].name, which,
