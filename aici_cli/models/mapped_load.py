@@ -33,6 +33,7 @@ from aici_cli.models.gguf.block_embedding import BlockEmbedding
 from aici_cli.models.gguf.entry_record import BASE_FILE, DENSE_FILE
 from aici_cli.models.gguf.matrices import GgufMatrices
 from aici_cli.models.quant import vnni_layouts
+from aici_cli.models.quant.fused_linear import stack_eager
 from aici_cli.models.quant.model_layers import quantize_model
 from aici_cli.models.quant.quantize import module_name, set_module
 from aici_cli.models.sources.model_files import missing_tensors_problem
@@ -117,6 +118,7 @@ def load_mapped(path: Path, dtype: torch.dtype, mode: str, device: torch.device,
     vnni_layouts.build(model, mode, path, dtype, device, matrices)  # where they run, first
     quantize_model(model, mode, path, dtype, device, matrices, scales)
     vnni_layouts.attach(model, path, dtype, device, scales)
+    stack_eager(model)  # q/k/v and gate/up as one call in eager passes, where they run
     if blocks is not None:
         set_module(model, blocks.removesuffix(".weight"),
                    _block_embedding(dense, blocks, dtype, device))

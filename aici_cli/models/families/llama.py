@@ -187,17 +187,23 @@ class Attention(nn.Module):
             self.q_norm = make_norm(config, dim, device)
             self.k_norm = make_norm(config, dim, device)
         self.attend: AttentionFn = causal_attention
+        # q, k and v from one call where the quantised layers allow it (set after loading:
+        # quant/fused_linear.stack_eager); None: each projection's own call.
+        self.qkv: Callable[[torch.Tensor], list[torch.Tensor]] | None = None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention_mask: Any, cache: Any) -> torch.Tensor:
         shape = hidden.shape[:-1]
         split = (*shape, -1, self.head_dim)
-        q = self.q_proj(hidden).view(split)  # [B, T, heads, D]
-        k = self.k_proj(hidden).view(split)
+        if self.qkv is not None:
+            q, k, v = self.qkv(hidden)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q, k = q.view(split), k.view(split)  # [B, T, heads, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, D]
-        v = self.v_proj(hidden).view(split).transpose(1, 2)
+        v = v.view(split).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
@@ -215,9 +221,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias, device=device)
         self.act_fn: nn.Module = (nn.GELU(approximate="tanh")
                                   if config.hidden_act == "gelu_pytorch_tanh" else nn.SiLU())
+        # gate and up from one call where the quantised layers allow it (as `Attention.qkv`)
+        self.gate_up: Callable[[torch.Tensor], list[torch.Tensor]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class DecoderLayer(nn.Module):

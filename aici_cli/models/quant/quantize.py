@@ -135,16 +135,24 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        # The row count first: a compiled step's rows (fewer) never read `dense`, so its
-        # graph holds no guard on it.
-        if flat.shape[0] >= DENSE_MIN_ROWS and self.dense is not None \
-                and flat.shape[0] >= self.dense_rows:
+        if self.runs_dense(flat.shape[0]):
+            assert self.dense is not None
             y = F.linear(flat, self.dense)
         else:
             y = self.few_rows(flat)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+    def runs_dense(self, rows: int) -> bool:
+        """Whether a pass of `rows` rows runs on the dense copy (`dense_copies`)."""
+        # The row count first: a compiled step's rows (fewer) never read `dense`, so its
+        # graph holds no guard on it.
+        return rows >= DENSE_MIN_ROWS and self.dense is not None and rows >= self.dense_rows
+
+    def runs_int_kernel(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a pass of `rows` rows of `dtype` runs on the project's int kernel."""
+        return self.vnni and dtype in INT_KERNEL_DTYPES and not self.runs_dense(rows)
 
     def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, K] -> [rows, N] on the quantised kernel a pass without the dense copy
