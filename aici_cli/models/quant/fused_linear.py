@@ -56,8 +56,7 @@ class StackedParts:
         flat = x.reshape(-1, self.whole.k)
         if not all(p.runs_int_kernel(flat.shape[0], flat.dtype) for p in self.parts):
             return [p(x) for p in self.parts]  # a part on its dense copy (`dense_copies`)
-        w = self.whole
-        y = torch.ops.aici.int4_vnni_mm(flat.contiguous(), w.codes, w.d, w.m, w.n)
+        y = int_mm.int4_mm(flat, self.whole)
         lead = x.shape[:-1]
         return [part.view(*lead, width)
                 for part, width in zip(y.split(self.widths, dim=-1), self.widths)]
