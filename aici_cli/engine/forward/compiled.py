@@ -13,10 +13,16 @@ static shapes:
   rows still busy: a single stream computes one row, not the batch size's (at batch size
   8, 78 against 29 ms a step, int4, 2 AVX2 cores). Rows sitting the step out ride along
   as idle rows;
-- keys: each row attends over the whole cache capacity with a mask by position (slot s
-  is visible to a row at position p iff s <= p), so its length does not change a shape.
-  The capacity is a dynamic dimension from the first compile on CPU (it doubles as lines
-  grow: no recompile then).
+- keys: each row attends with a mask by position (slot s is visible to a row at position
+  p iff s <= p), so its length does not change a shape. Over the whole cache capacity
+  (CUDA graphs replay one shape; torch.compile's graph on CPU); a packaged step
+  (packaged_step.py, what CPU runs take) over the step's span of slots, the
+  highest position fed plus one rounded up to SPAN_QUANTUM (`span_slots`), a dynamic
+  dimension of its own like the capacity (which doubles as lines grow): no recompile
+  either way. Reading the whole capacity cost the default model's 8-row step 16.5,
+  19.6, 25.3 and 38.0 ms at a capacity of 256, 512, 1,024 and 2,048 slots, rows under
+  150 positions each (int4, 2 cores forced to AVX2): the keys' read grows with it; over
+  the span, 13.9-14.2 ms at 1,024 and 2,048.
 
 An idle row's query is at position 0 and it writes back the key its slot 0 already holds,
 so it changes nothing; its logits are dropped. Each row writes only its own row, so no
@@ -105,15 +111,29 @@ def _window(config: Any) -> int | None:
     return int(window)
 
 
+# The CPU step's span of slots is rounded up to a multiple of this: a step reads at most
+# this many slots a row more than its highest position needs.
+SPAN_QUANTUM = 16
+
+
+def span_slots(positions: list[int], capacity: int) -> int:
+    """The slots a CPU step attends over: the highest of `positions` (the rows' fed
+    positions) plus one, rounded up to SPAN_QUANTUM, at least 2 (the package's dynamic
+    size starts there), at most `capacity`."""
+    need = max(positions, default=0) + 1
+    return min(capacity, max(2, -(-need // SPAN_QUANTUM) * SPAN_QUANTUM))
+
+
 def step_tables(model: Any, h: torch.Tensor, pos: torch.Tensor,
                 capacity: int) -> tuple[Tables, Tables | None]:
     """The RoPE tables and mask of a step whose rows are at positions `pos` [B] (h: the
-    embedded tokens [B, hidden], for the tables' dtype and device) over a cache of
-    `capacity` slots: those of every layer (Gemma 3: of its full layers), and those of
-    its sliding layers where some layers slide and others need not (Gemma 3's
-    `layer_types`; None: no such layers). cos/sin [B, 1, D]; masks [B, 1, 1, C] bool:
-    slot s is visible to a row at position p iff s <= p, and under a window w also
-    s > p - w."""
+    embedded tokens [B, hidden], for the tables' dtype and device) over the first
+    `capacity` slots of the cache (all of them, or the step's span): those of every layer
+    (Gemma 3: of its full layers), and those of its sliding layers where some layers
+    slide and others need not (Gemma 3's `layer_types`; None: no such layers). cos/sin
+    [B, 1, D]; masks [B, 1, 1, C] bool: slot s is visible to a row at position p iff
+    s <= p, and under a window w also s > p - w. The graph attends over as many slots as
+    the mask has."""
     inner, config = model.model, model.config
     # The own module keeps a RoPE table per layer kind where their bases differ.
     per_kind = bool(getattr(config, "rope_thetas", None))
@@ -235,16 +255,25 @@ class CompiledDecode:
         inner = self.model.model
         # [B, hidden]; Gemma's embedding scale is its embedding module's, as in the eager pass.
         h = inner.embed_tokens(ids_t)
-        (cos, sin, mask), sliding = step_tables(self.model, h, pos_t, self.cache.capacity)
+        capacity = self.cache.capacity
+        # A packaged step attends over the step's span; torch.compile's graph over the
+        # whole capacity (its dynamic mask size would take the capacity's symbol where
+        # the two sizes first meet equal, and recompile when they part).
+        packaged = dev.type != "cuda" and (started is not None
+                                           or self._key(rows) in self.graphs.packaged)
+        slots = span_slots(pos, capacity) if packaged else capacity
+        (cos, sin, mask), sliding = step_tables(self.model, h, pos_t, slots)
         if dev.type == "cuda":
             self._static_cache_addresses()
         elif started is not None:
             self._packaged(rows, (h, cos, sin, self.cache.keys, self.cache.values, pos_t,
                                   valid_t, mask, sliding))
-            if self._key(rows) not in self.graphs.packaged and not self.may_trace:
-                raise NoPackage(f"the packaged step for {rows} rows did not load "
-                                f"({self.package_problem or 'none built'}), and too little "
-                                "work is ahead to trace one")
+            if self._key(rows) not in self.graphs.packaged:
+                if not self.may_trace:
+                    raise NoPackage(f"the packaged step for {rows} rows did not load "
+                                    f"({self.package_problem or 'none built'}), and too "
+                                    "little work is ahead to trace one")
+                (cos, sin, mask), sliding = step_tables(self.model, h, pos_t, capacity)
         h = self.graphs.forward(h, cos, sin, self.cache.keys, self.cache.values, pos_t,
                                 valid_t, mask, sliding)
         span = h[first_row : first_row + b]
@@ -303,6 +332,12 @@ class CompiledDecode:
         for buf in (*self.cache.keys, *self.cache.values):
             torch._dynamo.mark_static_address(buf)
         self._marked_capacity = self.cache.capacity
+
+
+def step_row_counts(batch_size: int) -> tuple[int, ...]:
+    """The row counts a CPU run's compiled steps take at `batch_size` (`bucket`): every
+    row, and each smaller bucket its tail may move down to."""
+    return (*(b for b in BUCKETS if b < batch_size), batch_size)
 
 
 def smallest_bucket(rows: int, cap: int) -> int:

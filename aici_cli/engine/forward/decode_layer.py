@@ -2,14 +2,15 @@
 models/families/llama.py builds it) for B rows of one token each, as the compiled step runs it,
 and the compiled graphs of a model's layers (kept per model, for every engine on it).
 
-Per layer and step: norm, q/k/v as one stacked matrix (models/quant/fused_linear.py), HF's own
-RoPE, the new key and value written into the row cache, attention over the whole cache
-capacity with a mask by position, o, norm, gate/up as one stacked matrix, down, both
-residuals: 4 weight reads, not 7. Qwen 3's and Gemma 3's q/k norms run between the split
-and RoPE. Gemma 3 (`sandwich` norms) norms the attention's output and the MLP's output
-before each residual add, and its MLP's input with a norm of its own; its sliding layers
-take the step's sliding tables (their own RoPE base, a mask that also hides the slots
-before the window), its full layers the step's plain ones.
+Per layer and step: norm, q/k/v as one stacked matrix (models/quant/fused_linear.py),
+HF's own RoPE, the new key and value written into the row cache, attention over the slots
+the mask covers (the whole capacity, or the step's span: compiled.py) with a mask by
+position, o, norm, gate/up as one stacked matrix, down, both residuals: 4 weight reads,
+not 7. Qwen 3's and Gemma 3's q/k norms run between the split and RoPE. Gemma 3
+(`sandwich` norms) norms the attention's output and the MLP's output before each residual
+add, and its MLP's input with a norm of its own; its sliding layers take the step's
+sliding tables (their own RoPE base, a mask that also hides the slots before the window),
+its full layers the step's plain ones.
 
 On CPU all layers are one graph: one call a step instead of 30, and inductor fuses each
 layer's residual add into the next layer's norm. Measured on the 2-core Xeon (default
@@ -91,7 +92,8 @@ def layer_step(layer: DecodeLayer, h: torch.Tensor, cos: torch.Tensor, sin: torc
                valid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One decoder layer for B rows of one token each. h: [B, hidden]; cos/sin: [B, 1, D];
     k_buf/v_buf: the layer's cache [rows, kv_heads, C, D] (written in place at (row b,
-    slot pos[b]) for valid rows); mask: [B, 1, 1, C] bool. Returns the new h."""
+    slot pos[b]) for valid rows); mask: [B, 1, 1, S] bool over the first S <= C slots,
+    the ones attended (every pos[b] < S). Returns the new h."""
     rows, heads, kv_heads, dim = h.shape[0], layer.heads, layer.kv_heads, layer.head_dim
     qkv = layer.qkv(layer.input_norm(h))  # [B, (heads + 2 kv_heads) D]
     q = qkv[:, : heads * dim].view(rows, heads, 1, dim)
@@ -107,7 +109,9 @@ def layer_step(layer: DecodeLayer, h: torch.Tensor, cos: torch.Tensor, sin: torc
     v_buf[at, :, slot] = torch.where(keep, v[:, :, 0], v_buf[at, :, slot])
     # Query heads stacked per key/value head, as rows_attention's one-token group.
     qg = q[:, :, 0].reshape(rows, kv_heads, heads // kv_heads, dim)
-    o = F.scaled_dot_product_attention(qg, k_buf[:rows], v_buf[:rows], attn_mask=mask,
+    span = mask.shape[-1]
+    o = F.scaled_dot_product_attention(qg, k_buf[:rows].narrow(2, 0, span),
+                                       v_buf[:rows].narrow(2, 0, span), attn_mask=mask,
                                        scale=layer.scaling)
     attended = layer.o_proj(o.reshape(rows, heads * dim))
     if layer.pre_mlp_norm is not None and layer.post_mlp_norm is not None:  # Gemma 3

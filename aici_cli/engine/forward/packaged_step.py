@@ -167,13 +167,20 @@ def _export_and_compile(layers: list[DecodeLayer], example: tuple[Any, ...],
     from torch._inductor.graph import GraphLowering
 
     h, cos, sin, keys, values, pos, valid, mask, sliding = example
+    if mask.shape[3] == keys[0].shape[2] > 2:
+        # Sizes equal in the example would be traced as one: the span one slot short
+        # (export reads its shape, not its values).
+        mask = mask[..., :-1].contiguous()  # as step_tables makes it
+        if sliding is not None:
+            sliding = (*sliding[:2], sliding[2][..., :-1].contiguous())
     capacity = torch.export.Dim("capacity", min=2, max=1 << 20)
+    span = torch.export.Dim("span", min=2, max=1 << 20)  # the slots attended, <= capacity
     kv: dict[int, Any] = {2: capacity}
     if keys[0].shape[0] >= 2:  # a one-row cache stays static (package_file)
         kv[0] = torch.export.Dim("cache_rows", min=max(2, h.shape[0]), max=1 << 16)
     shapes = {"h": None, "cos": None, "sin": None, "pos": None, "valid": None,
-              "mask": {3: capacity}, "keys": [kv] * len(keys), "values": [kv] * len(values),
-              "sliding": None if sliding is None else (None, None, {3: capacity})}
+              "mask": {3: span}, "keys": [kv] * len(keys), "values": [kv] * len(values),
+              "sliding": None if sliding is None else (None, None, {3: span})}
     with torch.no_grad(), warnings.catch_warnings():
         # torch's own pickling of the program's tree specs, not ours to act on.
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)

@@ -75,6 +75,34 @@ def test_a_package_is_built_once_then_every_run_starts_compiled(
     assert loaded == eager_short
     assert len(_packages(tmp_path)) == 1
 
+    # A cache far larger than the lines: the package attends over the step's span of
+    # slots (the highest position fed, rounded up), not the capacity, with the same tokens.
+    spans: list[tuple[int, int]] = []
+
+    def span_slots(positions: list[int], capacity: int) -> int:
+        span = real_span_slots(positions, capacity)
+        spans.append((max(positions), span))
+        return span
+
+    real_span_slots = compiled.span_slots
+    monkeypatch.setattr(compiled, "span_slots", span_slots)
+    eager_wide, _ = _run(tiny_model_dir, "off", short, capacity=1024)
+    wide, engine = _run(tiny_model_dir, "auto", short, capacity=1024)
+    assert wide == eager_wide
+    assert engine.runner.model_pass.cache.capacity == 1024
+    assert spans and all(top < span <= top + compiled.SPAN_QUANTUM and span < 1024
+                         for top, span in spans)
+    assert len(_packages(tmp_path)) == 1
+
+
+def test_a_step_span_covers_every_position_fed_within_the_capacity() -> None:
+    for positions, capacity in (([0], 256), ([15], 256), ([16, 3], 256), ([250], 256),
+                                ([255], 256), ([700, 1], 1024), ([], 16)):
+        span = compiled.span_slots(positions, capacity)
+        top = max(positions, default=0)
+        assert top < span <= capacity and span >= 2
+        assert span % compiled.SPAN_QUANTUM == 0 or span == capacity
+
 
 def test_a_package_that_cannot_be_built_leaves_torch_compile(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
