@@ -22,23 +22,37 @@ from dataclasses import dataclass
 MAX_NGRAM = 3
 MIN_NGRAM = 1
 
-# A draft pays only if the tokens it brings outweigh what it adds to the pass. Measured at
-# batch 1 on the 2-core CPU (default model, ~4 draft tokens a pass): an eager pass with a
-# draft costs 1.14x (int4) and 1.16x (bf16) a one-token pass; where the step would
-# otherwise run compiled (compiled.py, its package ready) the draft makes it eager: 2.7x
-# (int4: 19.2 ms against 7.2 ms on the AMX Xeon, the int4 kernel's cost growing with
-# the rows fed), 1.5x (bf16). A pass that costs c one-token steps pays from c - 1 extra
-# tokens, so a row drafts only while its drafts bring at least the MIN_GAIN extra tokens
-# a pass (a running mean, optimistic at first: one pass that brings nothing ends a
-# compiled row's drafting), and tries again after some tokens without a draft: outputs
-# that start repeating themselves (a JSON array's items, a loop) are drafted again. The
-# wait doubles with each pass in a row that brought nothing, from RETRY_AFTER tokens up
-# to RETRY_AFTER << MAX_BACKOFF. The gate reads no clock, so the passes a run makes are
-# the same every time.
-EAGER_MIN_GAIN = 0.15
+# A draft pays only if the tokens it brings outweigh what it adds to the pass. An eager
+# pass costs about c0 + c1 T for T tokens fed: c0 the fixed cost of a pass (its ~45 ops a
+# layer dispatched, the attention's read of every row's keys), c1 each token's (the
+# layers' products). R rows share a pass, so a token a draft brings saves its row c0 / R
+# + c1, and each of the draft's d tokens fed after the first costs c1: a row's drafts pay
+# while they bring at least d R / (PASS_COST_TOKENS + R) extra tokens a pass, with
+# PASS_COST_TOKENS = c0 / c1 (`eager_min_gain`). Fitted over the eager passes of 32
+# dev-half schemas at batch 8 (default model, int4, forced to AVX2, 2 cores): c0 = 14-17
+# ms, c1 = 1.37 ms, c0 / c1 ~ 10-12; at batch 1 on the AMX Xeon a 4-token draft made a
+# pass 1.14x a one-token pass (c0 / c1 ~ 20). At R = 1 a row drafts from 0.23 extra
+# tokens a pass; at R = 8, from 1.2: a batch of 8 that drafted from 0.15 fed 555 draft
+# tokens and kept 231, and ran slower than without drafts.
+# Where the step would otherwise run compiled (compiled.py, its package ready) the draft
+# makes it eager: 2.7x (int4: 19.2 ms against 7.2 ms on the AMX Xeon, the int4 kernel's
+# cost growing with the rows fed), 1.5x (bf16): a row drafts there only while its drafts
+# bring COMPILED_MIN_GAIN. The gain is a running mean, optimistic at first (one pass that
+# brings nothing ends a compiled row's drafting), and a row tries again after some
+# tokens without a draft: outputs that start repeating themselves (a JSON array's items,
+# a loop) are drafted again. The wait doubles with each pass in a row that brought
+# nothing, from RETRY_AFTER tokens up to RETRY_AFTER << MAX_BACKOFF. The gate reads no
+# clock, so the passes a run makes are the same every time.
+PASS_COST_TOKENS = 12
 COMPILED_MIN_GAIN = 1.7
 RETRY_AFTER = 32
 MAX_BACKOFF = 4
+
+
+def eager_min_gain(rows: int, extra: int) -> float:
+    """The extra tokens a pass a row's drafts must bring in an eager pass of `rows` rows,
+    a draft feeding `extra` tokens after its first (see PASS_COST_TOKENS)."""
+    return extra * rows / (PASS_COST_TOKENS + rows)
 
 
 def lookup(prompt: Sequence[int], output: Sequence[int], k: int) -> list[int]:
@@ -88,10 +102,11 @@ class DraftGate:
     at: int = 0
     misses: int = 0
 
-    def worth(self, output_len: int, compiled: bool) -> bool:
+    def worth(self, output_len: int, compiled: bool, rows: int = 1, extra: int = 3) -> bool:
         """Whether the row drafts this step; `compiled`: without drafts the step would run
-        compiled."""
-        min_gain = COMPILED_MIN_GAIN if compiled else EAGER_MIN_GAIN
+        compiled; else the eager pass has `rows` rows and a draft feeds `extra` tokens
+        after its first."""
+        min_gain = COMPILED_MIN_GAIN if compiled else eager_min_gain(rows, extra)
         return self.gain >= min_gain or output_len - self.at >= self.retry_wait()
 
     def retry_wait(self) -> int:

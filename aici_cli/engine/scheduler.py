@@ -308,16 +308,18 @@ class Scheduler:
 def propose_drafts(gens: Sequence[Generation | None], k: int, eos: Collection[int],
                    compiled: bool = False) -> list[list[int]]:
     """A prompt-lookup draft per row (empty: none) of up to `k` tokens, within the token
-    budget (draft.py), for greedy rows past their prefill whose drafts pay
-    (`DraftGate.worth`; `compiled`: drafting would turn a compiled step eager)."""
+    budget (draft.py), for greedy rows past their prefill whose drafts pay in a pass of
+    these rows (`DraftGate.worth`; `compiled`: drafting would turn a compiled step
+    eager)."""
     drafts: list[list[int]] = [[] for _ in gens]
     if k < 2:
         return drafts
+    rows = sum(1 for gen in gens if gen is not None)  # the rows sharing the pass
     for i, gen in enumerate(gens):
         if (gen is None or gen.length == 0 or gen.scored is not None
                 or gen.finish is not None
                 or gen.job.sampling.temperature >= MIN_TEMPERATURE
-                or not gen.draft.worth(len(gen.output), compiled)):
+                or not gen.draft.worth(len(gen.output), compiled, rows, k - 1)):
             continue
         n = min(k, gen.job.max_tokens - len(gen.output))
         if n < 2:

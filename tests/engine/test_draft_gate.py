@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
 from aici_cli.engine import Engine, Generation
-from aici_cli.engine.draft import COMPILED_MIN_GAIN, EAGER_MIN_GAIN, MAX_BACKOFF, RETRY_AFTER
+from aici_cli.engine.draft import (
+    COMPILED_MIN_GAIN,
+    MAX_BACKOFF,
+    PASS_COST_TOKENS,
+    RETRY_AFTER,
+    eager_min_gain,
+)
 from aici_cli.engine.scheduler import propose_drafts
 from aici_cli.engine.update import accept_draft
 from aici_cli.models.load import LoadedModel, load_model
@@ -33,14 +39,16 @@ def _gen(prompt: list[int], output: list[int]) -> Generation:
 
 @settings(max_examples=60, deadline=None)
 @given(accepted=st.lists(st.integers(0, 3), min_size=1, max_size=12),
-       gap=st.integers(0, 20 * RETRY_AFTER), compiled=st.booleans())
+       gap=st.integers(0, 20 * RETRY_AFTER), compiled=st.booleans(),
+       others=st.integers(0, 14))
 def test_a_row_drafts_only_while_its_drafts_pay(accepted: list[int], gap: int,
-                                                compiled: bool) -> None:
+                                                compiled: bool, others: int) -> None:
     """After draft passes that brought `accepted` extra tokens each, the row drafts iff
     the running mean is at least the step's minimum gain (COMPILED_MIN_GAIN where the step
-    would run compiled, else EAGER_MIN_GAIN), or `gap` tokens have passed since its last
-    draft pass: RETRY_AFTER, doubled for each pass in a row after the first that brought
-    nothing (at most MAX_BACKOFF times)."""
+    would run compiled, else 3 R / (PASS_COST_TOKENS + R) for the 3 tokens a 4-token draft
+    feeds after its first in an eager pass of R rows: the row and `others`), or `gap`
+    tokens have passed since its last draft pass: RETRY_AFTER, doubled for each pass in a
+    row after the first that brought nothing (at most MAX_BACKOFF times)."""
     gen = _gen([1, 2, 3], [1, 2, 3, 1, 2])
     gain = gen.draft.gain
     misses = 0
@@ -68,15 +76,25 @@ def test_a_row_drafts_only_while_its_drafts_pay(accepted: list[int], gap: int,
     assert gen.draft.retry_wait() == wait
     gen.output.extend([7] * gap)
     gen.length += gap
-    min_gain = COMPILED_MIN_GAIN if compiled else EAGER_MIN_GAIN
+    rows = 1 + others
+    min_gain = COMPILED_MIN_GAIN if compiled else 3 * rows / (PASS_COST_TOKENS + rows)
+    assert eager_min_gain(rows, 3) == pytest.approx(3 * rows / (PASS_COST_TOKENS + rows))
     expect = gain >= min_gain or gap >= wait
-    assert gen.draft.worth(len(gen.output), compiled) is expect
-    if compiled:  # a compiled step asks for more than an eager one
-        assert gen.draft.worth(len(gen.output), False) or not expect
+    assert gen.draft.worth(len(gen.output), compiled, rows, 3) is expect
+    if compiled:  # a compiled step asks for more than an eager one of up to 15 rows
+        assert gen.draft.worth(len(gen.output), False, rows, 3) or not expect
+    # More rows in the pass ask for more: a row that drafts among many drafts among few.
+    if not compiled and gen.draft.worth(len(gen.output), False, rows + 1, 3):
+        assert gen.draft.worth(len(gen.output), False, rows, 3)
     gen.pending = [gen.output[-1]]
-    drafts = propose_drafts([gen], 4, eos=set(), compiled=compiled)
+    # The pass's other rows: the same history, their gates never told of a draft pass.
+    peers = [_gen([1, 2, 3], [9]) for _ in range(others)]
+    for peer in peers:
+        peer.draft.gain, peer.draft.at = 0.0, 10**6  # never draft
+    drafts = propose_drafts([gen, None, *peers], 4, eos=set(), compiled=compiled)
     if not expect:
-        assert drafts == [[]]
+        assert drafts[0] == []
+    assert drafts[1:] == [[] for _ in range(1 + others)]
 
 
 @pytest.fixture(scope="module")
