@@ -47,7 +47,8 @@ def prepare_command(model: str | None, device: str, dtype: str, quantize: str,
         raise FatalError(str(e)) from None
     what = f"{done.model} ({done.dtype}, quantize {done.quantize}, {done.device})"
     if done.compiled:
-        rows = " and ".join(str(n) for n in done.rows) + " rows" + \
+        rows = ", ".join(str(n) for n in done.rows[:-1]) + " and " * (len(done.rows) > 1) + \
+            f"{done.rows[-1]} row{'s' * (done.rows[-1] > 1)}" + \
             (", and 1 at --batch-size 1" if batch_size > 1 else "")
         click.echo(f"prepared {what} in {done.load_s + done.build_s:.0f} s: runs with these "
                    f"options start with the compiled one-token step ({rows})")

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from aici_cli.engine.clock import StepClock
     from aici_cli.engine.engine import Engine
+    from aici_cli.engine.forward.compiled import step_row_counts
     from aici_cli.engine.generation import Generation
     from aici_cli.engine.intake import ControllerFactory, Emit, LineIntake
     from aici_cli.engine.rows import Prepared
@@ -49,10 +50,11 @@ _WHERE = {
     "Engine": "engine", "LineIntake": "intake", "ControllerFactory": "intake",
     "Emit": "intake", "Prepared": "rows", "Generation": "generation", "StepClock": "clock",
     "EngineTracer": "trace_hooks", "NO_TRACE": "trace_hooks",
+    "step_row_counts": "forward.compiled",
 }
 
 __all__ = ["NO_TRACE", "ControllerFactory", "Emit", "Engine", "EngineTracer", "Generation",
-           "LineIntake", "Prepared", "StepClock"]
+           "LineIntake", "Prepared", "StepClock", "step_row_counts"]
 
 
 def __getattr__(name: str) -> Any:

@@ -16,10 +16,13 @@ What a run makes once per model, mode and machine, and keeps in the cache:
   files stay eager.
 
 The first three happen as the model loads (the dense verdict right after). The packages
-are keyed by the step's row count, and runs use two counts: 1 (a one-line input, the
-tail of a file whose last line runs alone) and `--batch-size` (every row of the cache, a
-file of at least that many lines); and a run at `--batch-size 1` has a cache of one row,
-whose step is a package of its own, built too. Each is built by driving the engine at `--compile on`
+are keyed by the step's row count: `--batch-size` (every row of the cache, a file of at
+least that many lines) and each smaller bucket (1, 2, 4, ...: a one-line input, and the
+tail of a file whose last lines finish one by one, which moves down to the smallest
+packaged bucket that holds it, engine/forward/compiled.py `bucket`: at batch 8 the default
+model's step costs ~6, 8.3, 10.2 and 14-16 ms at 1, 2, 4 and 8 rows forced to AVX2); and a
+run at `--batch-size 1` has a cache of one row, whose step is a package of its own, built
+too. Each is built by driving the engine at `--compile on`
 over a few tokens of that many synthetic lines, the way a run builds it; a last one-line
 run at `auto` then checks that a run starts compiled.
 """
@@ -35,7 +38,7 @@ from typing import Any
 from aici_cli.core.config import EngineConfig, RunConfig, load_quantize
 from aici_cli.core.errors import ModelError
 from aici_cli.core.job import Job
-from aici_cli.engine import Engine
+from aici_cli.engine import Engine, step_row_counts
 from aici_cli.models.kernels import probe
 from aici_cli.models.load import LoadedModel, load_model
 from aici_cli.models.quant.dense_copies import dense_verdict
@@ -62,8 +65,8 @@ class Preparation:
 
 def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> Preparation:
     """Load `config`'s model as a run would (converting, packing and probing it where
-    that was not done yet), then build the compiled step for 1 and `--batch-size` rows
-    (and for one row in a one-row cache), and check that a one-line run at `--compile
+    that was not done yet), then build the compiled step for `--batch-size` rows and each
+    smaller bucket (and for one row in a one-row cache), and check that a one-line run at `--compile
     auto` starts compiled, at `--batch-size` and at 1. `say` hears each stage.
     Raises `ModelError`/`UsageError` as a run reports them. Thread counts are the
     caller's (set before torch starts its pool)."""
@@ -77,7 +80,7 @@ def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> P
     # No drafts: a pass with a draft runs eager, and the tiny prompts below repeat
     # themselves, so their rows would draft instead of taking the one-token step.
     engine_config = dataclasses.replace(config.engine, deterministic=False, draft_tokens=0)
-    rows = tuple(dict.fromkeys((1, engine_config.batch_size)))
+    rows = step_row_counts(engine_config.batch_size)
     problem: str | None = None
     if lm.device.type != "cpu":
         rows, problem = (), ("the packaged step is for CPU runs; on a GPU `--compile on` "
