@@ -34,6 +34,7 @@ from aici_cli.engine.forward.deterministic import per_query_attention
 from aici_cli.models.families.llama import Attention as OwnAttention
 from aici_cli.models.families.llama import LlamaCausalLM, causal_attention
 from aici_cli.models.families.softcap import softcapped_attention
+from aici_cli.models.kernels.int_mm import rows_attention as rows_attention_op
 
 NAME = "aici_rows"
 
@@ -52,6 +53,9 @@ class SingleGroup:
     kv_len: int  # slots visible: max over members of length + 1
     attn_mask: torch.Tensor  # [S, 1, 1, kv_len] bool
     sliding_attn_mask: torch.Tensor | None  # under the sliding window (None: no such layers)
+    # [S] long: the slots each span row sees, from slot 0 (a member: its length + 1; a
+    # dummy: 0), for the int kernels' attention over each row's own slots.
+    lengths: torch.Tensor | None = None
 
 
 @dataclass
@@ -187,7 +191,12 @@ def rows_attention(
         v = value[plan.rows, :, : g.kv_len]
         mask = (g.sliding_attn_mask if windowed and g.sliding_attn_mask is not None
                 else g.attn_mask)
-        o = attend(q, k, v, attn_mask=mask, scale=scaling)
+        # Each row over its own slots, where the int kernels' library has the operator
+        # (SDPA reads every row up to the longest, a dummy row's too): no window, no cap.
+        o = (rows_attention_op(q, k, v, g.lengths, dim ** -0.5 if scaling is None else scaling)
+             if g.lengths is not None and mask is g.attn_mask and softcap is None else None)
+        if o is None:
+            o = attend(q, k, v, attn_mask=mask, scale=scaling)
         out[g.member_tokens] = o.reshape(span, heads, dim)[g.members]
 
     for r in plan.runs:

@@ -102,6 +102,7 @@ def _single_group(lengths: Sequence[int], single_tok: list[int], members: list[i
         kv_len=kv_len,
         attn_mask=full[:, None, None].to(device),
         sliding_attn_mask=sliding,
+        lengths=torch.where(is_member[:, 0], length_t[:, 0] + 1, 0).to(device),
     )
 
 

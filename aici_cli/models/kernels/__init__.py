@@ -17,7 +17,11 @@ rows for all; x86_quantise.c quantises the activations with AVX2 for every x86 v
 the generic quantiser's bytes), all declared in int_dot.h, which states the layout and
 the order of every float operation: every variant's outputs are the generic one's, bit
 for bit. A new instruction set is a new file there and a row of `int_mm.X86_VARIANTS` or
-`int_mm.ARM_VARIANTS`, not a branch in a caller.
+`int_mm.ARM_VARIANTS`, not a branch in a caller. Built into the same library with each
+variant's flags: rows_attention.c (rows_attention.h), the eager passes' attention of
+one-token rows over each row's own cache slots (`aici::rows_attention`), float32,
+against a float64 model rather than bit for bit. build_and_test.sh builds and runs
+both files' C tests for every variant this machine can run, ARM under qemu-aarch64.
 
 Modules (* imports torch):
 

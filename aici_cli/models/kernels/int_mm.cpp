@@ -1,6 +1,8 @@
 // Group-32 int4 and per-channel int8 weights times int8-quantised activations as PyTorch
 // operators (`aici::int4_vnni_mm`, `aici::int8_vnni_mm`), which eager passes,
-// torch.compile graphs and AOTInductor packages all call (int_mm.py). "vnni" names the
+// torch.compile graphs and AOTInductor packages all call (int_mm.py); and, built with
+// them, the eager passes' attention of one-token rows over their own slots
+// (`aici::rows_attention`, native/rows_attention.c). "vnni" names the
 // weights' layout (four consecutive bytes of a row per 32-bit lane, 16 rows a tile), which
 // every instruction set's variant reads.
 //
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "native/int_dot.h"
+#include "native/rows_attention.h"
 
 #define AICI_CAT2(a, b) a##b
 #define AICI_CAT(a, b) AICI_CAT2(a, b)
@@ -125,14 +128,52 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::
   });
 }
 
+// q [S, G, R, D], k and v [>= S, G, >= max(lengths), D] float32 (views: any strides but
+// D's), lengths [S] int64: each row's attention over its own first lengths[s] slots
+// (native/rows_attention.c), [S, G, R, D]; the (row, head) pairs split over threads.
+at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && lengths.dim() == 1,
+              "aici::rows_attention: q, k, v [rows, kv_heads, ., D] and lengths [rows]");
+  int64_t S = q.size(0), G = q.size(1), R = q.size(2), D = q.size(3);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && lengths.scalar_type() == at::kLong,
+              "aici::rows_attention: float32 q, k, v and int64 lengths");
+  TORCH_CHECK(k.size(0) >= S && v.size(0) >= S && k.size(1) == G && v.size(1) == G &&
+                  k.size(3) == D && v.size(3) == D && k.size(2) == v.size(2) &&
+                  lengths.size(0) == S && R <= AICI_MAX_REP,
+              "aici::rows_attention: q, k, v and lengths do not fit");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "aici::rows_attention: the head dimension must be contiguous");
+  at::Tensor lens = lengths.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t s = 0; s < S; s++) {
+    TORCH_CHECK(lp[s] >= 0 && lp[s] <= k.size(2), "aici::rows_attention: a length past the cache");
+    longest = std::max(longest, lp[s]);
+  }
+  at::Tensor out = at::empty({S, G, R, D}, q.options());
+  aici_attention_args args{q.data_ptr<float>(), {q.stride(0), q.stride(1), q.stride(2)},
+                           k.data_ptr<float>(), {k.stride(0), k.stride(1), k.stride(2)},
+                           v.data_ptr<float>(), {v.stride(0), v.stride(1), v.stride(2)},
+                           lp, G, R, D, static_cast<float>(scale), out.data_ptr<float>()};
+  at::parallel_for(0, S * G, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(1, R * longest)));
+    aici_rows_attention(&args, begin, end, scores.data());
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(aici, lib) {
   lib.def("int4_vnni_mm(Tensor x, Tensor codes, Tensor d, Tensor m, int n) -> Tensor");
   lib.def("int8_vnni_mm(Tensor x, Tensor codes, Tensor scale, int n) -> Tensor");
+  lib.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aici, CPU, lib) {
   lib.impl("int4_vnni_mm", &int4_vnni_mm);
   lib.impl("int8_vnni_mm", &int8_vnni_mm);
+  lib.impl("rows_attention", &rows_attention);
 }

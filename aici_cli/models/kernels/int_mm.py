@@ -326,16 +326,24 @@ def unusable() -> str | None:
     return _load(chosen)
 
 
+# rows_attention.c's own flags beyond the variant's: sums in vector lanes, and fmaxf and
+# its polynomial exp vectorised (its header says why each).
+ATTENTION_FLAGS = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+                   "-fno-math-errno", "-ffinite-math-only")
+
+
 def _objects(v: Variant) -> list[tuple[Path, list[str]]]:
     """The C files of variant `v`'s library, each with its own instruction-set flags."""
-    files = [(NATIVE / "generic.c", []), (NATIVE / v.source, list(v.cflags))]
+    files = [(NATIVE / "generic.c", []), (NATIVE / v.source, list(v.cflags)),
+             (NATIVE / "rows_attention.c", [*v.cflags, *ATTENTION_FLAGS])]
     if v.quantiser is not None:
         files.append((NATIVE / v.quantiser[0], list(v.quantiser[1])))
     return files
 
 
 def _sources(v: Variant) -> list[Path]:
-    return [NATIVE / "int_dot.h", NATIVE / "tiles.h", *(path for path, _ in _objects(v))]
+    return [NATIVE / "int_dot.h", NATIVE / "tiles.h", NATIVE / "rows_attention.h",
+            *(path for path, _ in _objects(v))]
 
 
 @functools.cache
@@ -390,7 +398,24 @@ def _load(v: Variant) -> str | None:
         built.unlink(missing_ok=True)  # built again by the next process
         return f"its library did not load ({type(e).__name__}: {str(e)[:200]})"
     _register_fakes()
+    global _loaded
+    _loaded = True
     return None
+
+
+_loaded = False  # whether this process loaded the library (`_load`)
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                   scale: float) -> torch.Tensor | None:
+    """`aici::rows_attention` where it applies: this process loaded the library (a run
+    on the int kernels), float32 on the CPU. q [S, G, R, D]; k, v [>= S, G, slots, D]
+    (views); lengths [S] int64, each row's slots; [S, G, R, D]. None: it does not apply
+    (the caller attends as before)."""
+    if not _loaded or q.dtype != torch.float32 or q.device.type != "cpu" \
+            or k.dtype != torch.float32 or q.shape[2] > 16:
+        return None
+    return torch.ops.aici.rows_attention(q, k, v, lengths, scale)
 
 
 def _build(built: Path, v: Variant, cc: str, cxx: str, c_flags: list[str],
@@ -431,3 +456,8 @@ def _register_fakes() -> None:
     def _int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
               n: int) -> torch.Tensor:
         return x.new_empty(x.shape[0], n)
+
+    @torch.library.register_fake("aici::rows_attention")
+    def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+        return q.new_empty(q.shape)

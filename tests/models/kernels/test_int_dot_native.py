@@ -83,6 +83,8 @@ def test_each_variant_matches_the_generic_one_and_the_generic_one_the_model(
     passed = [line.split(":")[0].split()[1] for line in done.stdout.splitlines()
               if line.startswith("int_dot ") and ": pass" in line]
     assert passed == PRINTS[variant], done.stdout
+    # And the variant's build of the one-token rows' attention (rows_attention.c).
+    assert f"rows_attention {variant}: pass" in done.stdout, done.stdout
 
 
 # ------------------------------------------------------------------ the ctypes property

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds test_int_dot.c with each variant and runs it: the x86 variants natively where
-# this CPU has their instructions (/proc/cpuinfo), the AArch64 ones cross-compiled and
-# run under qemu-aarch64. Every program links the generic variant too (the reference).
+# Builds test_int_dot.c and test_rows_attention.c with each variant and runs them: the
+# x86 variants natively where this CPU has their instructions (/proc/cpuinfo), the
+# AArch64 ones cross-compiled and run under qemu-aarch64. Every int_dot program links the
+# generic variant too (the reference); the attention test has a float64 model of its own.
 #
 #   build_and_test.sh [-o DIR] [VARIANT...]
 #
@@ -61,12 +62,28 @@ why_not() {
   esac
 }
 
+# rows_attention.c's flags beyond the variant's (int_mm.py ATTENTION_FLAGS).
+ATTENTION=(-fassociative-math -fno-signed-zeros -fno-trapping-math -fno-math-errno
+           -ffinite-math-only)
+
+# test_rows_attention.c against rows_attention.c built with the variant's flags: $1 the
+# compiler, $2 the variant, $3 its flags (one word list), then the command that runs it.
+attention_test() {
+  local cc="$1" v="$2" flags="$3" exe="$out/test_rows_attention_$2"
+  shift 3
+  # shellcheck disable=SC2086  # flags is a list
+  "$cc" "${COMMON[@]}" $flags "${ATTENTION[@]}" -c -o "$out/rows_attention_$v.o" \
+      "$here/rows_attention.c" &&
+    "$cc" "${COMMON[@]}" -o "$exe" "$here/test_rows_attention.c" "$out/rows_attention_$v.o" -lm &&
+    "$@" "$exe" "$v" "$SEED"
+}
+
 build_and_run() {
   local v="$1" exe="$out/test_int_dot_$1"
   case "$v" in
     generic)
       "$CC" "${COMMON[@]}" -o "$exe" "$here/test_int_dot.c" "$here/generic.c" -lm &&
-        "$exe" "$SEED" ;;
+        "$exe" "$SEED" && attention_test "$CC" "$v" "" ;;
     avx2 | avx_vnni | avx512_vnni)
       # Each with the AVX2 quantiser every x86 variant's operator calls (x86_quantise.c).
       # shellcheck disable=SC2086  # ISA is a list of flags
@@ -74,18 +91,22 @@ build_and_run() {
         "$CC" "${COMMON[@]}" ${ISA[avx2]} -c -o "$out/x86_quantise.o" "$here/x86_quantise.c" &&
         "$CC" "${COMMON[@]}" -DAICI_TEST_"${v^^}" -DAICI_TEST_X86_QUANTISE -o "$exe" \
           "$here/test_int_dot.c" "$here/generic.c" "$out/$v.o" "$out/x86_quantise.o" -lm &&
-        "$exe" "$SEED" ;;
+        "$exe" "$SEED" && attention_test "$CC" "$v" "${ISA[$v]}" ;;
     neon_dot)
       "$ARM_CC" "${COMMON[@]}" -march=armv8-a -c -o "$out/neon.o" "$here/arm_neon.c" &&
         "$ARM_CC" "${COMMON[@]}" -march=armv8.2-a+dotprod -c -o "$out/neon_dot.o" \
           "$here/arm_neon.c" &&
         "$ARM_CC" "${COMMON[@]}" -march=armv8-a -DAICI_TEST_NEON_DOT -DAICI_TEST_NEON \
           -o "$exe" "$here/test_int_dot.c" "$here/generic.c" "$out/neon_dot.o" "$out/neon.o" -lm &&
-        "$QEMU_AARCH64" -cpu max -L "$ARM_SYSROOT" "$exe" "$SEED" ;;
+        "$QEMU_AARCH64" -cpu max -L "$ARM_SYSROOT" "$exe" "$SEED" &&
+        attention_test "$ARM_CC" "$v" "-march=armv8.2-a+dotprod" \
+          "$QEMU_AARCH64" -cpu max -L "$ARM_SYSROOT" ;;
     neon)
       "$ARM_CC" "${COMMON[@]}" -march=armv8-a -DAICI_TEST_NEON -o "$exe" \
         "$here/test_int_dot.c" "$here/generic.c" "$here/arm_neon.c" -lm &&
-        "$QEMU_AARCH64" -cpu cortex-a53 -L "$ARM_SYSROOT" "$exe" "$SEED" ;;
+        "$QEMU_AARCH64" -cpu cortex-a53 -L "$ARM_SYSROOT" "$exe" "$SEED" &&
+        attention_test "$ARM_CC" "$v" "-march=armv8-a" \
+          "$QEMU_AARCH64" -cpu cortex-a53 -L "$ARM_SYSROOT" ;;
   esac
 }
 
