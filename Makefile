@@ -39,7 +39,7 @@ $(JS_STAMP): $(JS_DIR)/package.json $(JS_DIR)/package-lock.json
 setup: $(BIN)/.installed $(JS_STAMP)
 
 # `prepare` first: the model's conversion and its compiled one-token step, built once per
-# machine (~1-2 min), so that this run and every later one at the defaults start compiled.
+# machine (~4 min on 2 cores), so that this run and every later one at the defaults start compiled.
 demo: setup
 	$(BIN)/aici-batch prepare
 	$(BIN)/aici-batch run examples/prompts.jsonl -o examples/results.jsonl --stats-out examples/stats.json; \
