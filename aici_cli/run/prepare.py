@@ -22,9 +22,9 @@ tail of a file whose last lines finish one by one, which moves down to the small
 packaged bucket that holds it, engine/forward/compiled.py `bucket`: at batch 8 the default
 model's step costs ~6, 8.3, 10.2 and 14-16 ms at 1, 2, 4 and 8 rows forced to AVX2); and a
 run at `--batch-size 1` has a cache of one row, whose step is a package of its own, built
-too. Each is built by driving the engine at `--compile on`
-over a few tokens of that many synthetic lines, the way a run builds it; a last one-line
-run at `auto` then checks that a run starts compiled.
+too. Each is built by driving the engine at `--compile on` over a few tokens of that many
+synthetic lines, the way a run builds it; a last one-line run at `auto` then checks that
+a run starts compiled.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class Preparation:
 def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> Preparation:
     """Load `config`'s model as a run would (converting, packing and probing it where
     that was not done yet), then build the compiled step for `--batch-size` rows and each
-    smaller bucket (and for one row in a one-row cache), and check that a one-line run at `--compile
-    auto` starts compiled, at `--batch-size` and at 1. `say` hears each stage.
+    smaller bucket (and for one row in a one-row cache), and check that a one-line run at
+    `--compile auto` starts compiled, at `--batch-size` and at 1. `say` hears each stage.
     Raises `ModelError`/`UsageError` as a run reports them. Thread counts are the
     caller's (set before torch starts its pool)."""
     started = time.perf_counter()
