@@ -34,7 +34,7 @@ from aici_cli.engine.forward.deterministic import per_query_attention
 from aici_cli.models.families.llama import Attention as OwnAttention
 from aici_cli.models.families.llama import LlamaCausalLM, causal_attention
 from aici_cli.models.families.softcap import softcapped_attention
-from aici_cli.models.kernels.int_mm import rows_attention as rows_attention_op
+from aici_cli.models.kernels.rows_attention import rows_attention as rows_attention_op
 
 NAME = "aici_rows"
 
@@ -182,23 +182,9 @@ def rows_attention(
     windowed = sliding_window is not None
     out = query.new_empty(t, heads, dim)
 
-    g = plan.single
-    if g is not None:
-        span = g.token.shape[0]
-        # [H, S, D] -> [S, kv_heads, rep, D]: head h = kv group h // rep, as in repeat_kv.
-        q = query[0].index_select(1, g.token).transpose(0, 1).reshape(span, kv_heads, rep, dim)
-        k = key[plan.rows, :, : g.kv_len]
-        v = value[plan.rows, :, : g.kv_len]
-        mask = (g.sliding_attn_mask if windowed and g.sliding_attn_mask is not None
-                else g.attn_mask)
-        # Each row over its own slots, where the int kernels' library has the operator
-        # (SDPA reads every row up to the longest, a dummy row's too): no window, no cap.
-        o = (rows_attention_op(q, k, v, g.lengths, dim ** -0.5 if scaling is None else scaling)
-             if g.lengths is not None and mask is g.attn_mask and softcap is None else None)
-        if o is None:
-            o = attend(q, k, v, attn_mask=mask, scale=scaling)
-        out[g.member_tokens] = o.reshape(span, heads, dim)[g.members]
-
+    if plan.single is not None:
+        _one_token_rows(plan, plan.single, query, key, value, out, scaling, windowed, softcap,
+                      attend)
     for r in plan.runs:
         q = query[:, :, r.start : r.start + r.n]  # [1, H, n, D]
         k = key[r.row : r.row + 1, :, : r.kv_len]
@@ -211,3 +197,26 @@ def rows_attention(
         )
         out[r.start : r.start + r.n] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _one_token_rows(plan: PackedPlan, g: SingleGroup, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, out: torch.Tensor, scaling: float | None,
+                  windowed: bool, softcap: float | None, attend: Any) -> None:
+    """The rows feeding one token, in one call, into `out` [T, H, D] at their tokens."""
+    heads, dim = query.shape[1], query.shape[3]
+    kv_heads = key.shape[1]
+    span = g.token.shape[0]
+    # [H, S, D] -> [S, kv_heads, rep, D]: head h = kv group h // rep, as in repeat_kv.
+    q = query[0].index_select(1, g.token).transpose(0, 1).reshape(span, kv_heads,
+                                                                   heads // kv_heads, dim)
+    k = key[plan.rows, :, : g.kv_len]
+    v = value[plan.rows, :, : g.kv_len]
+    mask = (g.sliding_attn_mask if windowed and g.sliding_attn_mask is not None
+            else g.attn_mask)
+    # Each row over its own slots, where the int kernels' library has the operator
+    # (SDPA reads every row up to the longest, a dummy row's too): no window, no cap.
+    o = (rows_attention_op(q, k, v, g.lengths, dim ** -0.5 if scaling is None else scaling)
+         if g.lengths is not None and mask is g.attn_mask and softcap is None else None)
+    if o is None:
+        o = attend(q, k, v, attn_mask=mask, scale=scaling)
+    out[g.member_tokens] = o.reshape(span, heads, dim)[g.members]

@@ -51,8 +51,10 @@ import torch
 from aici_cli.core.cache_paths import cache_dir
 from aici_cli.models.kernels import probe
 from aici_cli.models.kernels.cpu_features import cpu_features
+from aici_cli.models.kernels.rows_attention import ATTENTION_FLAGS
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+_loaded = False  # whether this process loaded the library (`_load`)
 NATIVE = Path(__file__).parent / "native"  # the torch-free core, a file per instruction set
 ENV = "AICI_BATCH_VNNI"  # "off": never these kernels
 TILE, GROUP = 16, 32
@@ -326,12 +328,6 @@ def unusable() -> str | None:
     return _load(chosen)
 
 
-# rows_attention.c's own flags beyond the variant's: sums in vector lanes, and fmaxf and
-# its polynomial exp vectorised (its header says why each).
-ATTENTION_FLAGS = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-                   "-fno-math-errno", "-ffinite-math-only")
-
-
 def _objects(v: Variant) -> list[tuple[Path, list[str]]]:
     """The C files of variant `v`'s library, each with its own instruction-set flags."""
     files = [(NATIVE / "generic.c", []), (NATIVE / v.source, list(v.cflags)),
@@ -403,19 +399,9 @@ def _load(v: Variant) -> str | None:
     return None
 
 
-_loaded = False  # whether this process loaded the library (`_load`)
-
-
-def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
-                   scale: float) -> torch.Tensor | None:
-    """`aici::rows_attention` where it applies: this process loaded the library (a run
-    on the int kernels), float32 on the CPU. q [S, G, R, D]; k, v [>= S, G, slots, D]
-    (views); lengths [S] int64, each row's slots; [S, G, R, D]. None: it does not apply
-    (the caller attends as before)."""
-    if not _loaded or q.dtype != torch.float32 or q.device.type != "cpu" \
-            or k.dtype != torch.float32 or q.shape[2] > 16:
-        return None
-    return torch.ops.aici.rows_attention(q, k, v, lengths, scale)
+def loaded() -> bool:
+    """Whether this process loaded the library (its `aici::rows_attention` too)."""
+    return _loaded
 
 
 def _build(built: Path, v: Variant, cc: str, cxx: str, c_flags: list[str],

@@ -1,8 +1,9 @@
-"""`aici::rows_attention` (models/kernels/native/rows_attention.c, built into the int
-kernels' library): each row's few query heads a key/value head over the row's own first
-`lengths[s]` slots, against a float64 model of attention over generated shapes, lengths
-(0 included) and cache views; and the eager passes' one-token group through it, against
-the same group through PyTorch's attention over a real packed plan."""
+"""`aici::rows_attention` (models/kernels/rows_attention.py over native/rows_attention.c,
+built into the int kernels' library): each row's few query heads a key/value head over
+the row's own first `lengths[s]` slots, against a float64 model of attention over
+generated shapes, lengths (0 included) and cache views; and the eager passes' one-token
+group through it, against the same group through PyTorch's attention over a real packed
+plan."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from aici_cli.engine.forward.attention import packed, rows_attention
 from aici_cli.engine.forward.inputs import AttentionLayout, build_inputs
 from aici_cli.models.kernels import int_mm
+from aici_cli.models.kernels import rows_attention as op
 
 WHY_NOT = int_mm.unusable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no int kernel: {WHY_NOT}")
@@ -47,7 +49,7 @@ def test_each_row_attends_over_its_own_slots(rows: int, kv_heads: int, rep: int,
     scale = dim ** -0.5
     k = keys[spare_rows:, :, :capacity]
     v = values[spare_rows:, :, :capacity]
-    out = int_mm.rows_attention(q, k, v, lengths, scale)
+    out = op.rows_attention(q, k, v, lengths, scale)
     assert out is not None and out.shape == q.shape and out.dtype == torch.float32
     for s in range(rows):
         n = int(lengths[s])
@@ -63,8 +65,8 @@ def test_it_refuses_a_length_past_the_cache_and_leaves_other_dtypes_to_sdpa() ->
     q = torch.randn(2, 1, 3, 16)
     kv = torch.randn(2, 1, 8, 16)
     with pytest.raises(RuntimeError, match="a length past the cache"):
-        int_mm.rows_attention(q, kv, kv, torch.tensor([3, 9]), 0.25)
-    assert int_mm.rows_attention(q.bfloat16(), kv.bfloat16(), kv.bfloat16(),
+        op.rows_attention(q, kv, kv, torch.tensor([3, 9]), 0.25)
+    assert op.rows_attention(q.bfloat16(), kv.bfloat16(), kv.bfloat16(),
                                  torch.tensor([3, 4]), 0.25) is None
 
 

@@ -1,0 +1,29 @@
+"""The eager passes' attention of one-token rows over each row's own cache slots:
+`aici::rows_attention` (native/rows_attention.c), built into the int kernels' library
+(int_mm.py) with each variant's flags, where it applies."""
+
+from __future__ import annotations
+
+import torch
+
+# native/rows_attention.c's own flags beyond the variant's (int_mm.py builds it): sums in
+# vector lanes, and fmaxf and its polynomial exp vectorised (its header says why each).
+ATTENTION_FLAGS = ("-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+                   "-fno-math-errno", "-ffinite-math-only")
+
+# Query heads a key/value head the operator takes (native/rows_attention.h AICI_MAX_REP).
+MAX_REP = 16
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                   scale: float) -> torch.Tensor | None:
+    """Each row's attention over its first `lengths[s]` slots where the operator applies:
+    this process loaded the library, float32 on the CPU. q [S, G, R, D]; k, v [>= S, G,
+    slots, D] (views); lengths [S] int64; returns [S, G, R, D] (a row of length 0:
+    zeros), or None where it does not apply (the caller attends as before)."""
+    from aici_cli.models.kernels import int_mm  # which builds this file's flags in
+
+    if not int_mm.loaded() or q.dtype != torch.float32 or q.device.type != "cpu" \
+            or k.dtype != torch.float32 or q.shape[2] > MAX_REP:
+        return None
+    return torch.ops.aici.rows_attention(q, k, v, lengths, scale)
