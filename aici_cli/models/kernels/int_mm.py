@@ -54,7 +54,6 @@ from aici_cli.models.kernels.cpu_features import cpu_features
 from aici_cli.models.kernels.rows_attention import ATTENTION_FLAGS
 
 SOURCE = Path(__file__).with_suffix(".cpp")
-_loaded = False  # whether this process loaded the library (`_load`)
 NATIVE = Path(__file__).parent / "native"  # the torch-free core, a file per instruction set
 ENV = "AICI_BATCH_VNNI"  # "off": never these kernels
 TILE, GROUP = 16, 32
@@ -394,14 +393,7 @@ def _load(v: Variant) -> str | None:
         built.unlink(missing_ok=True)  # built again by the next process
         return f"its library did not load ({type(e).__name__}: {str(e)[:200]})"
     _register_fakes()
-    global _loaded
-    _loaded = True
     return None
-
-
-def loaded() -> bool:
-    """Whether this process loaded the library (its `aici::rows_attention` too)."""
-    return _loaded
 
 
 def _build(built: Path, v: Variant, cc: str, cxx: str, c_flags: list[str],

@@ -18,12 +18,11 @@ MAX_REP = 16
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                    scale: float) -> torch.Tensor | None:
     """Each row's attention over its first `lengths[s]` slots where the operator applies:
-    this process loaded the library, float32 on the CPU. q [S, G, R, D]; k, v [>= S, G,
-    slots, D] (views); lengths [S] int64; returns [S, G, R, D] (a row of length 0:
-    zeros), or None where it does not apply (the caller attends as before)."""
-    from aici_cli.models.kernels import int_mm  # which builds this file's flags in
-
-    if not int_mm.loaded() or q.dtype != torch.float32 or q.device.type != "cpu" \
-            or k.dtype != torch.float32 or q.shape[2] > MAX_REP:
+    float32 on the CPU, in a process that loaded the int kernels' library (int_mm.py
+    registers the operator with it). q [S, G, R, D]; k, v [>= S, G, slots, D] (views);
+    lengths [S] int64; returns [S, G, R, D] (a row of length 0: zeros), or None where it
+    does not apply (the caller attends as before)."""
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or q.device.type != "cpu" \
+            or q.shape[2] > MAX_REP or not hasattr(torch.ops.aici, "rows_attention"):
         return None
     return torch.ops.aici.rows_attention(q, k, v, lengths, scale)
