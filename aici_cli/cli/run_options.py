@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
+from aici_cli.core.config import EXACT_OPTIONS
 from aici_cli.core.sampling import RUN_OPTIONS, Option
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -48,8 +49,10 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
     click.option("--quantize", type=click.Choice(["auto", "none", "int8", "int4"]),
                  default="auto", show_default=True,
                  help="Weight-only quantisation of the linear layers (docs/speed.md). auto: a "
-                      "GGUF model runs at its own precision (the default model: int4) in a "
-                      "16-bit run; float32, --deterministic and float models run unquantised."),
+                      "GGUF model runs at its own precision (the default model: int4), in a "
+                      "16-bit run and in the float32 run --dtype auto picks on a CPU without "
+                      "bf16 (the int kernels); " + ", ".join(EXACT_OPTIONS) + ", GPUs in "
+                      "float32 and float models run unquantised (the model's own numbers)."),
     click.option("--model-impl", type=click.Choice(["auto", "transformers"]), default="auto",
                  show_default=True,
                  help="auto: a Llama, Mistral, Qwen 2/3 or Gemma 3 model runs as "

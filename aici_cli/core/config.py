@@ -182,9 +182,28 @@ class RunConfig:
     progress_interval_s: float = 10.0  # off a terminal: a progress line this often; 0: none
 
 
+# The options under which `--quantize auto` loads the weights unquantised: each asks for
+# the model's own numbers (scores and logprobs that match transformers, float32 as the
+# user wrote it, batch-invariant passes, which are established for the dense path only).
+# `--dtype auto` choosing float32 on a CPU without bf16 is not among them: that run keeps
+# the int kernels (`quant/quantize.py: resolve_mode`), and says so in `made_with`.
+EXACT_OPTIONS = ("--dtype float32", "--score", "--logprobs", "--deterministic")
+
+
+def exact_options(config: RunConfig) -> list[str]:
+    """Which of `EXACT_OPTIONS` the run sets (in that order)."""
+    chosen = {
+        "--dtype float32": config.dtype == "float32",
+        "--score": config.defaults.score,
+        "--logprobs": config.defaults.logprobs is not None,
+        "--deterministic": config.engine.deterministic,
+    }
+    return [flag for flag in EXACT_OPTIONS if chosen[flag]]
+
+
 def load_quantize(config: RunConfig) -> str:
-    """The `--quantize` the model loads with: `auto` is `none` under `--deterministic`
-    (batch invariance is established for the dense path only)."""
-    if config.quantize == "auto" and config.engine.deterministic:
+    """The `--quantize` the model loads with: `auto` is `none` where the run sets one of
+    `EXACT_OPTIONS`; anything else as the option says."""
+    if config.quantize == "auto" and exact_options(config):
         return "none"
     return config.quantize

@@ -125,3 +125,35 @@ def test_the_eval_example_scores_through_the_prefix_cache(tmp_path: Path) -> Non
     cached = sum(r["stats"]["cached_tokens"] for r in results)
     assert cached > 0.85 * prompt
     assert sum(r["correct"] for r in results) >= 6  # chance would be 3 of 12
+
+
+def test_float32_scores_through_the_cli_equal_transformers(tmp_path: Path) -> None:
+    """`run --score --dtype float32` at the default `--quantize auto` computes the model's
+    own numbers: each choice's log-probability equals transformers' on the same weights
+    (one full forward per choice, no cache), as the lm-eval backend's do."""
+    from click.testing import CliRunner
+
+    from aici_cli.cli.main import main
+
+    lines = (ROOT / "examples" / "eval" / "eval.jsonl").read_text().splitlines()[:3]
+    src, out = tmp_path / "eval.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    res = CliRunner().invoke(main, ["run", str(src), "--score", "--dtype", "float32",
+                                    "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    assert results[0].get("made_with", {}).get("quantize", "none") == "none"
+    ref = load_model(None, device="cpu", dtype="float32", quantize="none",
+                     implementation="transformers")
+    tok = ref.tokenizer
+    for line, result in zip((json.loads(x) for x in lines), results):
+        context = tok(line["prompt"])["input_ids"]
+        for score in result["scores"]:
+            whole = tok(line["prompt"] + score["choice"])["input_ids"]
+            start = next((i for i, (a, b) in enumerate(zip(whole, context)) if a != b),
+                         min(len(whole), len(context)))
+            with torch.inference_mode():
+                logits = ref.model(input_ids=torch.tensor([whole])).logits[0].float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            want = sum(float(logprobs[i - 1, whole[i]]) for i in range(start, len(whole)))
+            assert abs(score["logprob"] - want) < 1e-4, (score, want)
