@@ -1,5 +1,5 @@
 """`aici-batch publish` and `aici-batch pull`: controllers as OCI artifacts (thin: the
-work is in `aici_cli.run.registry`)."""
+work is in `aici_cli.control.registry`)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def credential_options(f: Any) -> Any:
 
 def _credentials(username: str | None, password_stdin: bool) -> Any:
     from aici_cli.cli.errors import FatalError
-    from aici_cli.run.registry import Credentials
+    from aici_cli.control.registry import Credentials
 
     if password_stdin and username is None:
         raise FatalError("--password-stdin goes with --username")
@@ -68,10 +68,10 @@ def publish(component: str, ref: str, username: str | None, password_stdin: bool
       aici-batch run prompts.jsonl --controller oci://ghcr.io/team/yes-no@sha256:...
     """
     from aici_cli.cli.errors import FatalError
+    from aici_cli.control.registry import parse_ref
+    from aici_cli.control.registry import publish as push
     from aici_cli.control.wasm.component_file import ComponentError
     from aici_cli.core.errors import UsageError
-    from aici_cli.run.registry import parse_ref
-    from aici_cli.run.registry import publish as push
 
     credentials = _credentials(username, password_stdin)
     try:
@@ -109,9 +109,9 @@ def pull(ref: str, output: str | None, username: str | None, password_stdin: boo
       aici-batch pull localhost:5000/yes-no:dev --plain-http -o yes_no.wasm
     """
     from aici_cli.cli.errors import FatalError
+    from aici_cli.control.registry import parse_ref
+    from aici_cli.control.registry import pull as fetch
     from aici_cli.core.errors import UsageError
-    from aici_cli.run.registry import parse_ref
-    from aici_cli.run.registry import pull as fetch
 
     credentials = _credentials(username, password_stdin)
     try:

@@ -26,12 +26,12 @@ from aici_cli.formats.detect import detect_format
 from aici_cli.formats.jobs import Translate, open_input, read_jobs
 from aici_cli.formats.openai_batch import BatchFormat, refuse_requests
 from aici_cli.models.progress import reporting_to
+from aici_cli.run import controller_pin
 from aici_cli.run.backends.protocol import Backend
 from aici_cli.run.interrupts import Interrupts, signal_name
 from aici_cli.run.live_input import LiveInput, may_block
 from aici_cli.run.made_with import MODEL_KEYS, OPTION_KEYS, run_record
 from aici_cli.run.out_paths import check_writable, run_outputs
-from aici_cli.run.registry import run_controller
 from aici_cli.run.result_sink import ResultSink
 from aici_cli.run.result_writer import ResultWriter
 from aici_cli.run.resume import InputLines, OutputFile, ResumeError, ResumePlan
@@ -176,10 +176,10 @@ def _resume_plan(config: RunConfig, files: _RunFiles) -> ResumePlan | None:
 
 
 def _pinned(config: RunConfig, plan: ResumePlan | None) -> tuple[RunConfig, str | None]:
-    """Step 4: the controller pinned to its digest (`registry.run_controller`), and a
+    """Step 4: the controller pinned to its digest (`run/controller_pin.py`), and a
     resumed run's options checked against its earlier results' before the model loads."""
-    config = run_controller.pin(config)
-    controller = run_controller.controller_digest(config)
+    config = controller_pin.pin(config)
+    controller = controller_pin.controller_digest(config)
     if plan is not None:
         _check_made_with(config, plan, run_record(config, "", controller), OPTION_KEYS)
     return config, controller

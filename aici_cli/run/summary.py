@@ -16,7 +16,7 @@ from typing import Any
 from aici_cli import __version__
 from aici_cli.core.config import RunConfig
 from aici_cli.core.line_stats import StepTimes
-from aici_cli.run.registry.run_controller import controller_summary
+from aici_cli.run.controller_pin import controller_summary
 from aici_cli.run.tally import RunTally, percentile
 
 

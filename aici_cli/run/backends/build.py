@@ -67,9 +67,9 @@ def build_engine(config: RunConfig, wasm: bytes | None = None,
 def load_controller(config: RunConfig, wasm: bytes | None = None) -> ControllerComponent:
     """The `--controller` component, compiled or loaded from the compile cache (on the
     node's disk, locked while one process compiles: once per node). From its file
-    (an `oci://` one pinned and pulled, see `registry.run_controller`), or from `wasm`."""
+    (an `oci://` one pinned and pulled, see `run/controller_pin.py`), or from `wasm`."""
+    from aici_cli.control.registry.operations import controller_file
     from aici_cli.control.wasm import ComponentError, ControllerComponent, GuestLimits
-    from aici_cli.run.registry.operations import controller_file
 
     assert config.controller is not None
     limits = GuestLimits(call_ms=config.controller_call_ms)

@@ -213,8 +213,8 @@ def component_bytes(config: RunConfig) -> bytes | None:
     and shipped to the workers: their nodes need no copy of the file."""
     if config.controller is None:
         return None
+    from aici_cli.control.registry.operations import controller_file
     from aici_cli.control.wasm.component_file import ComponentError, read_wasm
-    from aici_cli.run.registry.operations import controller_file
 
     try:
         return read_wasm(controller_file(config.controller))

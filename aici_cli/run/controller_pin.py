@@ -3,7 +3,8 @@ loads, and that digest for `made_with` and the run summary.
 
 A file controller is named by the digest of its bytes (`made_with.digest`); an `oci://`
 one by the artifact's digest, which `pin` fixes once per run (a tag asks the registry
-once), so every line, on every worker, uses the same component. Torch-free.
+once, through `aici_cli.control.registry`), so every line, on every worker, uses the same
+component. Torch-free.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from aici_cli.control.registry.refs import is_oci, parse_ref
 from aici_cli.core.config import RunConfig
 from aici_cli.run.made_with import digest
-from aici_cli.run.registry.refs import is_oci, parse_ref
 
 
 def pin(config: RunConfig) -> RunConfig:
@@ -21,7 +22,7 @@ def pin(config: RunConfig) -> RunConfig:
     component cache; any other `config` as it is."""
     if not is_oci(config.controller):
         return config
-    from aici_cli.run.registry.operations import pin_controller
+    from aici_cli.control.registry.operations import pin_controller
 
     assert config.controller is not None
     return replace(config, controller=str(pin_controller(config.controller,

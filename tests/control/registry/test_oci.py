@@ -25,9 +25,8 @@ from paths import ROOT
 from wat import Guest, component, save, u32s
 
 from aici_cli.cli.main import main
-from aici_cli.formats.schemas import load_schema
-from aici_cli.run.registry import RefError, parse_ref
-from aici_cli.run.registry.artifact import (
+from aici_cli.control.registry import RefError, parse_ref
+from aici_cli.control.registry.artifact import (
     CONFIG_MEDIA_TYPE,
     LAYER_MEDIA_TYPE,
     MANIFEST_MEDIA_TYPE,
@@ -37,6 +36,7 @@ from aici_cli.run.registry.artifact import (
     WIT_PACKAGE,
     WIT_VERSION,
 )
+from aici_cli.formats.schemas import load_schema
 
 ALLOW_5_7 = Guest("(call $sample-allow {allow})", data={"allow": u32s(5, 7)})
 ALLOW_9 = Guest("(call $sample-allow {allow})", data={"allow": u32s(9)})
@@ -243,8 +243,8 @@ def test_credentials_come_from_stdin_or_the_docker_config_and_a_wrong_one_is_ref
 def test_a_component_this_host_cannot_link_is_refused_at_pull_and_at_run(
         registry: Registry, cache: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     """Pushed by another tool (no `publish` check): a contract version from the future."""
-    from aici_cli.run.registry.artifact import canonical, descriptor
-    from aici_cli.run.registry.client import RegistryClient
+    from aici_cli.control.registry.artifact import canonical, descriptor
+    from aici_cli.control.registry.client import RegistryClient
 
     text = component(ALLOW_5_7).replace("@0.1.0", "@9.9.0")
     wasm = bytes(wasmtime.wat2wasm(text))

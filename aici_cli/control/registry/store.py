@@ -19,12 +19,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from aici_cli.run.registry.refs import OciRef
+from aici_cli.control.registry.refs import OciRef
+from aici_cli.core.cache_paths import cache_dir
 
 
 def oci_cache_dir() -> Path:
-    from aici_cli.models.cache.conversions import cache_dir
-
     return cache_dir() / "oci"
 
 

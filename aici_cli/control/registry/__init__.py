@@ -8,17 +8,16 @@ The modules, in the order an artifact meets them:
 - `client`: the registry over HTTP(S) through oras-py: credentials from the Docker config
   or the command line, no retries, one-line `RegistryError`s.
 - `store`: pulled artifacts in the component cache, keyed by digest (offline reruns).
-- `operations`: `publish`, `pull`, and pinning a run's `--controller` to one digest.
-- `run_controller`: a run's `--controller` pinned (`pin`), and the digest its results
-  and summary record of it.
+- `operations`: `publish`, `pull`, and pinning a run's `--controller` to one digest
+  (`aici_cli/run/controller_pin.py` asks it for a run, and records the digest).
 
 Torch-free; wasmtime is imported only to check a component (publish, and a pull's
 contract check).
 """
 
-from aici_cli.run.registry.client import Credentials, RegistryError
-from aici_cli.run.registry.operations import Published, Pulled, publish, pull
-from aici_cli.run.registry.refs import OciRef, RefError, is_oci, parse_ref
+from aici_cli.control.registry.client import Credentials, RegistryError
+from aici_cli.control.registry.operations import Published, Pulled, publish, pull
+from aici_cli.control.registry.refs import OciRef, RefError, is_oci, parse_ref
 
 __all__ = [
     "Credentials",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aici_cli.run.registry.artifact import (
+from aici_cli.control.registry.artifact import (
     CONFIG_MEDIA_TYPE,
     LAYER_MEDIA_TYPE,
     MANIFEST_MEDIA_TYPE,
@@ -25,9 +25,9 @@ from aici_cli.run.registry.artifact import (
     read_manifest,
     sha256_digest,
 )
-from aici_cli.run.registry.client import Credentials, RegistryClient, RegistryError
-from aici_cli.run.registry.refs import OciRef, parse_ref
-from aici_cli.run.registry.store import ArtifactStore
+from aici_cli.control.registry.client import Credentials, RegistryClient, RegistryError
+from aici_cli.control.registry.refs import OciRef, parse_ref
+from aici_cli.control.registry.store import ArtifactStore
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def pin_controller(spec: str, plain_http: bool = False) -> Pulled:
 def controller_file(spec: str) -> Path:
     """The file of a run's `--controller`: the path itself, or the cached component of a
     pinned `oci://` reference (see `pin_controller`)."""
-    from aici_cli.run.registry.refs import is_oci
+    from aici_cli.control.registry.refs import is_oci
 
     return cached_component(spec) if is_oci(spec) else Path(spec)
 

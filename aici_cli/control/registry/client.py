@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aici_cli.control.registry.refs import OciRef
 from aici_cli.core.errors import UsageError
-from aici_cli.run.registry.refs import OciRef
 
 TIMEOUT_S = 30.0  # per request: connect and each read
 
