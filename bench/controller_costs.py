@@ -94,8 +94,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "controller_costs")
     args = ap.parse_args()
 
-    from aici_cli.control.build import build_controller
-    from aici_cli.control.build.js import toolchain_problem
+    from aici_cli.control.componentize import build_controller
+    from aici_cli.control.componentize.js import toolchain_problem
     from aici_cli.control.wasm import ControllerComponent
 
     args.out.mkdir(parents=True, exist_ok=True)

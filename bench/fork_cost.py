@@ -83,7 +83,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "out" / "fork_cost")
     args = ap.parse_args()
 
-    from aici_cli.control.build import build_controller
+    from aici_cli.control.componentize import build_controller
     from aici_cli.control.wasm import ControllerComponent
     from aici_cli.models import load_model
 

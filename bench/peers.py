@@ -196,7 +196,7 @@ def build_wasm(out_dir: Path) -> tuple[Path | None, str | None]:
     if target.is_file() and target.stat().st_mtime >= WASM_SRC.stat().st_mtime:
         return target, None
     try:
-        from aici_cli.control.build import build_controller
+        from aici_cli.control.componentize import build_controller
 
         res = build_controller(WASM_SRC, target)
     except Exception as e:  # BuildError, componentize-py missing, ...

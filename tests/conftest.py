@@ -232,7 +232,7 @@ def node() -> str:
 @pytest.fixture(scope="session")
 def js_toolchain() -> None:
     """node and the pinned componentize-js (`make setup` / `npm ci --prefix controllers/js`)."""
-    from aici_cli.control.build.js import toolchain_problem
+    from aici_cli.control.componentize.js import toolchain_problem
 
     require_js(toolchain_problem())
 
@@ -251,7 +251,7 @@ class Builds(Mapping[str, Path]):
             raise KeyError(name)
         PROCESS_STARTS.note(f"the example {name}{self._suffix} built")
         if name not in self._done:
-            from aici_cli.control.build import build_controller
+            from aici_cli.control.componentize import build_controller
 
             src = self._src_dir / f"{name}{self._suffix}"
             self._done[name] = build_controller(src, self._out_dir / f"{name}.wasm").out

@@ -152,7 +152,7 @@ def wit(out_dir: str | None) -> None:
       aici-batch wit
       aici-batch wit --dir my-controller/wit
     """
-    from aici_cli.control.build import wit_text, write_wit
+    from aici_cli.control.componentize import wit_text, write_wit
 
     if out_dir is None:
         click.echo(wit_text(), nl=False)
@@ -178,7 +178,7 @@ def build(source: str, output: str | None) -> None:
       aici-batch build controllers/js/examples/yes_no.js -o yes_no_js.wasm
       aici-batch run prompts.jsonl --controller yes_no.wasm
     """
-    from aici_cli.control.build import BuildError, build_controller
+    from aici_cli.control.componentize import BuildError, build_controller
 
     out = Path(output) if output else Path(source).with_suffix(".wasm")
     try:

@@ -16,8 +16,14 @@ from aici_controller.testing import StubHost
 from paths import CONTROLLERS, DATA, GUESTS, ROOT
 from wasmtime import component as wc
 
-from aici_cli.control.build import BuildError, BuildResult, build_controller, toolchain, wit_text
-from aici_cli.control.build import python as build
+from aici_cli.control.componentize import (
+    BuildError,
+    BuildResult,
+    build_controller,
+    toolchain,
+    wit_text,
+)
+from aici_cli.control.componentize import python as build
 
 EXPORT = "aici:controller/controller@0.2.0"
 IMPORTS = {

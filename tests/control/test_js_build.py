@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from paths import ROOT
 
 from aici_cli.cli.main import main
-from aici_cli.control.build import BuildError, build_controller
-from aici_cli.control.build import js as build_js
-from aici_cli.control.build.js import (
+from aici_cli.control.componentize import BuildError, build_controller
+from aici_cli.control.componentize import js as build_js
+from aici_cli.control.componentize.js import (
     DISABLED_FEATURES,
     JsToolchain,
     build_command,
@@ -28,7 +28,7 @@ from aici_cli.control.build.js import (
     find_toolchain,
     glue_file,
 )
-from aici_cli.control.build.toolchain import contract_version
+from aici_cli.control.componentize.toolchain import contract_version
 
 JS = ROOT / "controllers" / "js"
 YES_NO = JS / "examples" / "yes_no.js"

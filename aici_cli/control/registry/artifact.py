@@ -6,7 +6,7 @@ component exports and imports (`component.exports`/`imports`, `os: wasip2` as th
 layout asks of components, `layerDigests`); the manifest's annotations say what a team
 needs to know before running it: the WIT package and version it exports, the language,
 SDK and toolchain that built it, and the digest of its source (from the section
-`aici-batch build` leaves in it, `control/build/info.py`).
+`aici-batch build` leaves in it, `control/componentize/info.py`).
 
 Torch-free; `describe` loads the component with wasmtime (the compile cache makes that
 ~30 ms after the first time).
@@ -61,7 +61,7 @@ class Described:
 def describe(component: Path, tag: str | None, created: datetime | None = None) -> Described:
     """Check that `component` is a controller this host runs (raises ComponentError, one
     line, otherwise) and lay out its config and annotations."""
-    from aici_cli.control.build.info import read_build_info
+    from aici_cli.control.componentize.info import read_build_info
     from aici_cli.control.wasm import ControllerComponent
     from aici_cli.control.wasm.component_file import read_wasm
 

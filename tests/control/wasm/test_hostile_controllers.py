@@ -434,7 +434,7 @@ def test_memory_stays_bounded_over_many_steps(tiny_model_dir: Path, tmp_path: Pa
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from aici_cli.control.build import build_controller
+    from aici_cli.control.componentize import build_controller
 
     # A variable set while building must not reach the component either: componentize-py
     # snapshots the interpreter, environment included, at build time.

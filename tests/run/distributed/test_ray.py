@@ -34,7 +34,7 @@ from ray_runs import (
     write_input,
 )
 
-from aici_cli.control.build import build_controller
+from aici_cli.control.componentize import build_controller
 from aici_cli.formats.schemas import load_schema
 from aici_cli.run.distributed.driver import LINE_LOSSES
 from aici_cli.run.distributed.worker import CRASH_ON_ID_ENV

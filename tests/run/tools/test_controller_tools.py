@@ -21,7 +21,7 @@ from paths import CONTROLLERS, ROOT
 from wasmtime import component as wc
 
 from aici_cli.cli.main import main
-from aici_cli.control.build import build_controller
+from aici_cli.control.componentize import build_controller
 
 pytestmark = pytest.mark.subprocess
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aici_cli.control.build.js import JS_SUFFIXES, build_js_controller
-from aici_cli.control.build.python import build_python_controller
-from aici_cli.control.build.toolchain import (
+from aici_cli.control.componentize.js import JS_SUFFIXES, build_js_controller
+from aici_cli.control.componentize.python import build_python_controller
+from aici_cli.control.componentize.toolchain import (
     BuildError,
     BuildResult,
     checked_wit_dir,

@@ -17,7 +17,7 @@ from pathlib import Path
 WORLD = "controller-world"
 
 _CONTRACT = re.compile(r"^\s*package\s+aici:controller@(\d+\.\d+\.\d+)\s*;", re.MULTILINE)
-# aici_cli/control/build/toolchain.py: parents[2] is aici_cli, parents[3] the checkout.
+# aici_cli/control/componentize/toolchain.py: parents[2] is aici_cli, parents[3] the checkout.
 _PACKAGE_DIR = Path(__file__).resolve().parents[2]
 REPO_DIR = _PACKAGE_DIR.parent
 

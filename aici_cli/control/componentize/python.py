@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from aici_cli.control.build.info import BuildInfo, source_digest, stamp
-from aici_cli.control.build.toolchain import (
+from aici_cli.control.componentize.info import BuildInfo, source_digest, stamp
+from aici_cli.control.componentize.toolchain import (
     REPO_DIR,
     WORLD,
     BuildError,

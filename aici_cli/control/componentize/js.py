@@ -35,8 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aici_cli.control.build.info import BuildInfo, source_digest, stamp
-from aici_cli.control.build.toolchain import (
+from aici_cli.control.componentize.info import BuildInfo, source_digest, stamp
+from aici_cli.control.componentize.toolchain import (
     REPO_DIR,
     WORLD,
     BuildError,
