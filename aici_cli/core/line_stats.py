@@ -28,13 +28,37 @@ class LineStats:
     mask_ms: float = 0.0
     controller_ms: float = 0.0
     sample_ms: float = 0.0
+    # How far the constraint bent the model: the probability its distribution (after the
+    # line's logit rules, at temperature 1) gave the tokens the mask allowed, lowest and
+    # mean over the constrained steps whose logits the pass computed whole (a masked
+    # projection computes only the allowed ones), and how many steps that was. Left out
+    # of a result whose line never had such a step.
+    allowed_mass_min: float | None = None
+    allowed_mass_mean: float | None = None
+    allowed_mass_steps: int = 0
+
+    def weigh(self, mass: float) -> None:
+        """One more constrained step, whose mask allowed `mass` of the distribution."""
+        n = self.allowed_mass_steps + 1
+        low = self.allowed_mass_min
+        self.allowed_mass_min = mass if low is None else min(low, mass)
+        mean = self.allowed_mass_mean or 0.0
+        self.allowed_mass_mean = mean + (mass - mean) / n
+        self.allowed_mass_steps = n
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        if not self.allowed_mass_steps:
+            for k in MASS_FIELDS:
+                del out[k]
         for k, v in out.items():
             if isinstance(v, float):
-                out[k] = round(v, 3)
+                # A mass near zero is the figure of interest: kept to 1e-6 absolute.
+                out[k] = round(v, 6 if k in MASS_FIELDS else 3)
         return out
+
+
+MASS_FIELDS = ("allowed_mass_min", "allowed_mass_mean", "allowed_mass_steps")
 
 
 #: The `stats` of a result that never ran (an input line that could not run).
@@ -83,6 +107,8 @@ def summed_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     for r in results:
         for key, value in r.get("stats", {}).items():
+            if key in MASS_FIELDS:
+                continue  # not a sum: combined below
             if isinstance(value, bool):  # a flag: set when any row's is
                 stats[key] = stats.get(key, False) or value
             elif isinstance(value, str):  # a reason (close_reason): the first row's
@@ -93,4 +119,11 @@ def summed_stats(results: list[dict[str, Any]]) -> dict[str, Any]:
                            default=0.0)
     stats["total_ms"] = max(r["stats"]["total_ms"] for r in results)
     stats["started_ms"] = min(r["stats"].get("started_ms", 0.0) for r in results)
+    weighed = [r["stats"] for r in results if r["stats"].get("allowed_mass_steps")]
+    if weighed:  # the lowest of any row; the mean over every row's steps
+        steps = sum(w["allowed_mass_steps"] for w in weighed)
+        stats["allowed_mass_min"] = min(w["allowed_mass_min"] for w in weighed)
+        stats["allowed_mass_mean"] = round(sum(
+            w["allowed_mass_mean"] * w["allowed_mass_steps"] for w in weighed) / steps, 6)
+        stats["allowed_mass_steps"] = steps
     return stats

@@ -19,7 +19,7 @@ from aici_cli.control.base import Directive
 from aici_cli.engine.clock import Now, ms
 from aici_cli.engine.generation import Generation
 from aici_cli.engine.logits.masks import controller_fault
-from aici_cli.engine.logits.sampler import branch_generator
+from aici_cli.engine.logits.sampler import branch_stream
 
 Place = Callable[[Generation], None]  # a generation that is done, or waits for a row
 
@@ -132,8 +132,8 @@ class Decisions:
         branches = [gen]
         for k, other in enumerate(others, 1):
             path = base + (k,)
-            generator = branch_generator(gen.job.sampling.seed, gen.sample, path)
-            branch = gen.split(other, generator, path)
+            stream = branch_stream(gen.job.sampling.seed, gen.sample, path)
+            branch = gen.split(other, stream, path)
             branch.stats.controller_ms += replay_ms
             branches.append(branch)
         for k, branch in enumerate(branches):

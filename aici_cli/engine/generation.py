@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from aici_cli.control.base import Controller, Directive
 from aici_cli.core.errors import ControllerError
 from aici_cli.core.job import Job
@@ -26,6 +24,7 @@ from aici_cli.core.line_stats import LineStats, StepTimes, shared_pass_times
 from aici_cli.engine.branches import Branch
 from aici_cli.engine.draft import DraftGate
 from aici_cli.engine.logits.logit_rules import LogitRules
+from aici_cli.engine.logits.sampler import RowStream
 from aici_cli.engine.scoring import ScoredChoice
 from aici_cli.engine.stops import StopScan
 
@@ -68,7 +67,7 @@ class Generation:
     job: Job
     prompt: list[int]
     controller: Controller | None
-    generator: torch.Generator
+    stream: RowStream  # its random numbers (`logits/sampler.py`)
     started: float = field(default_factory=time.perf_counter)
     output: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
@@ -214,14 +213,14 @@ class Generation:
             return self.scored.start - 1
         return len(self.cacheable()) - 1
 
-    def split(self, controller: Controller, generator: torch.Generator,
+    def split(self, controller: Controller, stream: RowStream,
               path: tuple[int, ...]) -> Generation:
         """A new branch of this generation at a fork: the same tokens so far (whose keys
         its row takes from this one's, `rows.py`), its own controller, sampler and stats.
         It starts with this generation's clock, first-token time, logprobs, logit-rule
         counts and stop scan; its stats count its own work from the fork on."""
         assert self.branch is not None
-        branch = Generation(self.job, self.prompt, controller, generator, started=self.started,
+        branch = Generation(self.job, self.prompt, controller, stream, started=self.started,
                             group=self.group, sample=self.sample, earlier=self.earlier,
                             branch=self.branch.child(path))
         branch.output = list(self.output)

@@ -15,7 +15,7 @@ from aici_cli.engine.decisions import Decisions, Place
 from aici_cli.engine.generation import Generation, SampleGroup
 from aici_cli.engine.intake import Emit, LineIntake
 from aici_cli.engine.logits.logit_rules import LogitRules
-from aici_cli.engine.logits.sampler import row_generator
+from aici_cli.engine.logits.sampler import row_stream
 from aici_cli.engine.rows import Prepared
 from aici_cli.engine.scoring import ScoredChoice, shared_token_choices
 from aici_cli.engine.trace_hooks import EngineTracer
@@ -51,7 +51,7 @@ class Launcher:
                     if any(c is not None for c in controllers) else None)
         waiting = []
         for i, controller in enumerate(controllers):
-            gen = Generation(job, line.prompt, controller, row_generator(job.sampling.seed, i),
+            gen = Generation(job, line.prompt, controller, row_stream(job.sampling.seed, i),
                              started=self.now(), group=group, sample=i, earlier=line.earlier,
                              branch=Branch(branches) if branches is not None else None)
             gen.stats.started_ms = ms(self.origin, gen.started)
@@ -84,13 +84,13 @@ class Launcher:
         tokens = shared_token_choices(sequences)
         if tokens is not None:  # one row scores them all
             ids, start = sequences[0]
-            gen = Generation(job, ids, None, row_generator(job.sampling.seed, 0),
+            gen = Generation(job, ids, None, row_stream(job.sampling.seed, 0),
                              started=self.now(), group=group,
                              scored=ScoredChoice(start, options[0], tokens))
             return [gen]
         waiting = []
         for i, (option, (ids, start)) in enumerate(zip(options, sequences)):
-            gen = Generation(job, ids, None, row_generator(job.sampling.seed, i),
+            gen = Generation(job, ids, None, row_stream(job.sampling.seed, i),
                              started=self.now(), group=group, sample=i,
                              scored=ScoredChoice(start, option))
             gen.stats.started_ms = ms(self.origin, gen.started)

@@ -33,7 +33,7 @@ from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.passes import ModelPass, PassOutput
 from aici_cli.engine.logits.logit_rules import LogitRules, draft_picks, rules_before_masks
 from aici_cli.engine.logits.masked_projection import MaskedProjection
-from aici_cli.engine.logits.masks import MaskVerdict, TokenMasks, apply_masks
+from aici_cli.engine.logits.masks import MaskVerdict, TokenMasks, apply_masks, empty_masks
 from aici_cli.engine.logits.sampler import Draw, log_softmax, sample
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.models.load import LoadedModel
@@ -44,7 +44,7 @@ class ModelRunner:
                  now: Now) -> None:
         self.cache = cache
         self.model_pass = ModelPass(lm, cache, config.deterministic, config.compile)
-        self.masks = TokenMasks(config.batch_size, lm.vocab_size)
+        self.masks = TokenMasks(config.batch_size, lm.vocab_size, torch.device(lm.device))
         self.masked_logprobs = config.logprobs_mode == "masked"
         self.projection = MaskedProjection.for_model(lm.model, lm.vocab_size,
                                                      torch.device(lm.device), config.deterministic)
@@ -86,36 +86,64 @@ class ModelRunner:
         clock.mark("forwarded")
         verdict = _verdict(masks.result(), passed.out_of_memory)
         clock.mark("masks_ready")
-        passed = self._project(passed, verdict, plan.draws)  # counts in mask_ms
+        passed, whole = self._project(passed, verdict, plan.draws)  # counts in mask_ms
         logits = passed.next_token_logits(b)
         raw_logprobs = self._next_logprobs(logits, plan.logprobs, masked=False)
+        allowed = verdict.allowed_on(logits.device, self.masks.vocab_size)
         logits = rules_before_masks(logits, plan.rules, plan.outputs,
-                                    verdict.deferred.keys() | verdict.failed.keys(),
-                                    verdict.disallowed)
-        greedy = apply_masks(logits, verdict)  # the failed rows now include empty masks
+                                    verdict.deferred.keys() | verdict.failed.keys(), allowed)
+        # How much of the (ruled) distribution the constraint allows, where the pass
+        # computed it whole (a masked projection has no mass outside the allowed ids).
+        weighed = sorted(verdict.constrained) if whole and allowed is not None else []
+        before = torch.logsumexp(logits[weighed].float(), dim=-1) if weighed else None
+        greedy, empty = apply_masks(logits, allowed)
         next_logprobs = self._next_logprobs(logits, plan.logprobs, masked=True) or raw_logprobs
         clock.mark("masked")
         real = [k for k, d in enumerate(plan.draws) if d is not None
                 and k not in verdict.deferred and k not in verdict.failed]
-        picked = _sample(logits, greedy.tolist(), real, plan.draws)
+        chosen = [d for d in (plan.draws[k] for k in real) if d is not None]
+        picked = sample(logits, greedy, real, chosen)  # [len(real)], on the device
+        # The step's one read back: the tokens, whether each mask allowed nothing, the
+        # allowed mass of the weighed rows and the draft picks, in one copy.
+        parts = [picked.double()]
+        if empty is not None:
+            parts.append(empty.double())
+        if before is not None:
+            parts.append((torch.logsumexp(logits[weighed].float(), dim=-1) - before).exp()
+                         .double())
+        draft_argmax = passed.draft_argmax(b) if any(drafts) else None
+        if draft_argmax is not None:
+            parts.append(draft_argmax.double())
+        values = torch.cat(parts).tolist()
+        tokens, at = [int(t) for t in values[: len(real)]], len(real)
+        if empty is not None:
+            empty_masks(verdict, [bool(x) for x in values[at : at + b]])
+            at += b
+        allowed_mass = dict(zip(weighed, values[at : at + len(weighed)]))
+        at += len(weighed)
+        sampled = [(k, t) for k, t in zip(real, tokens) if k not in verdict.failed]
         clock.mark("sampled")
-        times = clock.times(plan.kind, rows=len(real), tokens=plan.fed)
-        predicted = (checked_draft_picks(passed, plan.rules, plan.outputs, drafts, b,
-                                         verdict.failed) if any(drafts) else [])
+        times = clock.times(plan.kind, rows=len(sampled), tokens=plan.fed)
+        predicted = (checked_draft_picks(passed, [int(t) for t in values[at:]], plan.rules,
+                                         plan.outputs, drafts, b, verdict.failed)
+                     if draft_argmax is not None else [])
         return StepOutput(passed, clock, times, verdict.failed, verdict.deferred,
-                          list(zip(real, picked)), next_logprobs, drafts, predicted,
-                          self.model_pass.fits)
+                          sampled, next_logprobs, drafts, predicted,
+                          self.model_pass.fits, allowed_mass)
 
     def _project(self, passed: PassOutput, verdict: MaskVerdict,
-                 draws: Sequence[Draw | None]) -> PassOutput:
+                 draws: Sequence[Draw | None]) -> tuple[PassOutput, bool]:
         """A pass that stopped at hidden states, projected now the masks are known: at the
-        allowed ids of the rows that sample, or whole (`MaskedProjection.project`)."""
+        allowed ids of the rows that sample, or whole (`MaskedProjection.project`); and
+        whether its logits are whole (every token's value computed)."""
         if not passed.hidden or self.projection is None:
-            return passed
+            return passed, True
         rows = [k for k, d in enumerate(draws) if d is not None
                 and k not in verdict.deferred and k not in verdict.failed]
-        logits = self.projection.project(passed.every, verdict.disallowed, rows)
-        return dataclasses.replace(passed, every=logits, hidden=False)
+        used = self.projection.used
+        logits = self.projection.project(passed.every, verdict.allowed, rows)
+        return dataclasses.replace(passed, every=logits, hidden=False), \
+            self.projection.used == used
 
     def _next_logprobs(self, logits: torch.Tensor, rows: Collection[int],
                        masked: bool) -> dict[int, torch.Tensor]:
@@ -137,21 +165,13 @@ def _verdict(verdict: MaskVerdict, out_of_memory: list[int]) -> MaskVerdict:
     return verdict
 
 
-def _sample(logits: torch.Tensor, greedy: list[int], real: list[int],
-            draws: Sequence[Draw | None]) -> list[int]:
-    """One token for each row in `real` (greedy, or seeded at its temperature, through the
-    filters its line sets)."""
-    chosen = [d for d in (draws[k] for k in real) if d is not None]
-    return sample(logits, greedy, real, chosen)
-
-
-def checked_draft_picks(out: PassOutput, rules: Sequence[LogitRules | None],
+def checked_draft_picks(out: PassOutput, picks: list[int], rules: Sequence[LogitRules | None],
                         outputs: Sequence[int], drafts: Sequence[Sequence[int]], b: int,
                         failed: Collection[int]) -> list[int]:
-    """`PassOutput.draft_picks`, with the picks of rows that have rules (and did not
+    """The model's pick after every draft position (`picks`: `PassOutput.draft_argmax`,
+    read back with the step's tokens), with the picks of rows that have rules (and did not
     fail) taken under them (`logit_rules.draft_picks`), so drafts check against the
     penalised argmax."""
-    picks = out.draft_picks(b)
     ruled = [k for k, r in enumerate(rules) if r is not None and drafts[k] and k not in failed]
     if not ruled:
         return picks

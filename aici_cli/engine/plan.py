@@ -6,7 +6,7 @@ Everything is by *position*: position k of a step is cache row `span[k]`. The pl
 data: token ids, lengths, positions to read, how to sample; the runner never sees a
 generation. Two kinds of live object ride along, each behind a narrow interface: a row's
 mask source (its controller's `masks.MaskSource` side, called on the mask worker) and its
-random stream (`sampling.Draw.generator`, advanced by the sampler); its logit rules
+random stream (`sampler.Draw.stream`, advanced by the sampler); its logit rules
 (`logit_rules.LogitRules`) are read only.
 """
 
@@ -94,3 +94,6 @@ class StepOutput:
     drafts: list[list[int]]  # the plan's drafts as fed (a pass out of memory drops them)
     predicted: list[int] = field(default_factory=list)
     fits: int | None = None
+    # The probability the (ruled) distribution gave the tokens its mask allows, by
+    # position, for the constrained rows whose logits the pass computed whole.
+    allowed_mass: dict[int, float] = field(default_factory=dict)

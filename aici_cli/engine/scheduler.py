@@ -370,7 +370,7 @@ def _plan(gens: list[Generation | None], span: list[int], copies: list[tuple[int
             readout.add(k)
         if g.logprobs is not None and g.scored is None:
             logprobs.add(k)
-        draws.append(None if read_only else Draw(g.job.sampling, g.generator))
+        draws.append(None if read_only else Draw(g.job.sampling, g.stream))
         masks.append(g.controller if g.finish is None else None)
         r = g.rules if not read_only else None
         if r is not None:

@@ -82,6 +82,8 @@ class Update:
         for k, token in out.sampled:
             gen = gens[k]
             assert gen is not None
+            if k in out.allowed_mass:
+                gen.stats.weigh(out.allowed_mass[k])
             if k in out.next_logprobs and not self.decisions.ends(gen, token):
                 self._record_logprob(gen, out.next_logprobs[k], token)
             controller_ms += self._commit(gen, token, out.times)

@@ -8,6 +8,7 @@ cannot run even alone fails.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ import torch
 
 from aici_cli.engine.forward.attention import deterministic_pass
 from aici_cli.engine.forward.cache import RowCache
-from aici_cli.engine.forward.compiled import DecodeSteps
+from aici_cli.engine.forward.decode_steps import DecodeSteps
 from aici_cli.engine.forward.deterministic import install as install_tiled_linears
 from aici_cli.engine.forward.inputs import (
     AttentionLayout,
@@ -24,6 +25,7 @@ from aici_cli.engine.forward.inputs import (
     build_inputs,
     forward,
 )
+from aici_cli.engine.forward.step_builds import BuildSource
 from aici_cli.models.load import LoadedModel
 from aici_cli.models.quant.dense_copies import WideRows
 
@@ -61,13 +63,14 @@ class PassOutput:
         at = self.extra_at[k]
         return self.every[at : at + len(self.scored[k])]
 
-    def draft_picks(self, b: int) -> list[int]:
-        """The model's own pick after every extra position, in one call for the batch
-        (only those after draft tokens are read, see `draft_at`)."""
-        return self.every[b:].argmax(dim=-1).tolist() if self.every.shape[0] > b else []
+    def draft_argmax(self, b: int) -> torch.Tensor:
+        """The model's own pick after every extra position [extra], in one call for the
+        batch, on the device (read back with the step's tokens; only those after draft
+        tokens are used, see `draft_at`)."""
+        return self.every[b:].argmax(dim=-1)
 
     def draft_at(self, k: int, b: int) -> int:
-        """Where row k's draft picks start in `draft_picks(b)`."""
+        """Where row k's draft picks start in `draft_argmax(b)`."""
         return self.extra_at[k] - b + len(self.scored[k])
 
 
@@ -85,7 +88,7 @@ class ModelPass:
         if deterministic:
             install_tiled_linears(lm.model, deterministic_pass)
         self.decode = DecodeSteps(compile, lm.model, cache, cache.rows, lm.device,
-                                  deterministic)
+                                  deterministic, BuildSource.of(lm))
         # Passes of many rows on dense copies of the int4 layers, once that pays here.
         self.wide = None if deterministic else WideRows.for_model(lm.model)
 
@@ -104,10 +107,12 @@ class ModelPass:
         b = len(chunks)
         scored = scored if scored is not None else [() for _ in chunks]
         assert project or not (any(drafts) or any(scored)), "hidden states: next tokens only"
-        if not any(drafts) and not any(scored) and all(len(c) <= 1 for c in chunks):
+        one_token = not any(drafts) and not any(scored) and all(len(c) <= 1 for c in chunks)
+        if one_token:
             one = self._one_token(first_row, lengths, chunks, steps_ahead, rows_bound, project)
             if one is not None:
                 return PassOutput(self._vocab(one, project), [b] * b, scored, [], not project)
+        started = time.perf_counter()
         if any(drafts):
             fed = [[*c, *d[:-1]] for c, d in zip(chunks, drafts)]
             readouts = [_readout(len(c), s, len(d)) for c, s, d in zip(chunks, scored, drafts)]
@@ -124,6 +129,8 @@ class ModelPass:
         readouts = [_readout(len(c), s, 0) for c, s in zip(chunks, scored)]
         logits, extra_at, out_of_memory = self._forward(first_row, lengths, chunks, readouts,
                                                         project)
+        if one_token:  # timed for `auto`'s forecast (decode_steps.py)
+            self.decode.note_eager(time.perf_counter() - started)
         return PassOutput(self._vocab(logits, project), extra_at, scored, out_of_memory,
                           not project)
 

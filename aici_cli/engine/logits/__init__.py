@@ -6,6 +6,6 @@
                           (`MaskedProjection`), when the pass stops at hidden states
     logit_rules.py        penalties, `logit_bias` and `min_tokens` (`LogitRules`)
     sampler.py            one token a row: temperature, top-p, top-k, min-p, seeded
-                          generators (the options themselves: `core/sampling.py`)
+                          counter-based streams (the options themselves: `core/sampling.py`)
     logprobs.py           per-token logprobs and their top rivals
 """

@@ -149,12 +149,12 @@ def apply_rules(logits: torch.Tensor, rows: Sequence[int], rules: Sequence[Logit
         logits[held.index(device)] = float("-inf")
 
 
-def only_held_allowed(disallowed: torch.Tensor, held: np.ndarray) -> bool:
-    """Whether a row's mask ([V] bool, True: disallowed) allows nothing but `held` tokens:
+def only_held_allowed(allowed: torch.Tensor, held: np.ndarray) -> bool:
+    """Whether a row's mask ([V] bool, True: allowed) allows nothing but `held` tokens:
     then the constraint's end ends the line, min_tokens or not."""
-    allowed = ~disallowed
-    allowed[torch.from_numpy(held)] = False
-    return not bool(allowed.any())
+    others = allowed.clone()
+    others[torch.from_numpy(held).to(allowed.device)] = False
+    return not bool(others.any())
 
 
 def draft_picks(logits: torch.Tensor, rules: Sequence[LogitRules],
@@ -177,10 +177,10 @@ def draft_picks(logits: torch.Tensor, rules: Sequence[LogitRules],
 
 def rules_before_masks(logits: torch.Tensor, rules: Sequence[LogitRules | None],
                        outputs: Sequence[int], skip: Collection[int],
-                       disallowed: torch.Tensor | None) -> torch.Tensor:
+                       allowed: torch.Tensor | None) -> torch.Tensor:
     """A step's rules on the rows whose line sets them (but those in `skip`: failed, or
-    answered with a directive), before the masks `disallowed` ([b, V] bool, True:
-    disallowed; None: none) apply: returns the logits [b, V] to mask and sample from,
+    answered with a directive), before the masks `allowed` ([b, V] bool, True:
+    allowed; None: none) apply: returns the logits [b, V] to mask and sample from,
     widened to float32 when a row has rules (the others' argmax is unchanged: widening
     is exact), `logits` itself when none has."""
     if not any(r is not None for r in rules):
@@ -193,7 +193,7 @@ def rules_before_masks(logits: torch.Tensor, rules: Sequence[LogitRules | None],
         ruled.append(r)
         # A constraint that allows nothing but an ending token ends the line there.
         hold.append(outputs[k] < r.min_tokens and not (
-            disallowed is not None and only_held_allowed(disallowed[k], r.held)))
+            allowed is not None and only_held_allowed(allowed[k], r.held)))
     if not ks:
         return logits
     logits = logits.float()  # a copy from a narrower dtype; else in place, as masks are

@@ -112,25 +112,24 @@ class MaskedProjection:
         v = self.vocab_size
         return logits[:, :v] if logits.shape[-1] > v else logits
 
-    def project(self, hidden: torch.Tensor, disallowed: torch.Tensor | None,
+    def project(self, hidden: torch.Tensor, allowed: torch.Tensor | None,
                 rows: Sequence[int]) -> torch.Tensor:
         """Logits [b, V] from the pass's hidden states [b, hidden]: where every row of
-        `rows` (those that sample) allows at most `threshold` tokens, -inf rows with the
-        allowed ids' values (other rows zeros: nothing reads them, and an empty mask
-        still fails its row in `apply_masks`); otherwise the full projection."""
-        if disallowed is None or not rows:
+        `rows` (those that sample) allows (`allowed` [b, V] bool) at most `threshold`
+        tokens, -inf rows with the allowed ids' values (other rows zeros: nothing reads
+        them, and an empty mask still fails its row); otherwise the full projection."""
+        if allowed is None or not rows:
             return self.full(hidden)
         # numpy, one thread: torch would fork its thread pool for each [V] op, and on
         # shared cores each fork can wait milliseconds for a busy core.
-        masks = disallowed.numpy()
-        v = self.vocab_size
-        if v - int(masks[list(rows)].sum(axis=-1).min()) > self.threshold:
+        masks = allowed.numpy()
+        if int(masks[list(rows)].sum(axis=-1).max()) > self.threshold:
             return self.full(hidden)
         out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"),
                          dtype=hidden.dtype, device=hidden.device)
         out[[k for k in range(hidden.shape[0]) if k not in rows]] = 0
         for k in rows:
-            ids = torch.from_numpy(np.flatnonzero(~masks[k])).to(hidden.device)  # [n]
+            ids = torch.from_numpy(np.flatnonzero(masks[k])).to(hidden.device)  # [n]
             weight = None if self.exact else self._rows(ids)  # dense: [n, K], gathered once
             values = self._gathered(hidden[k : k + 1], ids, weight)[0]  # [n]
             if weight is not None and not _clear_argmax(values, hidden[k], weight):

@@ -20,7 +20,7 @@ from aici_cli.core.sampling import Sampling
 from aici_cli.engine import Engine, model_runner
 from aici_cli.engine.forward import compiled
 from aici_cli.engine.logits.masked_projection import MaskedProjection
-from aici_cli.engine.logits.sampler import Draw, sample
+from aici_cli.engine.logits.sampler import Draw, RowStream, sample
 from aici_cli.models import LoadedModel, load_model
 from aici_cli.models.quant.quantize import Int8Linear, quantize_int8
 
@@ -47,11 +47,11 @@ def tokens(logits: torch.Tensor, disallowed: torch.Tensor, temperature: float,
     """Mask `logits` as `apply_masks` does, then each row's token: the argmax at
     temperature 0, else drawn with a generator seeded `seed`."""
     masked = logits.masked_fill(disallowed, float("-inf"))
-    greedy = masked.argmax(dim=-1).tolist()
+    greedy = masked.argmax(dim=-1)
     rows = list(range(masked.shape[0]))
-    draws = [Draw(Sampling(temperature=temperature, top_p=0.9),
-                  torch.Generator().manual_seed(seed + k)) for k in rows]
-    return sample(masked, greedy, rows, draws)
+    draws = [Draw(Sampling(temperature=temperature, top_p=0.9), RowStream(seed + k))
+             for k in rows]
+    return sample(masked, greedy, rows, draws).tolist()
 
 
 @settings(max_examples=60, deadline=None)
@@ -71,7 +71,7 @@ def test_masked_projection_picks_the_full_projections_tokens(
     for k in range(batch):
         disallowed[k, torch.randperm(vocab, generator=g)[: sizes[k]]] = False
     full = projection.full(hidden)
-    logits = projection.project(hidden, disallowed, list(range(batch)))
+    logits = projection.project(hidden, ~disallowed, list(range(batch)))
     if kind.startswith("int8"):  # exact: the same values, so any draw picks the same token
         assert projection.used == 1
         assert torch.equal(logits.masked_fill(disallowed, float("-inf")),
@@ -92,7 +92,7 @@ def test_a_clear_argmax_takes_the_dense_masked_projection_and_a_tie_does_not() -
     top = int(scores.argmax())
     disallowed = torch.ones(1, 200, dtype=torch.bool)
     disallowed[0, [top, int(scores.argmin())]] = False
-    logits = projection.project(hidden, disallowed, [0])
+    logits = projection.project(hidden, ~disallowed, [0])
     assert projection.used == 1 and int(logits[0].argmax()) == top
     assert torch.isneginf(logits[0]).sum() == 198
     # Two tokens with the same weights tie exactly: no margin, the full projection.
@@ -102,7 +102,7 @@ def test_a_clear_argmax_takes_the_dense_masked_projection_and_a_tie_does_not() -
         weight[1] = weight[0]
     disallowed = torch.ones(1, 200, dtype=torch.bool)
     disallowed[0, [0, 1]] = False
-    assert torch.equal(projection.project(hidden, disallowed, [0]), projection.full(hidden))
+    assert torch.equal(projection.project(hidden, ~disallowed, [0]), projection.full(hidden))
     assert projection.used == 1
 
 
@@ -112,10 +112,10 @@ def test_past_the_threshold_or_unmasked_the_projection_is_whole() -> None:
     disallowed = torch.ones(2, 300, dtype=torch.bool)
     disallowed[0, :3] = False
     disallowed[1, :9] = False  # one row past the threshold: every row whole
-    assert torch.equal(projection.project(hidden, disallowed, [0, 1]), projection.full(hidden))
+    assert torch.equal(projection.project(hidden, ~disallowed, [0, 1]), projection.full(hidden))
     assert torch.equal(projection.project(hidden, None, [0, 1]), projection.full(hidden))
     # A row that does not sample (deferred, failed) is not counted, and gets zeros.
-    out = projection.project(hidden, disallowed, [0])
+    out = projection.project(hidden, ~disallowed, [0])
     assert projection.used == 1 and not out[1].any() and torch.isfinite(out[0, :3]).all()
 
 
@@ -126,8 +126,8 @@ def test_where_the_masked_projection_applies(lm: LoadedModel) -> None:
     assert MaskedProjection.for_model(lm.model, lm.vocab_size, meta, False) is None
     projection = MaskedProjection.for_model(lm.model, lm.vocab_size, cpu, deterministic=False)
     assert projection is not None and not projection.exact
-    greedy = Draw(Sampling(), torch.Generator())
-    hot = Draw(Sampling(temperature=0.8), torch.Generator())
+    greedy = Draw(Sampling(), RowStream(0))
+    hot = Draw(Sampling(temperature=0.8), RowStream(0))
     mask = object()
     assert projection.may_use([greedy, None], [mask, None], [None, None], (), [(), ()], [[], []])
     assert not projection.may_use([hot], [mask], [None], (), [()], [[]])  # dense: greedy only

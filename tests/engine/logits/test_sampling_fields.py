@@ -23,7 +23,7 @@ from aici_cli.core.job import Job
 from aici_cli.core.sampling import Sampling
 from aici_cli.engine import model_runner
 from aici_cli.engine.logits.logit_rules import LogitRules, apply_rules
-from aici_cli.engine.logits.sampler import Draw, row_generator, sample
+from aici_cli.engine.logits.sampler import Draw, row_stream, sample
 from aici_cli.formats.jobs import load_schema
 from aici_cli.formats.openai_batch import COMPLETIONS
 from aici_cli.models import LoadedModel
@@ -93,7 +93,7 @@ def test_top_k_and_min_p_keep_only_their_tokens() -> None:
 
     def drawn(**kw: Any) -> set[int]:
         sampling = Sampling(temperature=1.0, **kw)
-        return {sample(logits, [4], [0], [Draw(sampling, row_generator(seed))])[0]
+        return {int(sample(logits, torch.tensor([4]), [0], [Draw(sampling, row_stream(seed))])[0])
                 for seed in range(300)}
 
     assert drawn() == {0, 1, 2, 3, 4}
@@ -174,7 +174,7 @@ def test_drafts_stay_exact_under_penalties(lm: LoadedModel,
 
     # Inside the runner: without its check of drafts under penalties, outputs differ.
     monkeypatch.setattr(model_runner, "checked_draft_picks",
-                        lambda out, rules, outputs, drafts, b, failed: out.draft_picks(b))
+                        lambda out, picks, rules, outputs, drafts, b, failed: picks)
     unaccounted = run(lm, jobs, batch_size=4, draft_tokens=4)
     assert any(output_ids(unaccounted[i]) != output_ids(plain[i]) for i in plain)
 

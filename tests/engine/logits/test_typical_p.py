@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aici_cli.core.sampling import Sampling
-from aici_cli.engine.logits.sampler import Draw, _typical, row_generator, sample
+from aici_cli.engine.logits.sampler import Draw, _typical, row_stream, sample
 
 NEG_INF = float("-inf")
 
@@ -53,10 +53,10 @@ def test_the_sampler_draws_only_kept_tokens() -> None:
     kept = set(TypicalLogitsWarper(0.5)(torch.zeros(1, 1, dtype=torch.long), logits.clone())
                .isfinite()[0].nonzero()[:, 0].tolist())
     typical = Sampling(temperature=1.0, typical_p=0.5)
-    drawn = {sample(logits, [0], [0], [Draw(typical, row_generator(seed))])[0]
+    drawn = {int(sample(logits, torch.tensor([0]), [0], [Draw(typical, row_stream(seed))])[0])
              for seed in range(300)}
     assert drawn <= kept and len(kept) < 20
     plain = Sampling(temperature=1.0)
-    everything = {sample(logits, [0], [0], [Draw(plain, row_generator(seed))])[0]
+    everything = {int(sample(logits, torch.tensor([0]), [0], [Draw(plain, row_stream(seed))])[0])
                   for seed in range(300)}
     assert not everything <= kept  # without it, tokens it drops are drawn too
