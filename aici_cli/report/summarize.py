@@ -15,6 +15,7 @@ the run summary; `step_source` says which one a summary holds.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import operator
@@ -121,6 +122,10 @@ def _distribution(values: Sequence[float], mean: float | None = None) -> dict[st
     }
 
 
+# Lines `report` names as the ones the constraint bent most.
+BENT_MOST = 10
+
+
 @dataclass
 class ResultTally(RunTally):
     """Everything the summary and the plot need, gathered in one pass over the results
@@ -132,6 +137,10 @@ class ResultTally(RunTally):
     seq_rows: list[tuple[tuple[float, ...], int]] = field(default_factory=list)
     ran: int = 0  # results with at least one forward pass
     ran_without_steps: int = 0
+    # The lines the constraint bent most: a heap of the BENT_MOST lowest allowed masses,
+    # (-mass, order, entry) so that heapq's smallest is the highest of those kept.
+    bent: list[tuple[float, int, dict[str, Any]]] = field(default_factory=list)
+    weighed: int = 0  # results that carry an allowed mass (the heap's tie-break: file order)
 
     def add(self, result: dict[str, Any]) -> None:
         super().add(result)  # the counts, by the run's own rules
@@ -147,6 +156,21 @@ class ResultTally(RunTally):
         records = result.get("steps")
         if records:
             self.record_rows.extend(map(_timings, records))
+        low = st.get("allowed_mass_min")
+        if low is not None:
+            entry = {"index": result.get("index"), "id": result.get("id"),
+                     "allowed_mass_min": low, "allowed_mass_mean": st.get("allowed_mass_mean")}
+            self.weighed += 1
+            item = (-low, -self.weighed, entry)  # on a tie, the earlier line stays
+            if len(self.bent) < BENT_MOST:
+                heapq.heappush(self.bent, item)
+            elif item > self.bent[0]:
+                heapq.heapreplace(self.bent, item)
+
+    def bent_most(self) -> list[dict[str, Any]]:
+        """The BENT_MOST lines whose constraint left the model the least probability at
+        some step (`stats.allowed_mass_min`), lowest first."""
+        return [entry for _, _, entry in sorted(self.bent, reverse=True)]
 
     @property
     def record_totals(self) -> list[float]:
@@ -217,6 +241,7 @@ class ResultTally(RunTally):
             "finish_reasons": dict(sorted(self.finish_reasons.items(), key=lambda kv: -kv[1])),
             "steps": self.steps(),
             "step_source": self.step_source,
+            "bent_most": self.bent_most(),
             "model": None,
             "device": None,
             "dtype": None,
@@ -388,6 +413,11 @@ def report_table(summary: dict[str, Any]) -> Table:
         ))
     if not steps:
         rows.append(("step timings", "- (no forward passes)"))
+    for k, bent in enumerate(summary.get("bent_most") or []):
+        name = bent["id"] if bent.get("id") is not None else f"line {bent['index']}"
+        rows.append(("bent most by the constraint" if k == 0 else "",
+                     f"{name}: {bent['allowed_mass_min']:.2g} min, "
+                     f"{bent['allowed_mass_mean']:.2g} mean allowed mass"))
     for name, value in rows:
         table.add_row(name, value)
     captions = []

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from rich.console import Console
 
@@ -309,3 +311,25 @@ def test_plot_without_matplotlib(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     with pytest.raises(ReportError, match=r"--plot needs matplotlib: pip install matplotlib"):
         report(results, plot_to=tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.none(), st.floats(0.0, 1.0)), max_size=40))
+def test_the_report_names_the_lines_the_constraint_bent_most(masses: list[float | None]
+                                                             ) -> None:
+    """`bent_most`: the ten lowest `allowed_mass_min`, lowest first (ties in file order),
+    of the lines that carry one; the others never appear."""
+    lines = []
+    for i, mass in enumerate(masses):
+        line = _result(i + 1, "stop")
+        if mass is not None:
+            line["stats"].update(allowed_mass_min=mass, allowed_mass_mean=min(1.0, mass + 0.1),
+                                 allowed_mass_steps=3)
+        lines.append(line)
+    bent = summarize_results(jsonl(lines))["bent_most"]
+    weighed = sorted((m, i + 1) for i, m in enumerate(masses) if m is not None)[:10]
+    assert [(b["allowed_mass_min"], b["index"]) for b in bent] == weighed
+    assert all(b["id"] == f"r{b['index']}" for b in bent)
+    text = io.StringIO()
+    Console(file=text, width=200).print(report_table(summarize_results(jsonl(lines))))
+    assert ("bent most by the constraint" in text.getvalue()) == bool(weighed)
