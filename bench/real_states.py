@@ -13,7 +13,7 @@ with `--no-close-at-limit --no-loop-guard`, on the `tune` half) it keeps, per li
 
 and writes them as JSONL (`schema`, `text`, `kind`, `id`, `model`), the schema inline, so
 that a replay needs neither the data nor the model: `closing_walk.py --real FILE`, and
-tests/control/grammar/test_real_states.py over tests/data/real_states.jsonl.
+tests/control/grammar/test_closing_walk.py over tests/data/real_states.jsonl.
 
     python bench/coverage_run.py --half tune --max-tokens 512 --no-close-at-limit \\
         --no-loop-guard --out out/coverage-tune-raw

@@ -48,7 +48,7 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
                ray_address: str | None,
                workers: int | None, gpus_per_worker: float, cpus_per_worker: float,
                progress_interval: float, quiet: bool, **sampling: Any) -> RunConfig:
-    """The run the options ask for (parameters by the names `cli_run_options` declares;
+    """The run the options ask for (parameters by the names `run_options` declares;
     `sampling`: the sampling options, `--temperature` and the rest of core/sampling.py's
     `RUN_OPTIONS`, by field name); raises FatalError (or click.UsageError: INPUT) for
     options that cannot go together."""

@@ -2,7 +2,7 @@
 
 Every transformers call passes `local_files_only=True`. Damaged files fail with one line
 that names the file and what is wrong with it: a failed load is followed by a look at the
-files (`files`) to say which one is at fault, since transformers' own errors seldom do.
+files (`model_files`) to say which one is at fault, since transformers' own errors seldom do.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def _note_default_files(path: Path, mode: str, device: torch.device) -> None:
 def _own_llama(path: Path) -> bool:
     """Whether the model at `path` is built as `models/families/llama.py`: one safetensors file (or
     a conversion's) and a config.json of that architecture (anything else, unreadable
-    files included, goes through transformers, whose errors `files` rewords)."""
+    files included, goes through transformers, whose errors `model_files` rewords)."""
     if not (path / DENSE_FILE).is_file() and not (path / BASE_FILE).is_file():
         return False
     try:

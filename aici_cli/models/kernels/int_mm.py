@@ -57,8 +57,8 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 NATIVE = Path(__file__).parent / "native"  # the torch-free core, a file per instruction set
 ENV = "AICI_BATCH_VNNI"  # "off": never these kernels
 TILE, GROUP = 16, 32
-PROBE_QUANTIZE = "vnni"  # the kernel probe's mode for them (kernel_run)
-LAYOUT = "1"  # of the kept layouts (vnni_layers): bump when tile_int4 or tile_int8 change
+PROBE_QUANTIZE = "vnni"  # the kernel probe's mode for them (checks/probe_child.py)
+LAYOUT = "1"  # of the kept layouts (cache/packed_layers.py): bump when tile_int4/tile_int8 change
 
 
 @dataclass(frozen=True)

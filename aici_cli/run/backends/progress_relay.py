@@ -47,7 +47,7 @@ class ProgressReplay:
 
     def __init__(self, progress: LoadProgress) -> None:
         self.progress = progress
-        # The bar of the steps under way: `progress.steps` over an endless feed, advanced
+        # The bar of the steps under way: `self.progress.steps` over an endless feed, advanced
         # one item per `ProgressAdvance` (it is pulled, the events are pushed).
         self.bar: Iterator[None] | None = None
 

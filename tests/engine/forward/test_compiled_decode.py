@@ -1,4 +1,4 @@
-"""The compiled one-token decode step (`--compile`, engine/compiled.py).
+"""The compiled one-token decode step (`--compile`, engine/forward/compiled.py).
 
 Compiling costs tens of seconds on 2 CPU cores with a cold inductor cache, so the test
 that compiles runs one small workload that still covers what matters: idle rows in a

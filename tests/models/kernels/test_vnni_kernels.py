@@ -159,7 +159,7 @@ def test_a_cpu_with_the_flags_runs_them(monkeypatch: pytest.MonkeyPatch) -> None
 @needs_kernel
 def test_the_probe_passes_them_and_a_faulty_kernel_keeps_the_int4_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
-    """The probe's child builds the layers on the kernels (`kernel_run`, mode vnni); a
+    """The probe's child builds the layers on the kernels (`checks/probe_child.py`, mode vnni); a
     crash there leaves a model's layers on the int4 and int8 kernels."""
     monkeypatch.setenv(kernel_probe.ENV, "on")
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path / "cache"))
