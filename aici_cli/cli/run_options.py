@@ -51,8 +51,8 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
                  help="Weight-only quantisation of the linear layers (docs/speed.md). auto: a "
                       "GGUF model runs at its own precision (the default model: int4), in a "
                       "16-bit run and in the float32 run --dtype auto picks on a CPU without "
-                      "bf16 (the int kernels); " + ", ".join(EXACT_OPTIONS) + ", GPUs in "
-                      "float32 and float models run unquantised (the model's own numbers)."),
+                      "bf16 (the int kernels); " + ", ".join(EXACT_OPTIONS) + ", GPUs "
+                      "and float models run unquantised (the model's own numbers)."),
     click.option("--model-impl", type=click.Choice(["auto", "transformers"]), default="auto",
                  show_default=True,
                  help="auto: a Llama, Mistral, Qwen 2/3 or Gemma 3 model runs as "
@@ -142,6 +142,11 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
                  show_default=True,
                  help="Largest tool answer, in UTF-8 bytes; a larger one is its line's error "
                       "(tool_result_too_large)."),
+    click.option("--tool-restarts", type=click.IntRange(0), default=16, show_default=True,
+                 help="Times each --mcp server is started again after a crash, this run; a "
+                      "call a crash caught is retried alone, and only one that crashes it "
+                      "twice fails (tool_server_crashed). Past them its calls fail at once "
+                      "(tool_server_down)."),
     click.option("--tool-record", type=click.Path(dir_okay=False), default=None,
                  help="Write every tool call and its answer here (JSON lines), for "
                       "--tool-replay."),

@@ -235,6 +235,9 @@ def _share_storage(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -
     name = {Int4Linear: "packed", Int8Linear: "codes"}.get(type(stacked), "weight")
     big = getattr(stacked, name)
     whole = stacked.tiled() if isinstance(stacked, Int4Linear) else None
+    # Output rows a row of the stored layout holds: 1 for [N, ...] layouts, 8 for CUDA's
+    # int4 (tinygemm's [N/8, K/(16 tiles), 32, tiles/2]: rows in tiles of 8).
+    unit = max(1, _out_features(stacked) // big.shape[0]) if big.dim() and big.shape[0] else 1
     start = 0
     for p in parts:
         rows = _out_features(p)
@@ -249,5 +252,5 @@ def _share_storage(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) -
         elif name == "weight":
             p.weight = torch.nn.Parameter(big[start:start + rows], requires_grad=False)
         else:
-            setattr(p, name, big[start:start + rows])
+            setattr(p, name, big[start // unit:(start + rows) // unit])
         start += rows

@@ -332,12 +332,17 @@ def resolve_mode(spec: str, path: Path, dtype: torch.dtype,
     its own precision where a kernel exists (one with 4-bit matrices and none of 5 bits
     as int4, one with matrices of 5 bits or more as int8: `GgufMatrices.block_kinds`)
     in a 16-bit run, and in a float32 run on a CPU whose int kernels run (`device`: the
-    run's; `kernels/int_mm.py`: every CPU of AVX2 or NEON and up); other float32 runs
-    (exactness checks, GPUs) and float sources run unquantised."""
+    run's; `kernels/int_mm.py`: every CPU of AVX2 or NEON and up); GPUs, other float32
+    runs (the int kernels off) and float sources run unquantised."""
     if spec in MODES:
         return spec
     if spec != "auto":
         raise ModelError(f"unknown quantization {spec!r}: expected auto, none, int8 or int4")
+    if device is not None and device.type == "cuda":
+        # A GPU streams 16-bit weights at its memory's rate, and the kernels' launches, not
+        # the bytes, bound a small model's step; CUDA's int8 path widens the whole matrix
+        # on every call. Weights run as the model stores them unless --quantize says so.
+        return "none"
     if dtype == torch.float32 and not (device is not None and device.type == "cpu"
                                        and int_mm.unusable() is None):
         return "none"

@@ -13,6 +13,7 @@ from aici_cli.models.kernels import int_mm
 from aici_cli.models.quant.fused_linear import (
     SideBySide,
     StackedParts,
+    _share_storage,
     stack_eager,
     stack_linears,
 )
@@ -187,3 +188,20 @@ def test_the_default_models_eager_passes_are_the_unstacked_ones_bit_for_bit() ->
             for layer, (qkv, gate_up) in zip(layers, saved):
                 layer.self_attn.qkv, layer.mlp.gate_up = qkv, gate_up
     assert torch.equal(stacked, alone)
+
+
+@pytest.mark.parametrize("unit", [1, 8])
+def test_parts_share_the_stack_in_its_layouts_rows(unit: int) -> None:
+    """After stacking, each part reads its own rows of the stacked int4 layout: rows of N
+    where the layout is [N, ...] (the CPU's), rows of N / 8 where it holds output rows in
+    tiles of 8 (CUDA's tinygemm layout, [N / 8, ...]): a part must not read its
+    neighbour's tiles."""
+    k, widths = 64, [16, 8, 24]
+    packed = [torch.randint(0, 255, (n // unit, 40), dtype=torch.uint8) for n in widths]
+    scale_zero = [torch.randn(k // 32, n, 2) for n in widths]
+    parts = [Int4Linear.from_buffers(p, sz, None) for p, sz in zip(packed, scale_zero)]
+    stacked = Int4Linear.from_buffers(torch.cat(packed), torch.cat(scale_zero, dim=1), None)
+    _share_storage(stacked, parts)
+    for part, want in zip(parts, packed):
+        assert torch.equal(part.packed, want)
+        assert part.packed.data_ptr() != want.data_ptr()  # a view of the stack now

@@ -74,9 +74,13 @@ def test_the_defaults_keep_the_int_kernels_in_either_dtype_auto_picks(
     assert _mode(["--dtype", "bfloat16"], torch.bfloat16, int4_source) == "int4"
 
 
-def test_float32_elsewhere_and_float_models_run_unquantised(
+def test_gpus_float32_elsewhere_and_float_models_run_unquantised(
         int4_source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert _mode([], torch.float32, int4_source, torch.device("cuda")) == "none"
+    # A GPU runs the stored weights at --quantize auto in any dtype; int4 when asked.
+    assert _mode([], torch.bfloat16, int4_source, torch.device("cuda")) == "none"
+    assert _mode(["--quantize", "int4"], torch.bfloat16, int4_source,
+                 torch.device("cuda")) == "int4"
     monkeypatch.setattr(int_mm, "unusable", lambda: "no AVX2 or NEON")
     assert _mode([], torch.float32, int4_source) == "none"
     monkeypatch.setattr(quantize, "available_blocks", lambda path: set())
