@@ -31,6 +31,9 @@ os.environ.setdefault("AICI_BATCH_ENGINE_PROCESS", "inline")
 # and many tests use a cache folder of their own); tests/models/kernels/test_kernel_probe.py
 # and the kernel-path matrix (tests/models/kernels/test_kernel_matrix.py) run it.
 os.environ.setdefault("AICI_BATCH_KERNEL_PROBE", "off")
+# A `--compile auto` run starts no builder process of the compiled steps it lacks (one
+# would outlive its test); tests/engine/forward/test_step_builds.py starts them.
+os.environ.setdefault("AICI_BATCH_STEP_BUILDS", "off")
 # Set by .ci/run (after `make setup` installed the JavaScript toolchain): there the
 # JavaScript tests fail instead of skipping when node or componentize-js is missing.
 REQUIRE_JS = "AICI_REQUIRE_JS"

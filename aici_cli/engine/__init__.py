@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from aici_cli.engine.clock import StepClock
     from aici_cli.engine.engine import Engine
     from aici_cli.engine.forward.compiled import step_row_counts
+    from aici_cli.engine.forward.step_builds import builders_turn
     from aici_cli.engine.generation import Generation
     from aici_cli.engine.intake import ControllerFactory, Emit, LineIntake
     from aici_cli.engine.rows import Prepared
@@ -50,11 +51,11 @@ _WHERE = {
     "Engine": "engine", "LineIntake": "intake", "ControllerFactory": "intake",
     "Emit": "intake", "Prepared": "rows", "Generation": "generation", "StepClock": "clock",
     "EngineTracer": "trace_hooks", "NO_TRACE": "trace_hooks",
-    "step_row_counts": "forward.compiled",
+    "step_row_counts": "forward.compiled", "builders_turn": "forward.step_builds",
 }
 
 __all__ = ["NO_TRACE", "ControllerFactory", "Emit", "Engine", "EngineTracer", "Generation",
-           "LineIntake", "Prepared", "StepClock", "step_row_counts"]
+           "LineIntake", "Prepared", "StepClock", "builders_turn", "step_row_counts"]
 
 
 def __getattr__(name: str) -> Any:

@@ -104,6 +104,12 @@ class Engine:
         return None if compiled is None else compiled.steps
 
     @property
+    def eager_steps(self) -> dict[str, int]:
+        """One-token steps that ran eagerly, by why (decode_steps.py: `EAGER_REASONS`,
+        `--compile off`, or what kept the compiled step from this model or machine)."""
+        return dict(self.runner.model_pass.decode.eager_by)
+
+    @property
     def compiled_step_problem(self) -> str | None:
         """Why one-token steps run eagerly or without their packaged step, where they do
         (`--compile` off, an unsupported model, no C++ compiler, a package that could not
@@ -159,6 +165,9 @@ class Engine:
                 if not scheduler.busy():
                     if not scheduler.pending() and (
                             not admitting or (source is None and not scheduler.ahead)):
+                        # Every line written: `auto`'s missing steps built now, for the
+                        # next run (decode_steps.py), in a process that outlives this one.
+                        self.runner.model_pass.decode.run_ended()
                         return
                     continue
                 self._step(emit, input_closed=source is None or not admitting)

@@ -17,6 +17,7 @@ import torch
 from aici_cli.core.errors import ModelError, one_line
 from aici_cli.models.cache.conversions import cache_hint, ensure_dense
 from aici_cli.models.cache.entry_files import is_mode_file, note_default_files
+from aici_cli.models.cache.machine import check_machine
 from aici_cli.models.cache.packed_layers import packed_file, vnni_file
 from aici_cli.models.device import DTYPES, pick_device, pick_dtype
 from aici_cli.models.families.llama import unsupported
@@ -54,6 +55,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     quantize: str = "none"  # the weights' form: none, int8 or int4 (models/quant/quantize.py)
     kernels: KernelChoice | None = None  # the mode the kernel probe passed, and why
+    path: Path | None = None  # the directory it was loaded from (a builder loads it again)
 
 
 def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
@@ -114,7 +116,7 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
         vocab_size=int(model.config.get_text_config().vocab_size),
         eos_token_ids=frozenset(eos_ids),
         quantize=mode,
-        kernels=kernels,
+        kernels=kernels, path=path,
     )
 
 
@@ -122,6 +124,12 @@ def _probed(path: Path, device: torch.device, dtype_spec: str, quantize_spec: st
             dtype: torch.dtype, mode: str) -> KernelChoice:
     """The mode the kernel probe passes (`probe`): the chosen one, else the next
     where a choice was `auto` (said in one line), else a ModelError."""
+    # The verdicts (and the kernels, the compiled steps) of a cache another CPU made are
+    # not this machine's: removed before the probe reads them (models/cache/machine.py).
+    restored = check_machine()
+    if restored is not None:
+        current_progress().note(restored)
+
     def auto_quantize(dt: str) -> str:
         return resolve_mode(quantize_spec, path, DTYPES[dt], device)
 

@@ -12,8 +12,9 @@ What a run makes once per model, mode and machine, and keeps in the cache:
 - the compiled one-token step as AOTInductor packages (engine/forward/packaged_step.py,
   ~40-60 s each on 2 CPU cores). A run takes a ready package at once, `--compile auto`
   included, and then runs its one-token steps ~1.8x faster (docs/speed.md); without
-  one, `auto` builds it only in a run long enough to pay for it, so short runs and small
-  files stay eager.
+  one, `auto` starts eagerly and a builder process makes the packages, beside the run
+  where that pays within it, else after its last line (engine/forward/step_builds.py).
+  Prepare waits for such a builder at work, then builds what is still missing.
 
 The first three happen as the model loads (the dense verdict right after). The packages
 are keyed by the step's row count: `--batch-size` (every row of the cache, a file of at
@@ -38,7 +39,7 @@ from typing import Any
 from aici_cli.core.config import EngineConfig, RunConfig, load_quantize
 from aici_cli.core.errors import ModelError
 from aici_cli.core.job import Job
-from aici_cli.engine import Engine, step_row_counts
+from aici_cli.engine import Engine, builders_turn, step_row_counts
 from aici_cli.models.kernels import probe
 from aici_cli.models.load import LoadedModel, load_model
 from aici_cli.models.quant.dense_copies import dense_verdict
@@ -89,15 +90,18 @@ def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> P
     builds = [(n, engine_config.batch_size) for n in rows]
     if rows and engine_config.batch_size > 1:
         builds.append((1, 1))
-    for n, cache_rows in builds:
-        say(f"building the compiled one-token step for {n} row{'s' * (n > 1)}"
-            f"{' in a one-row cache (--batch-size 1)' if cache_rows == 1 < len(builds) else ''}"
-            " (once per model, mode and machine)")
-        engine = _drive(lm, dataclasses.replace(engine_config, compile="on",
-                                                batch_size=cache_rows), n)
-        problem = engine.compiled_step_problem
-        if problem is not None:
-            break
+    # A run's builder at work (engine/forward/step_builds.py) finishes first: what it
+    # built is found below, and no two builds share the cores.
+    with builders_turn(lambda: say("waiting for a run's builder of the compiled steps")):
+        for n, cache_rows in builds:
+            say(f"building the compiled one-token step for {n} row{'s' * (n > 1)}"
+                f"{' in a one-row cache (--batch-size 1)' if cache_rows == 1 < len(builds) else ''}"
+                " (once per model, mode and machine)")
+            engine = _drive(lm, dataclasses.replace(engine_config, compile="on",
+                                                    batch_size=cache_rows), n)
+            problem = engine.compiled_step_problem
+            if problem is not None:
+                break
     compiled = False
     if problem is None:
         for cache_rows in dict.fromkeys(c for _, c in builds):

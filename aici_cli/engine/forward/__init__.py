@@ -6,7 +6,11 @@ a `Generation` (import-linter holds that).
     attention.py      attention over each row's cache (SDPA, or the deterministic tiles)
     cache.py          `RowCache`: the per-row KV cache
     compiled.py       the `torch.compile`d one-token step (`--compile`)
+    decode_steps.py   which one-token steps run compiled, and why the others ran eager
     packaged_step.py  that step built ahead of time as an AOTInductor package, per machine
+    step_builds.py    the packages a run lacks, built by a niced process of its own
+    step_builder.py   that process
+    build_decision.py whether such a build pays within the run that starts it
     decode_layer.py   its decoder layer, over fused projections
     deterministic.py  `--deterministic`: kernels whose result does not depend on the batch
 """

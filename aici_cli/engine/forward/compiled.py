@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -191,6 +192,11 @@ class CompiledDecode:
         # tracing): False for `auto` when it chose this step for a ready package alone.
         self.may_trace = True
         self._package_ready: dict[int, bool] = {}
+        # While a builder makes packages (step_builds.py), a bucket found without one is
+        # looked for again, at most every `recheck_s` seconds (0: never again).
+        self.recheck_s = 0.0
+        self._checked_at: dict[int, float] = {}
+        self._paths: dict[int, Path] = {}
         self._graphs: LayerGraphs | None = None
         self.compile_s: dict[int, float] = {}  # bucket -> seconds its first call took
         self.steps = 0
@@ -293,12 +299,14 @@ class CompiledDecode:
 
     def _has_package(self, rows: int) -> bool:
         """Whether `rows` rows have a packaged step: loaded, or on disk (a file check,
-        once per bucket)."""
+        once per bucket, or again every `recheck_s` while it is missing)."""
         if self._graphs is not None and self._key(rows) in self._graphs.packaged:
             return True
-        if rows not in self._package_ready:
-            path = packaged_step.package_file(self.model, rows, self.cache.rows)
-            self._package_ready[rows] = path.is_file()
+        now = time.perf_counter()
+        if rows not in self._package_ready or not self._package_ready[rows] and \
+                self.recheck_s and now - self._checked_at[rows] >= self.recheck_s:
+            self._package_ready[rows] = self.package_path(rows).is_file()
+            self._checked_at[rows] = now
         return self._package_ready[rows]
 
     def _packaged(self, rows: int, example: tuple[Any, ...]) -> None:
@@ -308,7 +316,7 @@ class CompiledDecode:
         graphs = self.graphs
         if self._key(rows) in graphs.packaged:
             return
-        path = packaged_step.package_file(self.model, rows, self.cache.rows)
+        path = self.package_path(rows)
         try:
             step = packaged_step.load(path, graphs.layers)
             if step is None and self.build_packages:
@@ -318,6 +326,12 @@ class CompiledDecode:
             return
         if step is not None:
             graphs.packaged[self._key(rows)] = step
+
+    def package_path(self, rows: int) -> Path:
+        """Where this cache's packaged step at `rows` rows lives (computed once)."""
+        if rows not in self._paths:
+            self._paths[rows] = packaged_step.package_file(self.model, rows, self.cache.rows)
+        return self._paths[rows]
 
     def _key(self, rows: int) -> tuple[int, bool]:
         """The graphs' key of this cache's packaged step at `rows` rows (the graphs are
@@ -344,59 +358,3 @@ def smallest_bucket(rows: int, cap: int) -> int:
     """The graph rows that hold `rows` rows: the smallest of `BUCKETS` up to `cap`, else
     `cap` (the cache's rows)."""
     return next((b for b in BUCKETS if rows <= b <= cap), cap)
-
-
-# `--compile auto` runs a step compiled at once where its packaged step is ready
-# (`aici-batch prepare`, or an earlier run, built it); otherwise once the work still ahead
-# is at least this many one-token steps (an upper bound: lines may end before
-# max_tokens), and then it builds the package, so that every later run of this model
-# starts compiled. A build costs ~40-60 s once (default model, 2 CPU cores; torch.compile
-# ~48 s cold, ~5.5 s warm, every run) and saves ~8-10 ms of a batch-1 step
-# (docs/speed.md): within the run it pays after ~4,000-6,000 steps, so a shorter run stays
-# eager and leaves the build to `prepare`.
-AUTO_MIN_STEPS = 2000
-
-
-class DecodeSteps:
-    """Which one-token steps run compiled: none (`off`, unsupported, deterministic), all
-    (`on`), or for `auto` every step from the first one whose packaged step is ready or
-    that still has `AUTO_MIN_STEPS` of work ahead. `on` and `auto` build a bucket's
-    package where it is missing (packaged_step.py). Built once per engine."""
-
-    def __init__(self, mode: str, model: Any, cache: RowCache, rows: int,
-                 device: torch.device, deterministic: bool) -> None:
-        self.mode = "off" if deterministic else mode
-        self.reason: str | None = None  # why `on`/`auto` runs eager
-        self.compiled: CompiledDecode | None = None
-        self._chosen = self.mode == "on"
-        if self.mode == "off":
-            return
-        self.reason = unsupported(model) or compiler_problem(device)
-        if self.reason is None:
-            self.compiled = CompiledDecode(model, cache, rows, device,
-                                           build_packages=True)
-
-    @property
-    def chosen(self) -> bool:
-        """One-token steps run compiled from now on (for `auto`: once it chose to)."""
-        return self.compiled is not None and self._chosen
-
-    def give_up(self, error: BaseException) -> None:
-        """Compiling failed: every later step runs eagerly, and `reason` says why."""
-        self.compiled = None
-        self.reason = f"compiling failed: {one_line(error)}"[:300]
-
-    def pick(self, steps_ahead: int, span_end: int = 0,
-             rows_bound: int = 0) -> CompiledDecode | None:
-        """The compiled step for this one-token step, or None to run it eagerly;
-        `steps_ahead`: the run's estimate of the one-token steps still to come;
-        `span_end`, `rows_bound`: the step's rows (`CompiledDecode.bucket`). For `auto`, a
-        packaged step ready for the step's bucket is chosen at once: it costs nothing to
-        start (packaged_step.py)."""
-        if self.compiled is None:
-            return None
-        if not self._chosen and (steps_ahead >= AUTO_MIN_STEPS or
-                                 self.compiled.package_ready(span_end, rows_bound)):
-            self._chosen = True
-            self.compiled.may_trace = steps_ahead >= AUTO_MIN_STEPS
-        return self.compiled if self._chosen else None

@@ -23,14 +23,15 @@ through torch's C++ loader without importing inductor or tracing anything.
   Two models of one architecture and size share a package. The cache capacity and the
   cache's row count are dynamic dimensions: lines growing and batch sizes do not rebuild.
 - **When it is built**: by a run with `--compile on` whose package is missing (~1–3 min
-  on 2 cores, once), then checked against the eager step on the same inputs; a package
-  that disagrees is deleted and that run compiles with `torch.compile` as before.
+  on 2 cores, once), by `aici-batch prepare`, or by the builder process of a run at
+  `--compile auto` (step_builds.py); checked against the eager step on the same inputs
+  before it is published under its name; a package that disagrees is never published,
+  and a `--compile on` run then compiles with `torch.compile` as before.
 - **When it is used**: whenever it is ready, `--compile auto` included (compiled.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import json
@@ -149,20 +150,30 @@ def build(path: Path, layers: list[DecodeLayer], example: tuple[Any, ...]) -> Pa
         done = load(path, layers)
         if done is not None:  # another process built it meanwhile
             return done
-        _export_and_compile(layers, example, path)
-    step = load(path, layers)
-    assert step is not None
-    problem = _disagrees(step, layers, example)
-    if problem:
-        for p in (path, path.with_suffix(".constants.pt")):
-            p.unlink(missing_ok=True)
-        raise RuntimeError(f"the packaged step disagrees with the eager one: {problem}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".pt2")
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            _export_and_compile(layers, example, tmp)
+            step = load(tmp, layers)
+            assert step is not None
+            problem = _disagrees(step, layers, example)
+            if problem:
+                raise RuntimeError(f"the packaged step disagrees with the eager one: {problem}")
+            # Published once checked, the package last (`load` wants both): a run that
+            # looks for it meanwhile (step_builds.py) never finds one unchecked.
+            os.replace(tmp.with_suffix(".constants.pt"), path.with_suffix(".constants.pt"))
+            os.replace(tmp, path)
+        finally:
+            for p in (tmp, tmp.with_suffix(".constants.pt")):
+                p.unlink(missing_ok=True)
     return step
 
 
 def _export_and_compile(layers: list[DecodeLayer], example: tuple[Any, ...],
                         path: Path) -> None:
-    """Write the package and its lowering constants to `path` (atomically)."""
+    """Write the package to `path` and its lowering constants beside it."""
     from torch._inductor import aoti_compile_and_package
     from torch._inductor.graph import GraphLowering
 
@@ -198,24 +209,15 @@ def _export_and_compile(layers: list[DecodeLayer], example: tuple[Any, ...],
                 made[new] = data.detach().clone()
         return out
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".building-", suffix=".pt2")
-    os.close(fd)
+    GraphLowering.add_tensor_constant = recorded  # type: ignore[method-assign]
     try:
-        GraphLowering.add_tensor_constant = recorded  # type: ignore[method-assign]
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*LeafSpec",
-                                        category=FutureWarning)
-                aoti_compile_and_package(program, package_path=tmp, inductor_configs={
-                    "aot_inductor.package_constants_in_so": False})
-        finally:
-            GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
-        torch.save(made, path.with_suffix(".constants.pt"))
-        os.replace(tmp, path)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+            aoti_compile_and_package(program, package_path=str(path), inductor_configs={
+                "aot_inductor.package_constants_in_so": False})
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
+    torch.save(made, path.with_suffix(".constants.pt"))
 
 
 def _disagrees(step: PackagedStep, layers: list[DecodeLayer],

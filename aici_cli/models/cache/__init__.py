@@ -10,5 +10,6 @@ Modules (* imports torch):
     conversions.py     the cache's folder and the GGUF conversions in it
     entries.py         its entries, their sizes, unused ones, pruning
     entry_files.py     the files an entry gains per mode; which prune removes
+    machine.py         the CPU the cache was made on; another's machine-bound parts removed
     packed_layers.py * quantised layers kept in their kernels' layout
 """

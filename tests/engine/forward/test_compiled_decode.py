@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
 from aici_cli.engine.engine import Engine
-from aici_cli.engine.forward import compiled
-from aici_cli.engine.forward.compiled import CompiledDecode, DecodeSteps, unsupported
+from aici_cli.engine.forward import compiled, decode_steps
+from aici_cli.engine.forward.compiled import CompiledDecode, unsupported
+from aici_cli.engine.forward.decode_steps import DecodeSteps
 from aici_cli.models.load import LoadedModel, load_model
 
 
@@ -109,8 +110,8 @@ def test_auto_compiles_only_when_enough_work_is_ahead(lm32: LoadedModel, tmp_pat
     cache = RowCache(num_layers=2, rows=2, capacity=16)
     steps = DecodeSteps("auto", lm32.model, cache, 2, lm32.device, deterministic=False)
     assert steps.compiled is not None and steps.compiled.build_packages  # once chosen
-    assert steps.pick(compiled.AUTO_MIN_STEPS - 1) is None  # a short run stays eager
-    assert steps.pick(compiled.AUTO_MIN_STEPS) is steps.compiled
+    assert steps.pick(decode_steps.AUTO_MIN_STEPS - 1) is None  # a short run stays eager
+    assert steps.pick(decode_steps.AUTO_MIN_STEPS) is steps.compiled
     assert steps.pick(0) is steps.compiled  # once chosen, every later step
     never = DecodeSteps("on", lm32.model, cache, 2, lm32.device, deterministic=True)
     assert never.mode == "off" and never.pick(10**9) is None  # --deterministic runs eager

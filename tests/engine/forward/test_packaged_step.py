@@ -19,7 +19,7 @@ import torch
 from aici_cli.core.config import EngineConfig
 from aici_cli.core.job import Job
 from aici_cli.engine.engine import Engine
-from aici_cli.engine.forward import compiled, packaged_step
+from aici_cli.engine.forward import compiled, decode_steps, packaged_step
 from aici_cli.models.load import load_model
 
 pytestmark = [pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
@@ -127,7 +127,7 @@ def test_a_package_that_disagrees_with_the_eager_step_is_deleted(
         tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path))
     monkeypatch.setattr(packaged_step, "_disagrees", lambda *args: "output off by 3")
-    monkeypatch.setattr(compiled, "AUTO_MIN_STEPS", 10**9)
+    monkeypatch.setattr(decode_steps, "AUTO_MIN_STEPS", 10**9)
     lengths = [5]
     eager, _ = _run(tiny_model_dir, "off", lengths, batch_size=1)
     fallback, engine = _run(tiny_model_dir, "on", lengths, batch_size=1)
