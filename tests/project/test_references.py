@@ -1,178 +1,114 @@
-"""References that cannot go stale: every module a docstring or a document names in
-backticks is a file of the tree, every `module.Name` it names is defined there, and every
-package index (an `__init__.py` docstring's list of modules, ARCHITECTURE.md's map) lists
-exactly the files and sub-packages there are.
-
-A backticked reference is checked when it looks like one:
-- `name.py`, `dir/name.py`, `name.cpp` (also with `: Name` after it): the file exists;
-- `aici_cli.dotted.path`: the module (or a name in it) exists;
-- `module.Name` whose first part is snake_case: `module` is a module of aici_cli (any
-  package) that defines `Name`, an importable top-level module, or one of `NOT_MODULES`,
-  the words of the docs that read like a module but are something else (a JSON field,
-  an attribute of an object, another project's module).
+"""References that cannot go stale: every file, folder, module, `module.Name` and name of
+the tree that a docstring, a comment, a document or pyproject.toml names exists
+(tests/support/reference_check.py says how each kind is read), and every package index (an
+`__init__.py` docstring's list of modules, ARCHITECTURE.md's map) lists exactly the files
+and sub-packages there are.
 """
 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
-from collections.abc import Iterator
-from functools import cache
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from paths import ROOT
-
-PACKAGE = ROOT / "aici_cli"
-SOURCE_DIRS = ("aici_cli", "controllers", "tests", "bench", "schemas", "wit", "examples")
-DOCS = (*sorted((ROOT / "docs").glob("*.md")), ROOT / "ARCHITECTURE.md", ROOT / "README.md")
-
-# `x.y` in the docs where x is not a module: fields of results and stats, attributes of
-# objects, other projects' modules, OpenTelemetry and WIT names.
-NOT_MODULES = frozenset({
-    "aici", "stats", "gen_ai", "structured_outputs", "info", "component", "js", "error",
-    "yes_no", "vote", "state", "host", "model", "controller", "config", "profile",
-    "storage", "python", "signatures", "lm", "self", "cls", "args", "line", "result",
-    "results", "step", "summary", "usage", "response", "request", "body", "choices",
-    "message", "tool_calls", "nn", "cpu", "ops", "backends", "cuda", "np", "layer",
-    "made_with", "stats_out", "options", "run", "engine", "generation", "branch", "fork",
-    "x", "y", "out", "wasi", "aici_controller", "job", "spec", "verdict", "mode", "shapes",
-    "chunk", "worker", "ray", "tokenizer", "seq", "runner", "sampling", "output",
-    "logprobs", "custom", "top_logprobs", "matcher", "schema", "lark", "guest", "trace",
-    "span", "meta", "ci", "gate", "baseline", "report", "junit", "markdown", "cache",
-    "tokenizer_config", "gguf", "wit_world", "str", "segment",
-    "memory", "table", "inputs", "plan", "vocabulary", "console", "prompt_tokens_details",
-    "org", "libllama", "session", "testing", "content",
-})
-
-REFERENCE = re.compile(r"`([^`\n]+)`")
-FILE_REF = re.compile(r"([\w./-]*\w\.(?:py|cpp|c|h))(?:\s*:\s*\w[\w.]*)?")
-DOTTED_REF = re.compile(r"([a-z_][a-z0-9_]*)\.([A-Za-z_]\w*)(?:\.\w+)*(?:\(\))?")
+from reference_check import (
+    ALL_CHECKS,
+    PACKAGE,
+    Text,
+    needless_not_names,
+    stale_references,
+    texts,
+)
 
 
-def _docstrings(path: Path) -> Iterator[str]:
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node)
-            if doc:
-                yield doc
-
-
-def _texts() -> Iterator[tuple[str, str]]:
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for doc in _docstrings(path):
-            yield str(path.relative_to(ROOT)), doc
-    for path in DOCS:
-        yield str(path.relative_to(ROOT)), path.read_text()
-
-
-@cache
-def _files() -> frozenset[str]:
-    found = set()
-    for top in SOURCE_DIRS:
-        for path in (ROOT / top).rglob("*"):
-            if path.suffix in (".py", ".cpp", ".c", ".h") and "node_modules" not in path.parts:
-                found.add(str(path.relative_to(ROOT)))
-    return frozenset(found)
-
-
-@cache
-def _modules() -> dict[str, list[Path]]:
-    """Module basename -> its files (a package by its folder's name, as `engine`)."""
-    found: dict[str, list[Path]] = {}
-    for path in PACKAGE.rglob("*.py"):
-        name = path.parent.name if path.name == "__init__.py" else path.stem
-        found.setdefault(name, []).append(path)
-    return found
-
-
-@cache
-def _defines(path: Path) -> frozenset[str]:
-    """The names a module defines or imports at its top level, and its classes' members
-    (so `module.Class.method` and a re-exported name resolve too)."""
-    names: set[str] = set()
-    tree = ast.parse(path.read_text())
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {t.id for t in targets if isinstance(t, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    if path.name == "__init__.py":
-        names |= {p.stem for p in path.parent.glob("*.py")}
-        names |= {p.name for p in path.parent.iterdir() if (p / "__init__.py").is_file()}
-    return frozenset(names)
-
-
-def _file_problem(ref: str) -> str | None:
-    name = ref.lstrip("./")
-    if any(f == name or f.endswith("/" + name) for f in _files()):
-        return None
-    return "no such file"
-
-
-def _dotted_problem(ref: str) -> str | None:
-    if ref.startswith("aici_cli."):
-        parts = ref.removesuffix("()").split(".")
-        for cut in range(len(parts), 0, -1):
-            path = PACKAGE.parent.joinpath(*parts[:cut])
-            origin = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-            if origin.is_file():
-                rest = parts[cut:]
-                return None if not rest or rest[0] in _defines(origin) else "no such name"
-        return "no such module"
-    match = DOTTED_REF.fullmatch(ref)
-    if match is None:
-        return None
-    module, name = match.group(1), match.group(2)
-    if module in _modules():
-        if any(name in _defines(path) for path in _modules()[module]) \
-                or module in NOT_MODULES:
-            return None
-        return f"{module} defines no {name}"
-    if module in NOT_MODULES or _importable(module):
-        return None
-    return f"no module named {module}"
-
-
-@cache
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def stale_references() -> list[str]:
-    problems = []
-    for where, text in _texts():
-        for ref in REFERENCE.findall(text):
-            ref = ref.strip()
-            file_ref = FILE_REF.fullmatch(ref)
-            problem = _file_problem(file_ref.group(1)) if file_ref else _dotted_problem(ref)
-            if problem:
-                problems.append(f"{where}: `{ref}`: {problem}")
-    return problems
-
-
-def test_every_reference_in_docstrings_and_docs_resolves() -> None:
+def test_every_reference_in_docstrings_comments_docs_and_pyproject_resolves() -> None:
     assert stale_references() == []
 
 
-def test_a_renamed_module_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_word_the_checker_lets_pass_is_one_a_text_needs() -> None:
+    assert needless_not_names() == []
+
+
+def test_a_renamed_module_is_caught() -> None:
     """The check has teeth: the same text naming a module that is not there fails."""
-    monkeypatch.setattr("test_references._texts", lambda: iter([
-        ("x.py", "see `kernels/int_mm.py` and `int_mm.unusable`"),
-        ("y.py", "see `models/vnni_kernels.py`, `vnni_kernels.unusable`, `int_mm.nothing`"),
-    ]))
-    assert stale_references() == [
+    assert stale_references([
+        Text("x.py", "see `kernels/int_mm.py` and `int_mm.unusable`", ALL_CHECKS),
+        Text("y.py", "see `models/vnni_kernels.py`, `vnni_kernels.unusable`, `int_mm.nothing`",
+             ALL_CHECKS),
+    ]) == [
         "y.py: `models/vnni_kernels.py`: no such file",
         "y.py: `vnni_kernels.unusable`: no module named vnni_kernels",
         "y.py: `int_mm.nothing`: int_mm defines no nothing",
     ]
+
+
+# Each kind of stale name, in the text where it was found: (the file, what the text says
+# now, what it said when the name was stale, the report).
+STALE = [
+    # a path in a comment, not backticked
+    ("aici_cli/core/config.py", "(engine/forward/compiled.py)", "(engine/compiled.py)",
+     "`engine/compiled.py`: no such file"),
+    # a module's old name, backticked, as the subject of a verb and alone in parentheses
+    ("aici_cli/models/load.py", "errors `model_files` rewords", "errors `files` rewords",
+     "`files`: no module or name of that name"),
+    ("aici_cli/models/load.py", "files (`model_files`) to say", "files (`files`) to say",
+     "`files`: no module or name of that name"),
+    ("aici_cli/cli/run_config.py", "`run_options` declares", "`cli_run_options` declares",
+     "`cli_run_options`: no module or name of that name"),
+    # old module names alone in a comment's parentheses
+    ("aici_cli/models/kernels/int_mm.py", "(checks/probe_child.py)", "(kernel_run)",
+     "`kernel_run`: no module or name of that name"),
+    ("aici_cli/models/kernels/int_mm.py", "(cache/packed_layers.py)", "(vnni_layers)",
+     "`vnni_layers`: no module or name of that name"),
+    # pyproject.toml: a file, a folder of the checkout, a package's folder, a module
+    ("pyproject.toml", "formats/schemas.py the schemas", "formats.py the schemas",
+     "`formats.py`: no such file"),
+    ("pyproject.toml", "(aici_cli/control/registry)", "(aici_cli/run/registry)",
+     "`aici_cli/run/registry`: no such path"),
+    ("pyproject.toml", "control/componentize/toolchain.py the WIT", "control/build the WIT",
+     "`control/build`: no such path"),
+    ("pyproject.toml", '"aici_cli.engine.generation"', '"aici_cli.engine.generations"',
+     "`aici_cli.engine.generations`: no such name"),
+    # the map, backticked
+    ("ARCHITECTURE.md", "| | `control/registry/` |", "| | `run/registry/` |",
+     "`run/registry/`: no such path"),
+]
+
+
+def _texts_of(where: str) -> list[Text]:
+    return [text for text in texts() if text.where == where]
+
+
+@pytest.mark.parametrize(("where", "now", "stale", "report"), STALE,
+                         ids=[f"{case[0]}:{case[2]}" for case in STALE])
+def test_each_kind_of_stale_name_is_caught(where: str, now: str, stale: str,
+                                           report: str) -> None:
+    """The file's own texts with the stale name put back fail with it alone; as they are,
+    they pass."""
+    own = _texts_of(where)
+    assert any(now in text.text for text in own), f"{where} no longer says {now!r}"
+    assert stale_references(own) == []
+    with_stale = [Text(t.where, t.text.replace(now, stale), t.checks, t.local) for t in own]
+    assert stale_references(with_stale) == [f"{where}: {report}"]
+
+
+MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                 if p.name != "__init__.py")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(MODULES), st.sampled_from(["# see {}", "(`{}`)", "`aici_cli/{}`"]))
+def test_any_module_path_resolves_and_any_other_does_not(module: str, form: str) -> None:
+    """Every module of aici_cli, named as a path in a comment, a docstring or pyproject.toml,
+    resolves; the same path with its file renamed does not."""
+    gone = re.sub(r"(\w+)\.py$", r"\1_gone.py", module)
+    assert stale_references([Text("x.py", form.format(module), ALL_CHECKS)]) == []
+    (problem,) = stale_references([Text("x.py", form.format(gone), ALL_CHECKS)])
+    assert problem.startswith("x.py: `") and gone in problem
 
 
 # ------------------------------------------------------------------------ the indexes
