@@ -2,7 +2,7 @@
 
 The stub runs forks as the host does (new branches replayed to the fork point, each branch
 told its index in branch order, faults ending the line), so these tests pin the SDK's
-behaviour in milliseconds; `test_vote.py` runs the same code as a component.
+behaviour in milliseconds; `test_controllers.py` runs the same code as a component.
 """
 
 from __future__ import annotations
