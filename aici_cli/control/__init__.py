@@ -16,6 +16,6 @@ host, and building and publishing the guests it runs.
     componentize/      Python and JavaScript controllers built into components
     registry/          controllers as OCI artifacts: publish, pull, `oci://` references
 
-(* imports llguidance and torch.) `componentize/` is not named `build/`: pytest's default
+(* imports llguidance and torch.) `componentize/` is not named build: pytest's default
 `norecursedirs` and many tools skip folders of that name.
 """

@@ -76,6 +76,9 @@ STALE = [
     # the map, backticked
     ("ARCHITECTURE.md", "| | `control/registry/` |", "| | `run/registry/` |",
      "`run/registry/`: no such path"),
+    # a folder by its name alone
+    ("aici_cli/control/componentize/toolchain.py", "A leaf of `componentize/`",
+     "A leaf of `build/`", "`build/`: no such folder"),
 ]
 
 

@@ -9,7 +9,11 @@ moves or is renamed:
 - `backticks`: a backticked `NAME.py`, `DIR/NAME.py`, `NAME.cpp` (also with `: Name`
   after it) is a file of the tree; `aici_cli.dotted.path` a module (or a name in it);
   `module.Name` whose first part is snake_case names a module of aici_cli (any package)
-  that defines `Name`, an importable top-level module, or one of `NOT_MODULES`.
+  that defines `Name`, an importable top-level module, or one of `NOT_MODULES` (a name
+  with a data file's suffix, `NAME.json`, is a file, maybe one a command writes).
+- `folders`: a backticked `NAME/` is a folder of the tree, or one the tool makes
+  (`RUNTIME_FOLDERS`); in the package's texts only (the docs name the folders a command
+  writes).
 - `paths`: a path, backticked or not, when it is clearly one: `DIR/NAME.py` (resolved as
   above), or a path whose first part is a folder of the checkout (`aici_cli/`, `tests/`,
   `bench/`, ...) or a package of aici_cli (`control/wasm`), which must exist there (a path
@@ -26,8 +30,6 @@ moves or is renamed:
   checkout's code (a fixture, a mark, a JSON field): such words are specific enough that
   a use anywhere is the thing named. A plain word (`files`) must be known in its own
   module: elsewhere it is likely another thing of the same name (a field `files`).
-- `compound_words`: `words` for compound words only (the docs, whose plain backticked
-  words are option values and JSON fields).
 - `dotted`: a bare `aici_cli.dotted.path` (pyproject.toml's strings) is a module.
 """
 
@@ -57,7 +59,7 @@ PACKAGE = ROOT / "aici_cli"
 SOURCE_DIRS = ("aici_cli", "controllers", "tests", "bench", "schemas", "wit", "examples")
 CODE_DIRS = ("aici_cli", "controllers", "tests", "bench")  # comments and docstrings read
 DOCS = (*sorted((ROOT / "docs").glob("*.md")), ROOT / "ARCHITECTURE.md", ROOT / "README.md")
-ALL_CHECKS = frozenset({"backticks", "paths", "files", "words", "dotted"})
+ALL_CHECKS = frozenset({"backticks", "folders", "paths", "files", "words", "dotted"})
 
 # `x.y` in the docs where x is not a module: fields of results and stats, attributes of
 # objects, other projects' modules, OpenTelemetry and WIT names.
@@ -83,21 +85,26 @@ NOT_MODULES = frozenset({
 NOT_NAMES = frozenset({
     # option values and JSON values
     "auto", "none", "true", "always", "latest", "valid", "ready", "keep", "tune",
-    # JSON Schema's, OpenAI's, vLLM's and lm-eval's fields and names
+    # JSON Schema's, OpenAI's and lm-eval's fields and names
     "pattern", "properties", "required", "dependencies", "contains", "definations",
-    "choices", "parameters", "arguments", "n", "prompt", "meta", "image_url", "input_audio",
-    "structural_tag", "is_greedy", "_encode_pair", "hf", "generate", "answer", "acc_norm",
-    "num_beams", "generation_kwargs", "first_n",
+    "choices", "parameters", "arguments", "n", "prompt", "meta", "hf", "generate", "answer",
+    "is_greedy", "_encode_pair",
     # WIT and the guest's words
     "err", "runner", "start", "trace", "provide", "stats", "splice",
-    # other projects: transformers, llguidance, Click, Rust, x86, pytest, MCP
-    "sliding_attention_inv_freq", "grammar_from", "zsh_source", "fish_source",
-    "handle_alloc_error", "vmovdqa", "norecursedirs", "mcp", "aici", "pid",
-    # words of the prose: a placeholder, a pattern's parts, a row's index
+    # other projects: transformers, x86, pytest, MCP, ours
+    "sliding_attention_inv_freq", "vmovdqa", "norecursedirs", "mcp", "aici", "pid",
+    # words of the prose: a placeholder, a pattern's parts, a row's index, a knob
     "p", "then", "_self_self_self", "chunk_i", "cap", "bucket", "lookahead",
 })
 
+# Folders the tool makes at run time: the cache's compiled components, the SDK copied into
+# a Python controller's build.
+RUNTIME_FOLDERS = frozenset({"components", "__aici_sdk__"})
+
 REFERENCE = re.compile(r"`([^`\n]+)`")
+DATA_SUFFIXES = frozenset({"json", "jsonl", "md", "toml", "yml", "yaml", "txt", "html", "svg",
+                           "csv", "wasm", "cwasm", "wit", "gguf", "safetensors", "sh", "log"})
+FOLDER_REF = re.compile(r"\.?[\w.-]+/")
 FILE_REF = re.compile(r"([\w./-]*\w\.(?:py|cpp|c|h))(?:\s*:\s*\w[\w.]*)?")
 DOTTED_REF = re.compile(r"([a-z_][a-z0-9_]*)\.([A-Za-z_]\w*)(?:\.\w+)*(?:\(\))?")
 PATH_WORD = re.compile(r"(?<![\w./<>*{}$:@~-])((?:\.?\w[\w.-]*/)+(?:\w[\w.-]*\w)?)(?![\w/<*{])")
@@ -127,6 +134,16 @@ def files() -> frozenset[str]:
         for path in (ROOT / top).rglob("*"):
             if path.suffix in (".py", ".cpp", ".c", ".h") and "node_modules" not in path.parts:
                 found.add(str(path.relative_to(ROOT)))
+    return frozenset(found)
+
+
+@cache
+def folders() -> frozenset[str]:
+    """The name of every folder of the checkout's sources and docs."""
+    found = {p.name for p in ROOT.iterdir() if p.is_dir()}
+    for top in (*SOURCE_DIRS, "docs", ".ci"):
+        found |= {p.name for p in (ROOT / top).rglob("*") if p.is_dir()
+                  and "node_modules" not in p.parts and "__pycache__" not in p.parts}
     return frozenset(found)
 
 
@@ -245,11 +262,13 @@ def top_names() -> frozenset[str]:
 
 @cache
 def used_names() -> frozenset[str]:
-    """The names and strings of the package and the guest SDK, and the names of the tests
-    and benches (fixtures, marks; not their strings, which hold stale names on purpose)."""
+    """The names and strings of the checkout's code (fixtures, marks, the fields a bench
+    writes), but the strings of the checks themselves (tests/project and this module),
+    which hold stale names and allowed words on purpose."""
     code = [p for top in ("tests", "bench") for p in (ROOT / top).rglob("*.py")]
+    checks = [p for p in code if "project" in p.parts or p == Path(__file__).resolve()]
     return frozenset().union(*(uses(p) for p in _sdk_and_package()),
-                             *(source(p).names for p in code))
+                             *(source(p).names if p in checks else uses(p) for p in code))
 
 
 @cache
@@ -281,6 +300,12 @@ def file_problem(ref: str) -> str | None:
     if any(f == name or f.endswith("/" + name) for f in files()):
         return None
     return "no such file"
+
+
+def folder_problem(name: str) -> str | None:
+    if PLACEHOLDER.match(name) or name in folders() or name in RUNTIME_FOLDERS:
+        return None
+    return "no such folder"
 
 
 def dotted_problem(ref: str) -> str | None:
@@ -354,21 +379,23 @@ def word_problem(word: str, local: frozenset[str],
 
 
 # ------------------------------------------------------------------------ one text's problems
-def _backticked(text: str) -> Iterator[tuple[str, str | None]]:
+def _backticked(text: str, folders: bool) -> Iterator[tuple[str, str | None]]:
     for ref in REFERENCE.findall(text):
         ref = ref.strip()
         file_ref = FILE_REF.fullmatch(ref)
         if file_ref:
             yield ref, file_problem(file_ref.group(1))
-        elif not (ROOT / ref).is_file():  # `pyproject.toml` is a file, not a module
+        elif FOLDER_REF.fullmatch(ref):
+            if folders:
+                yield ref, folder_problem(ref.rstrip("/"))
+        elif ref.rpartition(".")[2] not in DATA_SUFFIXES:  # `figures.json`: not a module
             yield ref, dotted_problem(ref)
 
 
-def _words(text: str, local: frozenset[str], compound_only: bool,
+def _words(text: str, local: frozenset[str],
            allowed: frozenset[str] = NOT_NAMES) -> Iterator[tuple[str, str | None]]:
     for word in [*BARE_WORD.findall(text), *ALONE_IN_PARENS.findall(text)]:
-        if not compound_only or "_" in word.strip("_"):
-            yield word, word_problem(word, local, allowed)
+        yield word, word_problem(word, local, allowed)
 
 
 def problems_in(text: Text) -> list[str]:
@@ -376,15 +403,15 @@ def problems_in(text: Text) -> list[str]:
     found: list[tuple[str, str | None]] = []
     checks, body = text.checks, URL.sub(" ", text.text)
     if "backticks" in checks:
-        found += _backticked(body)
+        found += _backticked(body, folders="folders" in checks)
     if "paths" in checks:
         found += ((word, path_problem(word)) for word in PATH_WORD.findall(body))
     if "files" in checks:
         found += ((word, file_problem(word)) for word in FILE_WORD.findall(body)
                   if not PLACEHOLDER.match(word)
                   and word.removesuffix(".py") not in sys.stdlib_module_names)
-    if "words" in checks or "compound_words" in checks:
-        found += _words(body, text.local, compound_only="words" not in checks)
+    if "words" in checks:
+        found += _words(body, text.local)
     if "dotted" in checks:
         found += ((word, dotted_problem(word)) for word in DOTTED_WORD.findall(body))
     seen: dict[str, None] = {}
@@ -398,7 +425,8 @@ def problems_in(text: Text) -> list[str]:
 def texts() -> Iterator[Text]:
     """aici_cli's docstrings and comments (every check), the docstrings and comments of the
     tests, the benches and the guest SDK (paths and file names), the docs (the backticked
-    references, paths and compound words) and pyproject.toml (paths, file names, modules)."""
+    references and paths; their bare words are option values and the fields of outputs,
+    some of them made at run time) and pyproject.toml (paths, file names, modules)."""
     for top in CODE_DIRS:
         for path in sorted((ROOT / top).rglob("*.py")):
             if "node_modules" in path.parts:
@@ -412,7 +440,7 @@ def texts() -> Iterator[Text]:
             yield Text(where, source(path).comments, checks, local)
     for path in DOCS:
         yield Text(str(path.relative_to(ROOT)), path.read_text(),
-                   frozenset({"backticks", "paths", "compound_words"}))
+                   frozenset({"backticks", "paths"}))
     yield Text("pyproject.toml", (ROOT / "pyproject.toml").read_text(),
                frozenset({"paths", "files", "dotted"}))
 
@@ -427,8 +455,7 @@ def needless_not_names() -> list[str]:
     resolves without the list): the list holds only what the tree's texts say."""
     needed: set[str] = set()
     for text in texts():
-        if {"words", "compound_words"} & text.checks:
-            words = _words(URL.sub(" ", text.text), text.local,
-                           compound_only="words" not in text.checks, allowed=frozenset())
+        if "words" in text.checks:
+            words = _words(URL.sub(" ", text.text), text.local, allowed=frozenset())
             needed |= {word for word, problem in words if problem}
     return sorted(NOT_NAMES - needed)

@@ -1,7 +1,7 @@
 """What the Python and JavaScript builders share: the error and result types, the WIT
 contract's files and version, and running a componentizer.
 
-A leaf of `build/`: it imports neither builder. Standard library only, so importing it
+A leaf of `componentize/`: it imports neither builder. Standard library only, so importing it
 costs nothing (`aici-batch wit` reads the contract through it).
 """
 
