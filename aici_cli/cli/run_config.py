@@ -36,8 +36,8 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
                json_permissive: bool, controller: str | None, plain_http: bool,
                controller_arg: str, controller_timeout_ms: int, max_branches: int,
                mcp: tuple[str, ...], max_tool_rounds: int, tool_timeout: float,
-               tool_result_bytes: int, tool_record: str | None, tool_replay: str | None,
-               allow_tool: tuple[str, ...],
+               tool_result_bytes: int, tool_restarts: int, tool_record: str | None,
+               tool_replay: str | None, allow_tool: tuple[str, ...],
                no_ff: bool, draft_tokens: int, no_prefix_cache: bool,
                lookahead: int, ordered: bool, threads: int | None, engine_process: str,
                logprobs: int | None,
@@ -82,7 +82,7 @@ def run_config(input: str | None, output: str, model: str | None, device: str, d
         plain_http=plain_http, trace=trace,
         tools=ToolOptions(servers=_tool_servers(mcp), max_rounds=max_tool_rounds,
                           call_timeout_s=tool_timeout, result_bytes=tool_result_bytes,
-                          record=tool_record, replay=tool_replay,
+                          restarts=tool_restarts, record=tool_record, replay=tool_replay,
                           allowed=tuple(dict.fromkeys(allow_tool))),
     )
     _refuse_combinations(config)

@@ -134,6 +134,9 @@ class ToolOptions:
     # A result longer than this (UTF-8 bytes) is the line's error: it would fill the
     # context, and a server that returns megabytes is misbehaving.
     result_bytes: int = 64 * 1024
+    # Restarts of each crashed server this run (run/tools/restarts.py); past them its
+    # calls fail at once.
+    restarts: int = 16
     record: str | None = None  # every call and its answer, as JSON lines
     replay: str | None = None  # answer from such a file; no server runs
     # --allow-tool: the served tools the run's controllers may call (aici:tools).

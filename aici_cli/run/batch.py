@@ -37,7 +37,13 @@ from aici_cli.run.result_writer import ResultWriter
 from aici_cli.run.resume import InputLines, OutputFile, ResumeError, ResumePlan
 from aici_cli.run.summary import RunStart, run_facts, write_summary
 from aici_cli.run.tools.calls import ToolHost
-from aici_cli.run.tools.host import guest_tool_host, open_tool_host, run_lines, served
+from aici_cli.run.tools.host import (
+    guest_tool_host,
+    open_tool_host,
+    run_lines,
+    served,
+    with_restarts,
+)
 from aici_cli.run.ui import ModelLoading, RunDisplay, failure_line, load_progress, loading_what
 
 # fsync the output at most this often: an fsync costs milliseconds, more than a short
@@ -313,8 +319,8 @@ def _drive(config: RunConfig, backend: Backend, files: _RunFiles, plan: ResumePl
     wall = time.perf_counter() - t0
     # An interrupt that came after every line got its result cost nothing: the run is whole.
     signum = interrupts.signum if interrupts is not None and not lines.all_written else None
-    summary = run_facts(backend.summary(config, sink.tally, wall), config, started,
-                        signum is not None)
+    summary = run_facts(with_restarts(backend.summary(config, sink.tally, wall), tools),
+                        config, started, signum is not None)
     # Only a supervised engine (backends/supervised.py) has processes that die.
     deaths: int = getattr(backend, "deaths", 0)
     return _outcome(config, summary, signum, plan, display, deaths)

@@ -222,5 +222,6 @@ def outcome_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     for server, calls in (summary.get("tools") or {}).items():
         rows.append((f"tool calls to {server}",
                      f"{calls['calls']} ({calls['failed']} failed, {calls['tool_errors']} "
-                     f"tool errors), {calls['ms'] / 1000:.2f} s"))
+                     f"tool errors), {calls['ms'] / 1000:.2f} s"
+                     + (f", {calls['restarts']} restarts" if calls.get("restarts") else "")))
     return rows

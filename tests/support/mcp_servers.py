@@ -2,9 +2,11 @@
 started as processes (`python tests/support/mcp_servers.py KIND ...`; `command(KIND, ...)`
 is that command line for `--mcp NAME=COMMAND`):
 
-    calc [--delay S] [--port P]   a calculator (add, multiply, divide) and `lookup`, a
+    calc [--delay S] [--port P] [--crash-on KEY]
+                                  a calculator (add, multiply, divide) and `lookup`, a
                                   key-value table of made-up facts; every call takes S
-                                  seconds; with P, streamable HTTP on 127.0.0.1:P
+                                  seconds; with P, streamable HTTP on 127.0.0.1:P; with
+                                  KEY, `lookup` of KEY exits the server (os._exit) at once
     bad --mode MODE [--name N]    one tool, `probe` (or N), that misbehaves once the server
                                   has started properly (its tool list works): `crash` exits
                                   in the call, `hang` never answers, `big` answers 10 MB,
@@ -35,7 +37,7 @@ def command(kind: str, *args: str) -> str:
     return shlex.join([sys.executable, str(Path(__file__).resolve()), kind, *args])
 
 
-def _calc(server: object, delay: float) -> None:
+def _calc(server: object, delay: float, crash_on: str | None = None) -> None:
     from mcp.server.mcpserver.exceptions import ToolError
 
     tool = server.tool  # type: ignore[attr-defined]
@@ -63,6 +65,8 @@ def _calc(server: object, delay: float) -> None:
     @tool()
     async def lookup(key: str) -> str:
         """The value stored under a key in the local table."""
+        if key == crash_on:
+            os._exit(3)
         await asyncio.sleep(delay)
         if key not in TABLE:
             raise ToolError(f"no entry {key!r}")
@@ -98,6 +102,7 @@ def main() -> None:
     calc = kinds.add_parser("calc")
     calc.add_argument("--delay", type=float, default=0.0)
     calc.add_argument("--port", type=int, default=None)
+    calc.add_argument("--crash-on", default=None)
     bad = kinds.add_parser("bad")
     bad.add_argument("--mode", required=True, choices=MODES)
     bad.add_argument("--name", default="probe")
@@ -105,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     server: MCPServer = MCPServer(args.kind, log_level="CRITICAL")
     if args.kind == "calc":
-        _calc(server, args.delay)
+        _calc(server, args.delay, args.crash_on)
     elif args.kind == "bad":
         _bad(server, args.mode, args.name)
     else:

@@ -53,6 +53,10 @@ class ToolHost(Protocol):
         `index`; the future never fails, a failure is its outcome's `error`."""
         ...
 
+    def restarts(self) -> dict[str, int]:
+        """How many times each server was started again after a crash, by name."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -2,7 +2,8 @@
 the `--mcp` servers started (or the `--tool-replay` file read), `--allow-tool` checked
 against them, behind a `--tool-record` recording; `guest_tool_host`, those tools as the
 run's controllers may call them; `served`, their list as the run's start shows it; and
-`run_lines`, a backend's run with the tool rounds around it where there are tools."""
+`run_lines`, a backend's run with the tool rounds around it where there are tools;
+`with_restarts`, the servers' restarts in the run summary."""
 
 from __future__ import annotations
 
@@ -31,9 +32,11 @@ def open_tool_host(options: ToolOptions, resume: bool) -> ToolHost | None:
     if options.replay is not None:
         host = ReplayedTools(options.replay)
     else:
+        from aici_cli.run.tools.restarts import RestartPolicy
         from aici_cli.run.tools.servers import ToolServers  # mcp, on first use
 
-        host = ToolServers(options.servers, options.call_timeout_s, options.result_bytes)
+        host = ToolServers(options.servers, options.call_timeout_s, options.result_bytes,
+                           RestartPolicy(restarts=options.restarts))
     try:
         listed = allowed_tools(host.tools, options.allowed, replay=options.replay is not None)
         if options.record is not None:
@@ -59,6 +62,21 @@ def served(host: ToolHost) -> str:
         by_server.setdefault(tool.server, []).append(tool.name)
     return "; ".join(f"{server}: {', '.join(sorted(names))}"
                      for server, names in sorted(by_server.items()))
+
+
+def with_restarts(summary: dict[str, Any], host: ToolHost | None) -> dict[str, Any]:
+    """The run summary with each server's restarts after crashes under `tools`: on every
+    server's row, and a row for a server that restarted though no line's call to it is
+    counted (a controller's calls are not)."""
+    restarts = host.restarts() if host is not None else {}
+    if not restarts:
+        return summary
+    tools = dict(summary.get("tools") or {})
+    for server, count in restarts.items():
+        if server in tools or count:
+            row = tools.get(server) or {"calls": 0, "failed": 0, "tool_errors": 0, "ms": 0.0}
+            tools[server] = {**row, "restarts": count}
+    return {**summary, "tools": tools} if tools else summary
 
 
 def run_lines(backend: Backend, items: Iterator[Job | BadLine], emit: Emit,

@@ -85,6 +85,9 @@ class Recorder:
         self.host.call(index, name, arguments).add_done_callback(write)
         return answered
 
+    def restarts(self) -> dict[str, int]:
+        return self.host.restarts()
+
     def close(self) -> None:
         self.host.close()
         with self._lock:
@@ -158,6 +161,9 @@ class ReplayedTools:
         future.set_result(CallOutcome(outcome.server, outcome.content, outcome.is_error,
                                       outcome.error, outcome.ms, now, now))
         return future
+
+    def restarts(self) -> dict[str, int]:
+        return {}  # no server runs
 
     def close(self) -> None:
         pass

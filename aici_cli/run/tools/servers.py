@@ -7,9 +7,10 @@ server is connected and its tools listed, together; one that does not start, or 
 name two servers serve, is a `UsageError` before the model loads. Then each call is
 checked against the tool's input schema, sent, and bounded: a deadline, a size limit, and
 a watch on what the server writes (a line that is not JSON-RPC breaks the session). A
-server whose connection ends (it crashed) fails the calls it held, and is started again
-once; after a second end its tools fail at once. Every failure is the calling line's
-error (`CallOutcome.error`), never the run's.
+server whose connection ends (it crashed) is started again, its calls that were out are
+retried, and only the call that crashed it twice fails (`restarts.ServerGuard`, within
+the run's `--tool-restarts`). Every failure is the calling line's error
+(`CallOutcome.error`), never the run's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import shlex
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,39 +34,37 @@ from aici_cli.run.tools.calls import (
     CallOutcome,
     ServedTool,
     ToolError,
+    canonical,
     result_text,
     untrusted_text,
 )
+from aici_cli.run.tools.restarts import RestartPolicy, ServerGuard
 
 T = TypeVar("T")
 
 START_TIMEOUT_S = 30.0  # a server's start and its tool list
 STOP_TIMEOUT_S = 5.0  # closing a session (the package then kills the process)
-RESTARTS = 1  # a crashed server is started again this many times
 CONNECTION_CLOSED = -32000  # the JSON-RPC code the package gives a call on a closed connection
 
 
 @dataclass
 class _Link:
-    """One server's session, and what its calls wait on: `up` once it is connected,
-    `broken` (a future per session) once its connection ended or it wrote garbage."""
+    """One server's session: `alive` from its start until its connection ends (or it
+    writes garbage); `guard`, its calls across crashes and restarts."""
 
     spec: ToolServer
+    guard: ServerGuard
     session: Any = None
-    up: asyncio.Event = field(default_factory=asyncio.Event)
-    broken: asyncio.Future[tuple[str, str]] | None = None
+    alive: bool = False
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-    restarts: int = 0
-    served: bool = False  # it came up once (a server that fails its start is not restarted)
-    down: str | None = None  # why its tools fail at once (it crashed twice)
 
 
 class ToolServers:
     """The servers of `--mcp` (see the module docstring): `tools` by name, `call`."""
 
     def __init__(self, servers: Sequence[ToolServer], timeout_s: float,
-                 result_bytes: int) -> None:
+                 result_bytes: int, policy: RestartPolicy | None = None) -> None:
         try:
             import mcp  # noqa: F401  (an extra: `pip install 'aici-batch[tools]'`)
         except ImportError:
@@ -73,6 +72,7 @@ class ToolServers:
                              "'aici-batch[tools]'") from None
         self.timeout_s = timeout_s
         self.result_bytes = result_bytes
+        self.policy = policy or RestartPolicy()
         self.tools: dict[str, ServedTool] = {}
         self.closing = False
         # The package logs what a server does wrong; here that is the calling line's error.
@@ -96,13 +96,16 @@ class ToolServers:
                          ) -> list[tuple[str, list[dict[str, Any]]]]:
         """Every server connected and listed, together; the first that failed raises."""
         for spec in servers:
-            self._links[spec.name] = _Link(spec)
+            self._links[spec.name] = _Link(spec, ServerGuard(
+                f"server {spec.name}", self._restarter(spec.name), self.policy, self.timeout_s))
         lists = await asyncio.gather(*(self._connect(link) for link in self._links.values()),
                                      return_exceptions=True)
         for link, listed in zip(self._links.values(), lists):
             if isinstance(listed, BaseException):
                 raise UsageError(f"--mcp {link.spec.name}: the server did not start "
                                  f"({_why(listed)})")
+        for link in self._links.values():
+            link.guard.up()
         return [(name, listed) for name, listed in zip(self._links, lists)]  # type: ignore[misc]
 
     def _index(self, listed: list[tuple[str, list[dict[str, Any]]]]) -> None:
@@ -121,7 +124,7 @@ class ToolServers:
     async def _connect(self, link: _Link) -> list[dict[str, Any]]:
         """Start `link`'s session (its task lives until its `stop` is set); its tools."""
         link.stop = asyncio.Event()
-        link.broken = self.loop.create_future()
+        link.alive = True
         ready: asyncio.Future[list[dict[str, Any]]] = self.loop.create_future()
         link.task = self.loop.create_task(self._serve(link, ready))
         try:
@@ -130,6 +133,20 @@ class ToolServers:
             link.stop.set()
             link.task.cancel()
             raise
+
+    def _restarter(self, name: str) -> Callable[[], Awaitable[None]]:
+        """How server `name`'s guard starts it again: the old session closed, a new one
+        up."""
+        async def restart() -> None:
+            link = self._links[name]
+            if link.task is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(link.task, STOP_TIMEOUT_S)
+            await self._connect(link)
+            if not link.alive:  # it ended before the guard heard it was up
+                raise RuntimeError("it closed its connection as it started")
+
+        return restart
 
     async def _serve(self, link: _Link, ready: asyncio.Future[list[dict[str, Any]]]) -> None:
         """The session: open the transport, watch what comes back (`_watch`), initialize,
@@ -147,8 +164,6 @@ class ToolServers:
                 await session.initialize()
                 listed = await _list_tools(session)
                 link.session = session
-                link.served = True
-                link.up.set()
                 ready.set_result(listed)
                 await link.stop.wait()
                 group.cancel_scope.cancel()
@@ -174,29 +189,10 @@ class ToolServers:
             self._broken(link, why)
 
     def _broken(self, link: _Link, why: tuple[str, str]) -> None:
-        """`link`'s session is over: fail its calls, and start it again if it may be."""
-        if link.broken is not None and not link.broken.done():
-            link.broken.set_result(why)
-        link.up.clear()
+        """`link`'s session is over: its guard restarts it (see `restarts.ServerGuard`)."""
+        link.alive = False
         link.stop.set()
-        if self.closing or not link.served:
-            return
-        if link.restarts >= RESTARTS:
-            link.down = f"{why[1]}, and was restarted {RESTARTS} time(s) already"
-            link.up.set()  # calls go on at once, to fail
-            return
-        link.restarts += 1
-        self.loop.create_task(self._restart(link))
-
-    async def _restart(self, link: _Link) -> None:
-        if link.task is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(link.task, STOP_TIMEOUT_S)
-        try:
-            await self._connect(link)
-        except BaseException as e:
-            link.down = f"server {link.spec.name} could not be restarted ({_why(e)})"
-            link.up.set()
+        link.guard.broken(why)
 
     # ------------------------------------------------------------------------- calls
 
@@ -230,38 +226,38 @@ class ToolServers:
         problem = _schema_problem(tool.input_schema, args)
         if problem is not None:  # the line's tool was not the server's: tell the model
             return f"invalid arguments for {tool.name}: {problem}", True
-        try:
-            await asyncio.wait_for(link.up.wait(), max(0.0, deadline - time.perf_counter()))
-        except asyncio.TimeoutError:
-            raise ToolError("tool_timeout", self._late(tool, "while it restarted")) from None
-        if link.down is not None or link.session is None or link.broken is None:
-            raise ToolError("tool_server_down", link.down or f"server {tool.server} is down")
-        broken = link.broken
-        call = asyncio.ensure_future(link.session.call_tool(tool.name, args))
-        done, _ = await asyncio.wait({call, broken}, return_when=asyncio.FIRST_COMPLETED,
-                                     timeout=max(0.0, deadline - time.perf_counter()))
-        if call in done and call.exception() is None:
-            return self._text(tool, call)
-        if broken.done():  # the reason the call failed, or would never be answered
-            call.cancel()
-            raise ToolError(*broken.result())
-        if call in done:
-            return self._text(tool, call)
-        call.cancel()
-        raise ToolError("tool_timeout", self._late(tool, ""))
 
-    def _text(self, tool: ServedTool, call: asyncio.Future[Any]) -> tuple[str, bool]:
+        async def send() -> Any:
+            if link.session is None:  # the guard let it go: it never does without a session
+                raise ToolError("tool_server_down", f"server {tool.server} is down")
+            return await link.session.call_tool(tool.name, args)
+
         try:
-            result = call.result().model_dump(by_alias=True, mode="json")
+            result = await link.guard.call(f"{tool.name} {canonical(arguments)}", send,
+                                           deadline, f"tool {tool.name} (server {tool.server})")
+        except ToolError:
+            raise
         except Exception as e:
-            code = getattr(getattr(e, "error", None), "code", None)
-            if code == CONNECTION_CLOSED:
-                raise ToolError("tool_server_crashed", f"server {tool.server} closed its "
-                                f"connection during the call (it exited or crashed)") from None
-            if code is not None:  # a JSON-RPC error: the server refused the call
-                return f"error: {_why(e)}", True
-            raise ToolError("tool_bad_output", f"server {tool.server} answered "
-                            f"{tool.name} with what is not a tool result ({_why(e)})") from None
+            return self._refused(tool, e)
+        return self._text(tool, result)
+
+    def _refused(self, tool: ServedTool, e: Exception) -> tuple[str, bool]:
+        """A call the server answered with an error, not a result: a JSON-RPC error is
+        the tool's (told to the model); anything else costs the line."""
+        code = getattr(getattr(e, "error", None), "code", None)
+        if code == CONNECTION_CLOSED:
+            raise ToolError("tool_server_crashed", f"server {tool.server} closed its "
+                            f"connection during the call (it exited or crashed)") from None
+        if code is not None:  # a JSON-RPC error: the server refused the call
+            return f"error: {_why(e)}", True
+        raise ToolError("tool_bad_output", f"server {tool.server} answered "
+                        f"{tool.name} with what is not a tool result ({_why(e)})") from None
+
+    def _text(self, tool: ServedTool, answer: Any) -> tuple[str, bool]:
+        try:
+            result = answer.model_dump(by_alias=True, mode="json")
+        except Exception as e:
+            return self._refused(tool, e)
         text = result_text(result)
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > self.result_bytes:
@@ -270,9 +266,9 @@ class ToolServers:
                             "(--tool-result-bytes)")
         return untrusted_text(text), bool(result.get("isError"))
 
-    def _late(self, tool: ServedTool, when: str) -> str:
-        return (f"tool {tool.name} (server {tool.server}) did not answer within "
-                f"{self.timeout_s:g} s{' ' + when if when else ''} (--tool-timeout)")
+    def restarts(self) -> dict[str, int]:
+        """How many times each server was started again this run, by name."""
+        return {name: link.guard.restarts for name, link in self._links.items()}
 
     def close(self) -> None:
         """End every session (each server process with it) and the loop's thread."""
@@ -280,6 +276,7 @@ class ToolServers:
 
         async def stop_all() -> None:
             for link in self._links.values():
+                link.guard.close()
                 link.stop.set()
             tasks = [link.task for link in self._links.values() if link.task is not None]
             if tasks:
