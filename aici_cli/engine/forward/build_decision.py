@@ -31,12 +31,14 @@ from pathlib import Path
 # One bucket's packaged step alone (export and AOT compile): ~45 s for the default model
 # on 2 cores (prepare: 224 s for five); the estimate until a build here measured one.
 BUILD_S = 45.0
-# The share of its alone speed a niced build gets beside a decoding run on 2 cores.
+# The share of its alone speed a niced build gets beside a decoding run on 2 cores (an
+# estimate: the run leaves a core idle through its Python work between passes).
 BESIDE_SHARE = 0.5
 # The compiled pass's time over the eager one's (docs/speed.md: 7.98 against 16.17 ms
 # at one row; 14-16 against ~22 ms at eight): an estimate until the run measured both.
 COMPILED_RATIO = 0.6
-# The fraction of a step the run loses while the build runs beside it.
+# The fraction of a step the run loses while the build runs beside it (an estimate: the
+# bound a cold run at the defaults must keep against `--compile off`).
 SLOWDOWN = 0.05
 # The share of the lines' remaining token budgets they are expected to use.
 EXPECTED_USE = 0.6

@@ -29,6 +29,11 @@ def main(argv: list[str]) -> int:
     failed (its reason the last line of the output)."""
     os.nice(NICE)
     spec = json.loads(argv[0])
+    with builders_turn():  # taken before torch loads: a waiter sees a builder at once
+        return _build(spec)
+
+
+def _build(spec: dict[str, Any]) -> int:
     import torch
 
     from aici_cli.engine.forward import build_decision
@@ -37,7 +42,7 @@ def main(argv: list[str]) -> int:
 
     source = BuildSource(**spec["source"])
     failed = None
-    with builders_turn(), torch.inference_mode():
+    with torch.inference_mode():
         lm = load_model(source.path, source.device, source.dtype, source.quantize,
                         source.implementation)
         for rows in spec["rows"]:
