@@ -190,9 +190,8 @@ class ServerGuard:
             try:
                 await asyncio.wait_for(wake.wait(), max(0.0, deadline - time.perf_counter()))
             except asyncio.TimeoutError:
-                raise ToolError("tool_timeout", self._late(
-                    what, "while its server restarted")
-                                ) from None
+                late = self._late(what, "while its server recovered from a crash")
+                raise ToolError("tool_timeout", late) from None
 
     def _leave(self, ticket: _Ticket) -> None:
         """A suspect is settled (answered, failed, past its deadline): the next may go."""

@@ -194,7 +194,7 @@ def test_a_call_waiting_out_a_restart_keeps_its_deadline() -> None:
 
     assert asyncio.run(main()) == (
         "tool_timeout", "tool t (server fake) did not answer within 0.05 s while its server "
-        "restarted (--tool-timeout)")
+        "recovered from a crash (--tool-timeout)")
 
 
 @pytest.mark.parametrize("why", [CRASHED, ("tool_bad_output", "server fake wrote garbage")])
