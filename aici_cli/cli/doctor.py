@@ -20,8 +20,11 @@ from aici_cli.cli.errors import FatalError
               help="Probe every CPU capability this CPU supports (ATEN_CPU_CAPABILITY: "
                    "default, avx2, avx512), not only the one torch chose.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--cache-key", is_flag=True,
+              help="Print only the key to keep the cache folder under in CI (this CPU, "
+                   "aici-batch's and torch's versions, the model's content) and exit.")
 def doctor_command(model: str | None, device: str, all_capabilities: bool,
-                   as_json: bool) -> None:
+                   as_json: bool, cache_key: bool) -> None:
     """Show this machine's fingerprint, the kernel probe's verdict on every mode (dtype x
     quantization) with the time of one decode step's linear kernels, and the mode
     `--dtype auto --quantize auto` picks. A mode is probed once per machine, in a child
@@ -31,8 +34,18 @@ def doctor_command(model: str | None, device: str, all_capabilities: bool,
     Examples:
       aici-batch doctor
       aici-batch doctor --all-capabilities --json > doctor.json
+      aici-batch doctor --cache-key    # e.g. the key of a CI job's actions/cache
     """
     from aici_cli.core.errors import ModelError
+
+    if cache_key:
+        from aici_cli.models.checks.cache_key import cache_key as key
+
+        try:
+            click.echo(key(model))
+        except ModelError as e:
+            raise FatalError(str(e)) from None
+        return
     from aici_cli.models.checks.doctor import doctor_report
 
     try:

@@ -384,8 +384,9 @@ def _prepare_hint(config: RunConfig, summary: dict[str, Any]) -> str | None:
         return None
     return (f"aici-batch: this run's {summary['forward_passes']} steps ran eager: "
             "`aici-batch prepare` with its --model, --dtype, --quantize and --batch-size "
-            "builds the compiled step once (about a minute), and runs like it then start "
-            "with it (docs/speed.md)")
+            "builds the compiled step once (a few minutes; it waits for the builder a run "
+            "starts after its last line), and runs like it then start with it "
+            "(docs/speed.md)")
 
 
 def _count_lines(path: str) -> int | None:

@@ -1,6 +1,6 @@
 """The run summary (`--stats-out`, `schemas/stats.schema.json`): what a backend's engines
 measured (`summarize`, the same for a local and a Ray run), the facts of the run around
-them (`run_facts`: version, start, start-up and total time), and its file
+them (`run_facts`: version, start, start-up, first result and total time), and its file
 (`write_summary`). Torch-free.
 """
 
@@ -19,6 +19,10 @@ from aici_cli.core.line_stats import StepTimes
 from aici_cli.run.controller_pin import controller_summary
 from aici_cli.run.tally import RunTally, percentile
 
+# The first result's `perf_counter`, between `summarize` and `run_facts` (which makes it
+# `first_result_s`, from the run's start, and drops it).
+_FIRST_AT = "_first_result_at"
+
 
 def summarize(config: RunConfig, tally: RunTally, steps: list[StepTimes], wall: float,
               model: dict[str, Any], compiled: list[float],
@@ -27,6 +31,8 @@ def summarize(config: RunConfig, tally: RunTally, steps: list[StepTimes], wall: 
     compile times and guest call times."""
     meta = {**model, "batch_size": config.engine.batch_size}
     summary = tally.run_summary(steps, wall, meta)
+    if tally.first_at is not None:  # made seconds from the run's start by run_facts
+        summary[_FIRST_AT] = tally.first_at
     if compiled:
         summary["grammar_compile_ms"] = {
             "grammars": len(compiled),
@@ -63,10 +69,13 @@ class RunStart:
 def run_facts(summary: dict[str, Any], config: RunConfig, started: RunStart | None,
               interrupted: bool) -> dict[str, Any]:
     """The run summary with what a log needs beside the figures: the version, when the run
-    started, start-up and total time, whether it was interrupted or ordered."""
+    started, start-up, first result and total time, whether it was interrupted or
+    ordered."""
     started = started or RunStart.since()
+    first_at = summary.pop(_FIRST_AT, None)
+    first = round(first_at - started.t0, 3) if first_at is not None else None
     return {**summary, "version": __version__, "started_at": started.at,
-            "load_s": round(started.load_s, 3),
+            "load_s": round(started.load_s, 3), "first_result_s": first,
             "total_s": round(time.perf_counter() - started.t0, 3),
             "interrupted": interrupted, "ordered": config.ordered}
 

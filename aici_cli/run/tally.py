@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +61,11 @@ class RunTally:
     # Tool calls by server (run/tools): calls, failed (the line's error), tool_errors (the
     # tool's own, told to the model), ms (each call's time, added up).
     tools: dict[str, dict[str, Any]] = field(default_factory=dict)
+    first_at: float | None = None  # `perf_counter` when the first result was added
 
     def add(self, result: dict[str, Any]) -> None:
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
         self.lines += 1
         reason = str(result.get("finish_reason", "stop"))
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1

@@ -249,6 +249,17 @@ def _cached(summary: dict[str, Any]) -> str:
     return f"{cached}/{prompt} ({cached / prompt:.0%})" if prompt else "0"
 
 
+def one_token_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The one-token steps compiled, and those run eager by why (where counted)."""
+    eager = summary.get("eager_steps")
+    if summary.get("compiled_steps") is None and not eager:
+        return []
+    why = ", ".join(f"{n} {reason}" for reason, n in (eager or {}).items())
+    return [("one-token steps compiled / eager",
+             f"{summary.get('compiled_steps') or 0} / {sum((eager or {}).values())}"
+             + (f" ({why})" if why else ""))]
+
+
 def summary_table(summary: dict[str, Any]) -> Table:
     """The run summary as a rich table (also used by `aici-batch report`)."""
     table = Table(title="aici-batch run", show_header=True, header_style="bold")
@@ -268,6 +279,9 @@ def summary_table(summary: dict[str, Any]) -> Table:
     ]
     if "load_s" in summary:
         rows.append(("start-up (model load)", f"{summary['load_s']:.2f} s"))
+    if summary.get("first_result_s") is not None:
+        rows.append(("first result, from the start", f"{summary['first_result_s']:.2f} s"))
+    rows += one_token_rows(summary)
     rows.append(("wall time (the lines)", f"{summary['wall_s']:.2f} s"))
     if summary["output_tokens"] or not summary["lines"]:
         rows.append(("tokens/s", f"{summary['tokens_per_s']:.1f}"))

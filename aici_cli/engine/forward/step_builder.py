@@ -81,7 +81,9 @@ def build_bucket(lm: Any, rows: int, cache_rows: int) -> tuple[bool, str | None]
     model_pass.run(0, [0] * rows, [list(_PROMPT)] * rows, empty)
     model_pass.run(0, [len(_PROMPT)] * rows, [[_PROMPT[-1]]] * rows,
                    [[] for _ in range(rows)], rows_bound=rows)
-    if not packaged_step.package_file(lm.model, rows, cache_rows).is_file():
+    # Where the build put it (its key read as it began: a source file edited meanwhile
+    # keys the next one elsewhere).
+    if not compiled.package_path(rows).is_file():
         return False, (compiled.package_problem or model_pass.decode.reason
                        or "no package was made")
     return True, None

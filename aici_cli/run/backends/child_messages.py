@@ -101,12 +101,14 @@ class LoadFailed:
 class Figures:
     """The engine's figures since the last ones sent (a dead process's unsent ones are
     lost with it): step times, grammar compile and guest call ms; `compiled_steps` is
-    this life's running total (None: no compiled step)."""
+    this life's running total (None: no compiled step), `eager_steps` its one-token
+    steps run eager, by why, so far."""
 
     steps: list[StepTimes] = field(default_factory=list)
     compile_ms: list[float] = field(default_factory=list)
     call_times: list[float] = field(default_factory=list)
     compiled_steps: int | None = None
+    eager_steps: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -221,7 +221,8 @@ class EngineChild:
                                   self.built.call_times)
         a, b, c = self.reported
         self.reported = (len(steps), len(compiled), len(calls))
-        return Figures(steps[a:], compiled[b:], calls[c:], self.engine.compiled_steps)
+        return Figures(steps[a:], compiled[b:], calls[c:], self.engine.compiled_steps,
+                       self.engine.eager_steps)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -67,6 +67,7 @@ class LocalEngine:
         summary["threads"] = torch.get_num_threads()  # what torch used, not what was asked
         if engine.compiled_steps is not None:
             summary["compiled_steps"] = engine.compiled_steps
+        summary["eager_steps"] = engine.eager_steps
         return summary
 
     def close(self) -> None:

@@ -74,6 +74,7 @@ class SupervisedEngine:
         self.line_deaths = LineDeaths()
         self.figures = Figures()  # every life's, as received
         self.compiled_before = 0  # compiled steps of the lives before this one
+        self.eager_before: dict[str, int] = {}  # eager one-token steps of those lives
         self.owed: dict[int, Job] = {}  # by index: sent to this life, no result yet
         self.started: set[int] = set()  # of those, the lines that took a row
         self.again: deque[Job] = deque()  # lines to send (again) before new input
@@ -227,6 +228,8 @@ class SupervisedEngine:
         mine.call_times += figures.call_times
         if figures.compiled_steps is not None:
             mine.compiled_steps = self.compiled_before + figures.compiled_steps
+        mine.eager_steps = {why: self.eager_before.get(why, 0) + figures.eager_steps.get(why, 0)
+                            for why in {**self.eager_before, **figures.eager_steps}}
 
     # ---------------------------------------------------------------------- deaths
 
@@ -236,6 +239,7 @@ class SupervisedEngine:
         how = self.process.ending()
         self.deaths += 1
         self.compiled_before = self.figures.compiled_steps or 0
+        self.eager_before = dict(self.figures.eager_steps)
         again: list[Job] = []
         crashed: list[int] = []
         for index, job in sorted(self.owed.items()):
@@ -271,6 +275,7 @@ class SupervisedEngine:
         summary["threads"] = info["threads"]  # what torch used, not what was asked
         if figures.compiled_steps is not None:
             summary["compiled_steps"] = figures.compiled_steps
+        summary["eager_steps"] = dict(figures.eager_steps)
         return summary
 
 
