@@ -175,6 +175,11 @@ class RunTally:
         }
 
 
+def _restarts(count: int) -> str:
+    """A server's restarts after crashes, for its row (nothing where none)."""
+    return f", {count} restart{'s' if count > 1 else ''}" if count else ""
+
+
 def _by_count(counts: dict[str, int]) -> dict[str, int]:
     """Most frequent first (ties in the order first seen)."""
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
@@ -227,5 +232,5 @@ def outcome_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"tool calls to {server}",
                      f"{calls['calls']} ({calls['failed']} failed, {calls['tool_errors']} "
                      f"tool errors), {calls['ms'] / 1000:.2f} s"
-                     + (f", {calls['restarts']} restarts" if calls.get("restarts") else "")))
+                     + _restarts(calls.get("restarts", 0))))
     return rows

@@ -2,7 +2,8 @@
 server on the test's loop whose calls take a while and end the session for the keys the
 test says crash it. Random interleavings of calls: only the calls that crash the server
 fail (`tool_server_crashed`), every other is answered, each caught call is retried once
-and alone; the budget of restarts, the back-off, and a restart that fails."""
+and alone; the budget of restarts, the back-off, and a restart that fails; the restarts
+in the run summary."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aici_cli.run.tally import outcome_rows
 from aici_cli.run.tools.calls import ToolError
+from aici_cli.run.tools.host import with_restarts
 from aici_cli.run.tools.restarts import RestartPolicy, ServerGuard
 
 CRASHED = ("tool_server_crashed", "server fake closed its connection (it exited or crashed)")
@@ -220,3 +224,30 @@ def test_the_culprit_gets_the_crash_s_own_type(why: tuple[str, str]) -> None:
     etype, message = asyncio.run(main())
     assert etype == why[0] and message.startswith(why[1])
     assert server.guard.restarts == 2
+
+
+class _Restarted:
+    """A host whose servers restarted as the test says."""
+
+    def __init__(self, restarts: dict[str, int]) -> None:
+        self._restarts = restarts
+
+    def restarts(self) -> dict[str, int]:
+        return self._restarts
+
+
+def test_the_summary_counts_each_server_s_restarts() -> None:
+    row = {"calls": 3, "failed": 1, "tool_errors": 0, "ms": 12.5}
+    summary = {"lines": 3, "tools": {"calc": row}}
+    host: Any = _Restarted({"calc": 2, "kv": 0, "guest": 1})
+    tools = with_restarts(summary, host)["tools"]
+    # Every counted server gets its restarts; a server no line's call reached gets a row
+    # only where it restarted (a controller's calls crashed it).
+    assert tools == {"calc": {**row, "restarts": 2},
+                     "guest": {"calls": 0, "failed": 0, "tool_errors": 0, "ms": 0.0,
+                               "restarts": 1}}
+    assert summary["tools"] == {"calc": row}  # the summary given is left as it was
+    assert with_restarts(summary, None) is summary
+    rows = dict(outcome_rows({"lines": 3, "errors": 1, "tools": tools}))
+    assert rows["tool calls to calc"] == "3 (1 failed, 0 tool errors), 0.01 s, 2 restarts"
+    assert rows["tool calls to guest"] == "0 (0 failed, 0 tool errors), 0.00 s, 1 restart"
