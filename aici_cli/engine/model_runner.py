@@ -33,7 +33,13 @@ from aici_cli.engine.forward.cache import RowCache
 from aici_cli.engine.forward.passes import ModelPass, PassOutput
 from aici_cli.engine.logits.logit_rules import LogitRules, draft_picks, rules_before_masks
 from aici_cli.engine.logits.masked_projection import MaskedProjection
-from aici_cli.engine.logits.masks import MaskVerdict, TokenMasks, apply_masks, empty_masks
+from aici_cli.engine.logits.masks import (
+    MaskVerdict,
+    TokenMasks,
+    allowed_mass,
+    apply_masks,
+    empty_masks,
+)
 from aici_cli.engine.logits.sampler import Draw, log_softmax, sample
 from aici_cli.engine.plan import StepOutput, StepPlan
 from aici_cli.models.load import LoadedModel
@@ -67,6 +73,7 @@ class ModelRunner:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
+        self.masks.close()
 
     def execute_model(self, plan: StepPlan) -> StepOutput:
         assert self.pool is not None, "open() first"
@@ -95,7 +102,8 @@ class ModelRunner:
         # How much of the (ruled) distribution the constraint allows, where the pass
         # computed it whole (a masked projection has no mass outside the allowed ids).
         weighed = sorted(verdict.constrained) if whole and allowed is not None else []
-        before = torch.logsumexp(logits[weighed].float(), dim=-1) if weighed else None
+        mass = (allowed_mass(logits[weighed], allowed[weighed])
+                if weighed and allowed is not None else None)
         greedy, empty = apply_masks(logits, allowed)
         next_logprobs = self._next_logprobs(logits, plan.logprobs, masked=True) or raw_logprobs
         clock.mark("masked")
@@ -108,9 +116,8 @@ class ModelRunner:
         parts = [picked.double()]
         if empty is not None:
             parts.append(empty.double())
-        if before is not None:
-            parts.append((torch.logsumexp(logits[weighed].float(), dim=-1) - before).exp()
-                         .double())
+        if mass is not None:
+            parts.append(mass.double())
         draft_argmax = passed.draft_argmax(b) if any(drafts) else None
         if draft_argmax is not None:
             parts.append(draft_argmax.double())
@@ -119,7 +126,7 @@ class ModelRunner:
         if empty is not None:
             empty_masks(verdict, [bool(x) for x in values[at : at + b]])
             at += b
-        allowed_mass = dict(zip(weighed, values[at : at + len(weighed)]))
+        masses = dict(zip(weighed, values[at : at + len(weighed)]))
         at += len(weighed)
         sampled = [(k, t) for k, t in zip(real, tokens) if k not in verdict.failed]
         clock.mark("sampled")
@@ -129,7 +136,7 @@ class ModelRunner:
                      if draft_argmax is not None else [])
         return StepOutput(passed, clock, times, verdict.failed, verdict.deferred,
                           sampled, next_logprobs, drafts, predicted,
-                          self.model_pass.fits, allowed_mass)
+                          self.model_pass.fits, masses)
 
     def _project(self, passed: PassOutput, verdict: MaskVerdict,
                  draws: Sequence[Draw | None]) -> tuple[PassOutput, bool]:

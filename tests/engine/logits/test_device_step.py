@@ -7,6 +7,7 @@ back from the device once (every host read of a tensor counted while the runner 
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,8 @@ from aici_cli.core.constraint import Constraint
 from aici_cli.core.sampling import Sampling
 from aici_cli.engine import Engine
 from aici_cli.engine import model_runner as runner_module
-from aici_cli.engine.logits.masks import apply_masks, unpack_bits
+from aici_cli.engine.logits import masks as masks_module
+from aici_cli.engine.logits.masks import apply_masks, unpack_bits, unpack_bits_bitwise
 from aici_cli.engine.logits.sampler import (
     Draw,
     RowStream,
@@ -46,9 +48,11 @@ def test_the_bitmask_unpacked_bitwise_equals_the_hosts_unpacking(vocab: int, row
     packed = packed.astype(np.int32)
     # The reference: numpy's own unpacking of the little-endian bytes, bit t of word t//32.
     want = np.unpackbits(packed.view(np.uint8), axis=1, count=vocab, bitorder="little")
-    got = unpack_bits(torch.from_numpy(packed), vocab)
+    got = unpack_bits(torch.from_numpy(packed), vocab)  # the CPU's: numpy's
     assert got.dtype == torch.bool and got.shape == (rows, vocab)
     assert np.array_equal(got.numpy(), want.astype(bool))
+    bitwise = unpack_bits_bitwise(torch.from_numpy(packed), vocab)  # an accelerator's
+    assert bitwise.dtype == torch.bool and torch.equal(bitwise, got)
     # And bit by bit, as the bitmask's contract states it.
     for r in range(rows):
         for t in rng.integers(0, vocab, size=8):
@@ -144,10 +148,14 @@ def host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield counts
 
 
-def test_a_step_reads_back_once(lm: LoadedModel, host_reads: list[int]) -> None:
+def test_a_step_reads_back_once(lm: LoadedModel, host_reads: list[int],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy rows with drafts, sampled rows, constrained and free rows in one batch: every
-    step of the run reads from the device at most once. The masked projection, a CPU-only
-    path that gathers the allowed ids on the host, is off, as on an accelerator."""
+    step of the run reads from the device at most once. As on an accelerator: the masks
+    unpack in torch's bitwise ops (the CPU's numpy unpacking reads host memory it owns),
+    and the masked projection, a CPU-only path that gathers the allowed ids on the host,
+    is off."""
+    monkeypatch.setattr(masks_module, "unpack_bits", unpack_bits_bitwise)
     job = job_factory(lambda index: dict(prompt=f"Line {index} of the list says"),
                       max_tokens=16)
     regex = Constraint("regex", "[a-z ]{4,30}")
@@ -202,3 +210,51 @@ def test_allowed_mass_equals_a_direct_computation(lm: LoadedModel, tiny_model_di
         assert abs(stats["allowed_mass_mean"] - sum(masses) / len(masses)) < 1e-4
     unconstrained = run(lm, [job_factory(max_tokens=4)(9, "Hello")], batch_size=1)[9]
     assert "allowed_mass_min" not in unconstrained["stats"]
+
+
+class _Guest:
+    """A controller that fills its own mask: it allows token `k` and meets the other
+    lines' calls at a barrier (a call that waits alone times out), while checking that
+    no two rows of its own line run at once."""
+
+    def __init__(self, token: int, scope: object, barrier: threading.Barrier,
+                 busy: dict[int, int]) -> None:
+        self.token, self.scope, self.barrier, self.busy = token, scope, barrier, busy
+
+    def matcher(self) -> None:
+        return None
+
+    def matcher_fault(self) -> Any:
+        raise AssertionError("no matcher")
+
+    def fill_mask(self, out: torch.Tensor) -> bool:
+        key = id(self.scope)
+        self.busy[key] = self.busy.get(key, 0) + 1
+        assert self.busy[key] == 1, "two rows of one line at once"
+        try:
+            self.barrier.wait()
+        finally:
+            self.busy[key] -= 1
+        out.zero_()
+        out[self.token // 32] = 1 << (self.token % 32)
+        return True
+
+
+def test_guests_of_different_lines_fill_their_masks_at_once() -> None:
+    """Four lines of two rows each: the lines' calls meet at a barrier as wide as the
+    mask threads (up to four; so they ran at the same time), a line's own two rows one
+    after the other; each row's mask is its own guest's."""
+    from aici_cli.engine.logits.masks import CUSTOM_THREADS, TokenMasks
+
+    masks = TokenMasks(8, 100)
+    barrier = threading.Barrier(min(4, CUSTOM_THREADS), timeout=10)
+    busy: dict[int, int] = {}
+    scopes = [object() for _ in range(4)]
+    guests = [_Guest(10 * k + 2, scopes[k // 2], barrier, busy) for k in range(8)]
+    try:
+        verdict = masks.fill(list(range(8)), guests)
+    finally:
+        masks.close()
+    assert not verdict.failed and verdict.allowed is not None
+    for k in range(8):
+        assert verdict.allowed[k].nonzero().flatten().tolist() == [10 * k + 2]
