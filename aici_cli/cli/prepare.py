@@ -22,8 +22,9 @@ def prepare_command(model: str | None, device: str, dtype: str, quantize: str,
     compiled one-token step for a full batch and the smaller row counts a run's last
     lines move down to (1, 2, 4, ...: ~45 s each on 2 cores, once).
     Runs with the same --model, --dtype, --quantize and --batch-size then start compiled
-    at the default --compile auto; without this, only a long run builds the compiled
-    step, and shorter ones stay eager.
+    at the default --compile auto; without this, a run starts eager and a background
+    process builds the steps (during the run where that pays, else after it). Prepare
+    waits for such a process at work, then builds the rest.
 
     \b
     Examples:

@@ -62,8 +62,10 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
     click.option("--compile", "compile_mode", type=click.Choice(["auto", "on", "off"]),
                  default="auto", show_default=True,
                  help="torch.compile the one-token decode step (a C compiler needed on CPU; "
-                      "compiled once per model and row bucket, cached on disk). auto: on "
-                      "where the run is long enough to pay for it; never with --deterministic."),
+                      "compiled once per model and row bucket, cached on disk). auto: "
+                      "compiled where the step is built (aici-batch prepare, or an earlier "
+                      "run), else eager while a background process builds it; never with "
+                      "--deterministic."),
     click.option("--batch-size", type=click.IntRange(1, 1024), default=8, show_default=True,
                  help="Sequences decoded together; finished rows are refilled at once."),
     click.option("--max-tokens", type=click.IntRange(1), default=256, show_default=True),

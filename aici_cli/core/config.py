@@ -45,8 +45,9 @@ class EngineConfig:
     # Sequences a line may run in all when its controller forks (engine/branches.py): its
     # samples and every fork's branches; a fork past it ends the line with bad_action.
     max_branches: int = 16
-    # torch.compile the one-token decode step (engine/forward/compiled.py): "auto" (when the run
-    # is long enough to pay for compiling, never with `deterministic`), "on", "off".
+    # torch.compile the one-token decode step (engine/forward/compiled.py): "auto" (where its
+    # package is built, else eager while a builder process makes it, decode_steps.py; never
+    # with `deterministic`), "on", "off".
     # The CLI's default is "auto"; the library's "off" (tests and benches say so).
     compile: str = "off"
 
