@@ -113,30 +113,19 @@ class ModelRunner:
         picked = sample(logits, greedy, real, chosen)  # [len(real)], on the device
         # The step's one read back: the tokens, whether each mask allowed nothing, the
         # allowed mass of the weighed rows and the draft picks, in one copy.
-        parts = [picked.double()]
-        if empty is not None:
-            parts.append(empty.double())
-        if mass is not None:
-            parts.append(mass.double())
         draft_argmax = passed.draft_argmax(b) if any(drafts) else None
-        if draft_argmax is not None:
-            parts.append(draft_argmax.double())
-        values = torch.cat(parts).tolist()
-        tokens, at = [int(t) for t in values[: len(real)]], len(real)
-        if empty is not None:
-            empty_masks(verdict, [bool(x) for x in values[at : at + b]])
-            at += b
-        masses = dict(zip(weighed, values[at : at + len(weighed)]))
-        at += len(weighed)
-        sampled = [(k, t) for k, t in zip(real, tokens) if k not in verdict.failed]
+        tokens, empty_read, masses, draft_read = read_back(picked, empty, mass, draft_argmax)
+        if empty_read is not None:
+            empty_masks(verdict, [bool(x) for x in empty_read])
+        sampled = [(k, int(t)) for k, t in zip(real, tokens or []) if k not in verdict.failed]
         clock.mark("sampled")
         times = clock.times(plan.kind, rows=len(sampled), tokens=plan.fed)
-        predicted = (checked_draft_picks(passed, [int(t) for t in values[at:]], plan.rules,
+        predicted = (checked_draft_picks(passed, [int(t) for t in draft_read], plan.rules,
                                          plan.outputs, drafts, b, verdict.failed)
-                     if draft_argmax is not None else [])
+                     if draft_read is not None else [])
         return StepOutput(passed, clock, times, verdict.failed, verdict.deferred,
                           sampled, next_logprobs, drafts, predicted,
-                          self.model_pass.fits, masses)
+                          self.model_pass.fits, dict(zip(weighed, masses or [])))
 
     def _project(self, passed: PassOutput, verdict: MaskVerdict,
                  draws: Sequence[Draw | None]) -> tuple[PassOutput, bool]:
@@ -170,6 +159,22 @@ def _verdict(verdict: MaskVerdict, out_of_memory: list[int]) -> MaskVerdict:
         verdict.failed[k] = ControllerError(
             "out_of_memory", "out of memory even with this sequence alone in the pass")
     return verdict
+
+
+def read_back(*parts: torch.Tensor | None) -> list[list[float] | None]:
+    """Each of `parts` (1-D tensors on the device; None: absent) as a list, from one copy
+    to the host: on an accelerator, the step's one wait for the device."""
+    present = [p.double().flatten() for p in parts if p is not None]
+    values = torch.cat(present).tolist() if present else []
+    out: list[list[float] | None] = []
+    at = 0
+    for p in parts:
+        if p is None:
+            out.append(None)
+            continue
+        out.append(values[at : at + p.numel()])
+        at += p.numel()
+    return out
 
 
 def checked_draft_picks(out: PassOutput, picks: list[int], rules: Sequence[LogitRules | None],
