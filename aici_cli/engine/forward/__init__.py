@@ -4,6 +4,7 @@ a `Generation` (import-linter holds that).
     passes.py         the pass: the step's rows, fed tokens and positions read → logits
     inputs.py         the packed input: token ids, positions, the attention layout
     attention.py      attention over each row's cache (SDPA, or the deterministic tiles)
+    packed_runs.py    the multi-token rows' attention in one call, where launches bind
     cache.py          `RowCache`: the per-row KV cache
     compiled.py       the `torch.compile`d one-token step (`--compile`)
     decode_steps.py   which one-token steps run compiled, and why the others ran eager
