@@ -195,7 +195,8 @@ def _model_record(config: RunConfig, plan: ResumePlan | None, backend: Backend,
                   controller: str | None) -> dict[str, Any]:
     """What made this run's results (`made_with`), once the backend says which model; a
     resumed run's earlier results are checked against the model too."""
-    record = run_record(config, backend.model_name, controller, backend.quantize)
+    record = run_record(config, backend.model_name, controller, backend.quantize,
+                        getattr(backend, "dtype", ""))
     if plan is not None:
         _check_made_with(config, plan, record, MODEL_KEYS)
     return record

@@ -615,3 +615,19 @@ def test_made_with_records_only_what_differs_and_names_each_option() -> None:
     assert mismatch(record, {**record, "controller": "sha256:11"}) == (
         "--controller (sha256:00ff)", "--controller (sha256:11)")
     assert mismatch(record, dict(record)) is None
+
+
+def test_made_with_says_which_dtype_ran_the_quantised_weights() -> None:
+    """A quantised model's results name the activations' dtype (float32 + int4 is the int
+    kernels' float32, not the model's own numbers); a resume on a machine whose `--dtype
+    auto` picks the other is not refused for it."""
+    from aici_cli.core.config import RunConfig
+    from aici_cli.run.made_with import mismatch, run_record
+
+    plain = RunConfig(input="-")
+    four = run_record(plain, "m", None, "int4", "float32")
+    assert four == {"model": "m", "quantize": "int4", "dtype": "float32"}
+    assert run_record(plain, "m", None, "none", "float32") == {"model": "m"}
+    assert mismatch(four, run_record(plain, "m", None, "int4", "bfloat16")) is None
+    assert mismatch(four, run_record(plain, "m", None, "none", "float32")) == (
+        "--quantize int4", "--quantize none")

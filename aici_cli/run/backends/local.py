@@ -36,6 +36,7 @@ class LocalEngine:
             self.engine = self.built.engine
             self.model_name = self.built.lm.name
             self.quantize = self.built.lm.quantize
+            self.dtype = str(self.built.lm.dtype).removeprefix("torch.")
             if self.tracing is not None:
                 self.tracing.loaded(self.built.lm, self.built.load_started,
                                     self.built.load_ended)

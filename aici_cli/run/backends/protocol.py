@@ -26,6 +26,7 @@ class Backend(Protocol):
 
     model_name: str
     quantize: str  # what the model runs at (`none`: its own dtype), once it has loaded
+    dtype: str  # the activations' dtype it runs in ("float32", "bfloat16", ...)
 
     def run(self, items: Iterator[Job | BadLine], emit: Emit,
             should_admit: Callable[[], bool], note: Callable[[str], None],

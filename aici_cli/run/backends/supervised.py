@@ -89,6 +89,7 @@ class SupervisedEngine:
         self.process: EngineProcess = process
         self.model_name = str(self.process.info["model_name"])
         self.quantize = str(self.process.info["quantize"])
+        self.dtype = str(self.process.info.get("meta", {}).get("dtype", ""))
 
     def _new_life(self, go_on: Callable[[], bool] = lambda: True) -> EngineProcess | None:
         """A new engine process, once its model is ready (None: `go_on()` turned False

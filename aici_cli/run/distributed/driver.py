@@ -80,6 +80,7 @@ class RayBackend:
         # instance it started stops with it)
         self.model_name = str(workers[0].info["model"])
         self.quantize = str(workers[0].info.get("quantize", "none"))
+        self.dtype = str(workers[0].info.get("dtype", ""))
         # Each result as its line finishes; Ray Client has no streaming calls, so
         # there a chunk's results come when it ends (a death then costs the chunk).
         self.streaming = not client_mode()
