@@ -34,7 +34,7 @@ rm -rf "$PARTS"
 BENCH=bench/device_bench.py
 CUDA_TESTS=$(grep -rl "pytest.mark.cuda" tests --include='test_*.py' | sort)
 
-# Per step: the seconds it may take. --bare's add up to 7 minutes with the set-up
+# Per step: the seconds it may take. --bare's add up to 405 s, about 7½ minutes with the set-up
 # (wheels ~10 s, the random models ~30 s).
 if [[ $MODE == --bare ]]; then
   PY=${PY:-python3}
@@ -64,11 +64,13 @@ else
   DEVICE=cuda; DTYPE=bfloat16; COMPILE=${ENGINE_COMPILE:-on}; GEN_COMPILE=on; TOKENS=64
   BATCHES=1,8,64; JSON_BATCHES=64,8; SYNC_BATCHES=64; ORDER=1,64,8; GEN_BATCHES=1,64,8
   HBM_MIB=1024; DOCS=docs/device
-  MODELS_DIR=$([[ $MODE == --bare ]] && echo /tmp/device-models || echo "$OUT/models")
-  MODELS=$($PY bench/random_llama.py "$MODELS_DIR" default 1b) || {
+  if [[ $MODE == --bare ]]; then SHAPES=(default 1b); DIR=/tmp/device-models
+  else SHAPES=(1b); DIR="$OUT/models"; fi
+  MODELS=$($PY bench/random_llama.py "$DIR" "${SHAPES[@]}") || {
     echo "device_check: building the models failed"; exit 2; }
   MODEL_1B=$(echo "$MODELS" | tail -1)
-  MODEL=$([[ $MODE == --bare ]] && echo "$MODELS" | head -1 || echo default)
+  MODEL=default
+  [[ $MODE == --bare ]] && MODEL=$(echo "$MODELS" | head -1)
   L_TESTS=60; L_HBM=20; L_ENGINE=110; L_GENERATE=150; L_DEFAULT=50; L_SUMMARY=15
 fi
 
@@ -79,7 +81,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local started=$SECONDS
   echo "== $name"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -n 30
+  timeout -k 5 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -i warn | tail -n 30
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc in $((SECONDS - started)) s"
   local last
