@@ -83,7 +83,7 @@ def run_record(config: RunConfig, model: str, controller: str | None,
     """The `made_with` of this run's results: the model, and the options that differ
     from the defaults. `controller` is the digest of the `--controller` file; `quantize`
     what the model runs at (`none`: its own dtype); `dtype` the activations' dtype,
-    recorded beside a quantisation (`float32` + `int4` is the int kernels' float32 path,
+    recorded beside a quantisation (float32 with int4 is the int kernels' float32 path,
     not the model's own float32 numbers) and never compared on resume: it says how a
     result was computed, as `--dtype` does."""
     record: dict[str, Any] = {"model": model}
