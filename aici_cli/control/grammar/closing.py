@@ -78,6 +78,29 @@ def json_state(text: str) -> tuple[bool, list[str], str]:
     return in_string, stack, last
 
 
+def boundaries(text: bytes) -> list[int]:
+    """The byte offsets in a JSON prefix right after each `{` and `[`, and right before
+    and after each `,`, outside strings, in order: the places a value can be closed from
+    with whole members only (nothing cut inside a string or a number)."""
+    found: list[int] = []
+    in_string = escaped = False
+    for i, b in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif b == 0x5C:  # backslash
+                escaped = True
+            elif b == 0x22:
+                in_string = False
+        elif b == 0x22:
+            in_string = True
+        elif b in b"{[":
+            found.append(i + 1)
+        elif b == 0x2C:  # comma
+            found += [i, i + 1]
+    return found
+
+
 def closing_order(text: str) -> tuple[str, ...]:
     """The closing texts to try next after `text`, most useful first."""
     return _order_for(json_state(text))

@@ -10,8 +10,11 @@ Two promises, for every JSON-schema, grammar and tool-call line (on by default):
   and the sequence ends. When no completion from the current position fits (the model
   opened one more nested object than the budget can close, or the walk finds none), the
   sequence goes back to the plan's position and takes the plan's completion: a backtrack
-  of the tokens since, never a cut-off output. Only a value whose very first completion
-  does not fit `max_tokens` can still end cut off.
+  of the tokens since, never a cut-off output. Where it holds no plan then (a retry or an
+  undo took it back), the last tokens of the budget close from an earlier value boundary
+  or the line's first plan (`_rescue`). Only a value whose very first completion does
+  not fit `max_tokens` can still end cut off. Tokens taken back (an undo, a retry) are
+  not the output's: the budget counts the tokens kept.
 - **Loops are undone, then closed from where they began** (`loops.find_loop` on the
   output's text). The loop begins where its unit is written the second time. The first
   loop of a line is taken back to there (one unit kept), and the token the model wrote
@@ -19,10 +22,12 @@ Two promises, for every JSON-schema, grammar and tool-call line (on by default):
   grammar allows another token), so the model goes on once more by another way
   (`Undo`, stat `loops_undone`). A loop after that (or one with no other way) is closed
   from where it began: the state there is shallow, so a completion is short and likely
-  (reason "loop"); failing that from the plan's position, then from the current one.
-  Only where none of them has a completion that fits `max_tokens` is the output cut
-  where the loop begins and the sequence stopped (reason "loop_unclosable",
-  finish_reason "length": not a valid value, but no run on to `max_tokens`).
+  (reason "loop"); failing that from the plan's position, then from the current one,
+  then from the last few value boundaries before the loop (after a `{` or `[`, beside a
+  `,`) and the line's first plan (`_rescue`: less kept, but whole). Only where none of
+  them has a completion that fits `max_tokens` is the output cut where the loop begins
+  and the sequence stopped (reason "loop_unclosable", finish_reason "length": not a
+  valid value, but no run on to `max_tokens`).
 
 Cost: a completion walk (a matcher copy and a few token checks per completion token) every
 `REPLAN_EVERY` tokens, and at each token near the limit; a walk that finds nothing is not
@@ -40,7 +45,7 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
-from aici_cli.control.grammar.closing import Closer
+from aici_cli.control.grammar.closing import Closer, boundaries
 from aici_cli.control.grammar.hints import NO_HINTS, Hints
 from aici_cli.control.grammar.keyword_guard import clear_bits
 from aici_cli.control.grammar.loops import WINDOW, Loop, find_loop
@@ -66,6 +71,9 @@ STEER_WALKS = 16
 UNCLOSABLE = "loop_unclosable"
 # Loops a line undoes (backtrack, bar, go on) before the next one is closed.
 UNDO_LOOPS = 1
+# Earlier places a close that found no completion walks from (`_rescue`): the last few
+# value boundaries before where it stands, then the line's first plan.
+RESCUE_WALKS = 4
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,8 @@ class EarlyClose:
         self._text = bytearray()  # the output's bytes
         self._ends: list[int] = []  # len(self._text) after each token
         self._plan: tuple[int, list[int]] | None = None  # (position, completion)
+        self._first_plan: tuple[int, list[int]] | None = None  # the earliest plan found
+        self._rescued_at = -1  # where `_rescue` last found nothing
         self.reason: str | None = None  # set once the sequence was closed early
         self.sampled = False  # the model has written a token (closing waits for one)
         self.loops_undone = 0
@@ -148,6 +158,8 @@ class EarlyClose:
         self._truncate(keep)
         if self._plan is not None and self._plan[0] > keep:
             self._plan = None
+        if self._first_plan is not None and self._first_plan[0] > keep:
+            self._first_plan = None
         self._bars = {p: b for p, b in self._bars.items() if p <= keep}
 
     def _truncate(self, keep: int) -> None:
@@ -190,6 +202,8 @@ class EarlyClose:
             self._missed = pos
         else:
             self._plan = (pos, done)
+            if self._first_plan is None:
+                self._first_plan = self._plan
             # Not before the model's first token (at `start`, after the grammar's forced
             # opening): a line then takes at least one pass, so its logprobs are read, and
             # the plan still holds if that token does not fit.
@@ -200,6 +214,10 @@ class EarlyClose:
             m.rollback(pos - plan[0])
             self._truncate(plan[0])
             return self._close(m, pos - plan[0], plan[1], "limit")
+        if left <= MARGIN and self.sampled and self._rescued_at != pos:
+            # No plan (a retry or an undo took it back) and no way on from here: the
+            # last tokens of the budget are not spent inside a value that stays open.
+            return self._rescue(m, pos, "limit")
         return None
 
     def _end_loop(self, m: llguidance.LLMatcher, left: int, tail: str,
@@ -208,7 +226,7 @@ class EarlyClose:
         `undo_loops` times), or close the value from where the loop began, from the
         plan, or from here, or else cut the output where the loop begins."""
         n = len(self.tokens)
-        begun = self._loop_start(tail, loop)
+        begun = loop_start(self._text, tail, loop)
         # The loop's second unit: its first token on is the loop (the first unit stays).
         first = bisect_right(self._ends, begun + len(
             tail[len(tail) - loop.span :][: loop.period].encode("utf-8")))
@@ -230,9 +248,41 @@ class EarlyClose:
                 done = self._walk_from(m, pos, left + n - pos)
             if done is not None:
                 return self._close(m, n - pos, done, "loop")
+        rescued = self._rescue(m, first, "loop")
+        if rescued is not None:
+            return rescued
         m.rollback(n - keep)
         self._truncate(keep)
         return self._close(m, n - keep, [], UNCLOSABLE)
+
+    def _rescue(self, m: llguidance.LLMatcher, before: int, reason: str) -> Close | None:
+        """A close from an earlier place, where none was found from the usual ones: the
+        last `RESCUE_WALKS` value boundaries before position `before` (after a `{` or
+        `[`, beside a `,`: no string or number cut), latest first, then the line's first
+        plan (or, where it never had one, the output's start). Less of the model's output
+        is kept, but the value is whole. None (and `m`, this state unchanged) where none
+        has a completion within the budget."""
+        n = len(self.tokens)
+        at_end = {end: p + 1 for p, end in enumerate(self._ends[:before])}
+        places = [at_end[b] for b in boundaries(bytes(self._text[: self._ends[before - 1]]))
+                  if b in at_end] if before else []
+        first = self._first_plan
+        for pos in list(dict.fromkeys(reversed(places)))[:RESCUE_WALKS]:
+            if first is not None and pos <= first[0]:
+                break
+            done = self._walk_from(m, pos, self.closing.max_tokens - pos)
+            if done is not None:
+                return self._close(m, n - pos, done, reason)
+        if first is not None and first[0] < n:
+            m.rollback(n - first[0])
+            self._truncate(first[0])
+            return self._close(m, n - first[0], first[1], reason)
+        if first is None and n:  # the value from its start: what the grammar forced on
+            done = self._walk_from(m, 0, self.closing.max_tokens)
+            if done is not None:
+                return self._close(m, n, done, reason)
+        self._rescued_at = n
+        return None
 
     def _plan_or_walk(self, m: llguidance.LLMatcher, pos: int, left: int) -> list[int] | None:
         """A completion from `pos`: the plan's where it was made there, else a walk."""
@@ -278,19 +328,6 @@ class EarlyClose:
                 return at
             m.consume_token(self.tokens[at])  # accepted before: cannot fail
         return None
-
-    def _loop_start(self, tail: str, loop: Loop) -> int:
-        """The byte offset in the output where `loop`'s text begins (`tail` being the
-        last `4 * WINDOW` bytes decoded with errors="replace"): found by encoding the
-        looping suffix, checked against the bytes where a replaced byte may differ."""
-        suffix = tail[len(tail) - loop.span :]
-        raw = bytes(self._text[-4 * WINDOW :])
-        guess = len(raw) - len(suffix.encode("utf-8"))
-        for at in sorted(range(guess - 3, guess + 4), key=lambda b: abs(b - guess)):
-            if 0 <= at <= len(raw) and raw[at:].decode("utf-8", "replace") == suffix:
-                guess = at
-                break
-        return len(self._text) - len(raw) + max(0, min(guess, len(raw)))
 
     def _complete(self, m: llguidance.LLMatcher, left: int) -> list[int] | None:
         done = self.closing.closer.completion(m, self.text(), min(left, WALK_LIMIT),
@@ -376,3 +413,17 @@ def _other_allowed(m: llguidance.LLMatcher, written: int) -> bool:
     words = np.frombuffer(m.compute_bitmask(), dtype=np.uint32).copy()
     clear_bits(words, {written})
     return bool(words.any())
+
+
+def loop_start(text: bytearray, tail: str, loop: Loop) -> int:
+    """The byte offset in the output `text` where `loop`'s text begins (`tail` being its
+    last `4 * WINDOW` bytes decoded with errors="replace"): found by encoding the
+    looping suffix, checked against the bytes where a replaced byte may differ."""
+    suffix = tail[len(tail) - loop.span :]
+    raw = bytes(text[-4 * WINDOW :])
+    guess = len(raw) - len(suffix.encode("utf-8"))
+    for at in sorted(range(guess - 3, guess + 4), key=lambda b: abs(b - guess)):
+        if 0 <= at <= len(raw) and raw[at:].decode("utf-8", "replace") == suffix:
+            guess = at
+            break
+    return len(text) - len(raw) + max(0, min(guess, len(raw)))

@@ -7,7 +7,10 @@ Properties, on generated inputs:
   whitespace runs, a growing key, repeated list items and key/value pairs) is caught,
   whatever JSON comes before it;
 - a controller fed a looping output closes the value at once, validly, and one fed a
-  value that does not loop never closes it.
+  value that does not loop never closes it;
+- a line ends whole at its budget whatever its closer finds near where it stands
+  (an earlier value boundary, or the output's start), and tokens an undo took back do
+  not count against `max_tokens`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from hypothesis import strategies as st
 
 from aici_cli.control.base import Directive
 from aici_cli.control.grammar import GrammarCompiler, GrammarController
-from aici_cli.control.grammar.closing import Closer
+from aici_cli.control.grammar.closing import Closer, json_state
 from aici_cli.control.grammar.early_close import Closing
 from aici_cli.control.grammar.hints import NO_HINTS, Hints
 from aici_cli.control.grammar.loops import MAX_PERIOD, find_loop, min_span
@@ -326,3 +329,72 @@ def test_with_no_completion_loops_end_early_and_the_rest_run_unchanged(
     written = ended_at_the_loop(lm, compiler, before, unit * times, other, max_tokens=4_000)
     assert written.startswith(before)
     assert find_loop(written) is None
+
+
+# ------------------------------------------------------------------ ends at the budget
+
+
+class OnlyBetweenMembers(Closer):
+    """A closer that completes only from the output's start or right after a `{`, `[` or
+    `,` (none inside a string or a loop, none after a value): as where the values'
+    `pattern`s defeat it."""
+
+    def completion(self, matcher: Any, text: str, limit: int,
+                   hints: Hints = NO_HINTS) -> list[int] | None:
+        if text and (json_state(text)[0] or find_loop(text) or not text.rstrip().endswith(
+                ("{", "[", ","))):
+            return None
+        return super().completion(matcher, text, limit, hints)
+
+
+@pytest.mark.parametrize(("before", "unit", "times", "other"), CUTS)
+def test_a_loop_nothing_closes_near_is_closed_from_an_earlier_boundary(
+        lm: LoadedModel, compiler: GrammarCompiler, before: str, unit: str,
+        times: int, other: str) -> None:
+    """Nothing completes where the second loop begins, nor where the output is: the value
+    is closed from an earlier value boundary (or its start), whole, never cut inside a
+    string."""
+    closer = OnlyBetweenMembers(lm.tokenizer, compiler.tokenizer.decode_bytes)
+    seen: list[Directive] = []
+    controller, output = feed(lm, compiler, before + unit * times, closer=closer, seen=seen,
+                              then=other + unit * times)
+    assert controller.stats() == {"closed_early": True, "close_reason": "loop",
+                                  "loops_undone": 1}
+    assert seen[-1].stop and seen[-1].finish == "stop"
+    jsonschema.validate(json.loads(lm.tokenizer.decode(output)), SCHEMA)
+
+
+@pytest.mark.parametrize("max_tokens", [12, 30, 57])
+def test_a_line_that_lost_its_plan_still_closes_at_the_limit(
+        lm: LoadedModel, compiler: GrammarCompiler, max_tokens: int) -> None:
+    """A string written to the budget where no plan was ever made (no completion from
+    inside it): the line closes whole within `max_tokens`, not cut in the string."""
+    closer = OnlyBetweenMembers(lm.tokenizer, compiler.tokenizer.decode_bytes)
+    words = " ".join(f"w{i}q{i * 7 % 13}" for i in range(80))  # no loop in it
+    seen: list[Directive] = []
+    controller, output = feed(lm, compiler, '{"name": "' + words, max_tokens, closer, seen)
+    assert controller.stats() == {"closed_early": True, "close_reason": "limit"}
+    assert seen[-1].stop and seen[-1].finish == "stop"
+    assert len(output) <= max_tokens
+    jsonschema.validate(json.loads(lm.tokenizer.decode(output)), SCHEMA)
+
+
+# The loops of LOOPS written inside a string: the model may write on in it after the undo.
+IN_STRINGS = [case[:4] for case in LOOPS if json_state(case[0])[0]]
+
+
+@pytest.mark.parametrize(("before", "unit", "times", "other"), IN_STRINGS)
+def test_tokens_an_undo_took_back_do_not_count_against_max_tokens(
+        lm: LoadedModel, compiler: GrammarCompiler, before: str, unit: str, times: int,
+        other: str) -> None:
+    """A loop is undone; the model then writes on (no loop) past the budget: the line is
+    closed at the limit only once its kept tokens reach it."""
+    max_tokens = 160
+    words = " ".join(f"w{i}q{i * 7 % 13}" for i in range(160))
+    seen: list[Directive] = []
+    controller, output = feed(lm, compiler, before + unit * times, max_tokens, seen=seen,
+                              then=other + words)
+    assert controller.stats() == {"closed_early": True, "close_reason": "limit",
+                                  "loops_undone": 1}
+    jsonschema.validate(json.loads(lm.tokenizer.decode(output)), SCHEMA)
+    assert max_tokens - 8 <= len(output) <= max_tokens
