@@ -16,7 +16,8 @@ compiling, `grammar_too_complex` at a step), never a hang.
 A JSON schema with keywords the grammar cannot express (`uniqueItems`, `not`, ...) gets a
 `KeywordGuard` (keyword_guard.py): a scan of each token's bytes, a check at each value's
 end where such a keyword applies, and a retry (a backtrack, a token barred) where one
-breaks; nothing for other schemas.
+breaks; nothing for other schemas. A schema whose objects may hold keys they do not
+declare gets `DistinctKeys` (distinct_keys.py): no key is written twice in an object.
 """
 
 from aici_cli.control.grammar.compiler import CompiledGrammar, GrammarCompiler

@@ -31,6 +31,7 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from aici_cli.control.grammar.distinct_keys import DistinctKeys
 from aici_cli.control.grammar.hints import NO_HINTS, Hints
 
 # The closing tokens, by the JSON state they suit (tried in order; the grammar decides).
@@ -179,6 +180,8 @@ class Closer:
         found = self._walk(matcher, text, limit, hints, barred)
         return found.tokens, found.choices
 
+    # Long: one loop over the walk's state (matcher copy, text, keys, choices); each way on
+    # (forced, required key, closing run, sample, closing text) reads and extends it.
     def _walk(self, matcher: llguidance.LLMatcher, text: str, limit: int, hints: Hints,
               barred: frozenset[tuple[int, int]]) -> _Walk:
         """The walk of the module docstring from a copy of `matcher`. `barred`: (position
@@ -189,14 +192,19 @@ class Closer:
         assert out is not None
         avoid: set[int] = set()  # once stuck repeating: the tokens already taken
         tried_at = -1  # the string where `_closing_run` and the samples were tried
+        keys = (DistinctKeys.after(hints.distinct_keys, self.decode_bytes, text)
+                if hints.distinct_keys is not None else None)  # no key written twice
 
         def take(run: list[int] | None) -> bool:
             nonlocal text
-            if not run or (len(out), run[0]) in barred or not m.consume_tokens(run):
+            if not run or (len(out), run[0]) in barred or (
+                    keys is not None and not keys.fits(run)) or not m.consume_tokens(run):
                 return False
             walk.choices.append((len(out), run[0]))
             out.extend(run)
             text += self.tokenizer.decode(run)
+            if keys is not None:
+                keys.consumed(run)
             return True
 
         while len(out) <= limit:
@@ -208,6 +216,8 @@ class Closer:
             if forced:
                 out += forced
                 text += self.tokenizer.decode(forced)
+                if keys is not None:
+                    keys.consumed(forced)
                 continue
             state = json_state(text)  # O(len(text)): once a step
             in_string = state[0]
@@ -222,7 +232,8 @@ class Closer:
                 if take(self._closing_run(m, limit - len(out))) or take(
                         self._first_valid(m, self._sample_runs(text, hints.strings))):
                     continue
-            skip = avoid | {t for at, t in barred if at == len(out)}
+            skip = avoid | {t for at, t in barred if at == len(out)} | (
+                keys.barred() if keys is not None else set())
             token, choice = self._choose(m, state, out, skip)
             if token is not None and _third_round([*out, token], in_string):
                 # Only what was just taken twice fits of the list (`00`, `--0--0`): the
@@ -238,6 +249,8 @@ class Closer:
             walk.choices.append((len(out), token))
             out.append(token)
             text += choice if choice is not None else self.tokenizer.decode([token])
+            if keys is not None:
+                keys.consumed([token])
         return _Walk(None, walk.choices)
 
     def _choose(self, m: llguidance.LLMatcher, state: tuple[bool, list[str], str],

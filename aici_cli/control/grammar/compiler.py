@@ -6,7 +6,7 @@ import copy
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jsonschema
@@ -14,6 +14,7 @@ import llguidance
 import referencing
 
 from aici_cli.control import tool_calls
+from aici_cli.control.grammar.distinct_keys import TokenIndex, may_repeat_keys
 from aici_cli.control.grammar.hints import NO_HINTS, Hints, hints_for
 from aici_cli.control.grammar.keyword_schema import KeywordSchema
 from aici_cli.control.grammar.limits import (
@@ -55,6 +56,9 @@ class CompiledGrammar:
     decode: Callable[[list[int]], bytes] | None = None
     # With tool calls: those keywords of each tool's `parameters` that has any, by name.
     tool_keywords: dict[str, KeywordSchema] = field(default_factory=dict)
+    # Where the schema's objects may hold undeclared keys: the vocabulary by bytes, for
+    # the bar on a key written twice (distinct_keys.py); None elsewhere.
+    key_index: TokenIndex | None = None
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int,
@@ -99,6 +103,7 @@ class GrammarCompiler:
         self._cache: dict[str, CompiledGrammar | GrammarError] = {}
         self.compile_ms: list[float] = []  # one entry per distinct constraint compiled
         self._regex_problems: dict[str, str | None] = {}
+        self._token_index: TokenIndex | None = None  # built the first time one is needed
 
     def compile(self, constraint: Constraint, relax: bool = False) -> CompiledGrammar:
         """Compile (or fetch from the run's cache); raises `GrammarError`. With `relax`, a
@@ -159,11 +164,18 @@ class GrammarCompiler:
     def _compile_json(self, constraint: Constraint, relax: bool) -> CompiledGrammar:
         prepared = self._prepare_json(constraint.value, constraint.whitespace,
                                       constraint.permissive, relax=relax)
+        index = self.token_index() if may_repeat_keys(prepared.schema) else None
         return CompiledGrammar(constraint, prepared.matcher, prepared.warnings,
                                prepared.validator, relaxed=prepared.relaxed,
-                               hints=hints_for(prepared.schema),
+                               hints=replace(hints_for(prepared.schema), distinct_keys=index),
                                keywords=KeywordSchema.of(constraint.value),
-                               decode=self.tokenizer.decode_bytes)
+                               decode=self.tokenizer.decode_bytes, key_index=index)
+
+    def token_index(self) -> TokenIndex:
+        """The vocabulary sorted by bytes (distinct_keys.py), built once per model."""
+        if self._token_index is None:
+            self._token_index = TokenIndex(self.tokenizer.decode_bytes, self.vocab_size)
+        return self._token_index
 
     def _prepare_json(self, original: Any, whitespace: str | None, permissive: bool | None,
                       where: str = "", relax: bool = False) -> _PreparedJson:

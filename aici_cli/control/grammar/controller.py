@@ -13,6 +13,7 @@ import torch
 from aici_cli.control import tool_calls
 from aici_cli.control.base import ControllerBase, Directive
 from aici_cli.control.grammar.compiler import CompiledGrammar
+from aici_cli.control.grammar.distinct_keys import DistinctKeys
 from aici_cli.control.grammar.early_close import UNCLOSABLE, Closing, EarlyClose, Undo
 from aici_cli.control.grammar.keyword_guard import CallKeywordGuard, KeywordGuard, clear_bits
 from aici_cli.control.grammar.limits import is_limit_error, tidy_error
@@ -38,6 +39,10 @@ class GrammarController(ControllerBase):
         fault_at = self._guard.first_fault if self._guard is not None else None
         self._early = (EarlyClose(closing, grammar.hints, accepts, fault_at)
                        if closing is not None else None)
+        # No key twice in an object, where the schema's objects may hold undeclared keys.
+        self._keys = (DistinctKeys(grammar.key_index, grammar.decode)
+                      if grammar.key_index is not None and grammar.decode is not None
+                      else None)
 
     @property
     def closed_early(self) -> bool:
@@ -57,10 +62,16 @@ class GrammarController(ControllerBase):
         early = self._early
         if early is not None:
             early.consumed(ff_tokens)
+        if self._keys is not None:
+            self._keys.consumed(ff_tokens)
         if self._guard is not None:
             retry = self._retry([*sampled, *ff_tokens], ff_tokens)
             if retry is not None:
                 return retry
+        if self._keys is not None and self._keys.scanner.repeated_key >= 0:
+            mended = self._mend_key(ff_tokens)
+            if mended is not None:
+                return mended
         if early is None or m.is_stopped():
             return Directive(ff_tokens=tuple(ff_tokens), stop=m.is_stopped())
         close = early.decide(m)
@@ -69,6 +80,8 @@ class GrammarController(ControllerBase):
         if isinstance(close, Undo):  # a loop taken back: the model goes on from there
             if self._guard is not None:
                 self._guard.rollback(close.backtrack)
+            if self._keys is not None:
+                self._keys.rollback(close.backtrack)
             return _back(close.backtrack, ff_tokens)
         finish = "length" if close.reason == UNCLOSABLE else "stop"  # a cut, not a close
         if close.backtrack > len(ff_tokens):  # back into what the engine already holds
@@ -89,6 +102,21 @@ class GrammarController(ControllerBase):
             return None
         if self._early is not None:
             self._early.rollback(back)
+        if self._keys is not None:
+            self._keys.rollback(back)
+        return _back(back, ff_tokens)
+
+    def _mend_key(self, ff_tokens: list[int]) -> Directive | None:
+        """A key written twice (the grammar forced its end): back to its last choice,
+        barred there (distinct_keys.py); None where it cannot be mended."""
+        assert self._keys is not None
+        back = self._keys.mend(self._matcher)
+        if not back:
+            return None
+        if self._early is not None:
+            self._early.rollback(back)
+        if self._guard is not None:
+            self._guard.rollback(back)
         return _back(back, ff_tokens)
 
     def matcher_fault(self) -> ControllerError:
@@ -116,6 +144,8 @@ class GrammarController(ControllerBase):
         if self._early is not None:
             self._early.consumed(tokens)
             self._early.sampled = True
+        if self._keys is not None:
+            self._keys.consumed(tokens)
         return self._next(tokens)
 
     def stats(self) -> dict[str, float | bool | str]:
@@ -137,7 +167,7 @@ class GrammarController(ControllerBase):
         """How many of `tokens` the grammar accepts from the current state, consuming
         nothing (used to trim draft tokens before they are verified); none when the first
         is barred here."""
-        if tokens and tokens[0] in self._barred():
+        if tokens and (tokens[0] in self._barred() or tokens[0] in self._key_bars()):
             return 0
         return int(self._matcher.validate_tokens(list(tokens)))
 
@@ -154,18 +184,29 @@ class GrammarController(ControllerBase):
 
     def matcher(self) -> llguidance.LLMatcher | None:
         """The matcher, which the engine fills with the batch's others; None at a position
-        where a token is barred (by the keyword guard, or a loop undone): then `fill_mask`
-        clears it from the matcher's mask, only for the one step after a retry."""
-        return None if self._barred() else self._matcher
+        where a token is barred (by the keyword guard, a loop undone, or a key already
+        written): then `fill_mask` clears it from the matcher's mask."""
+        return None if self._barred() or self._key_bars() else self._matcher
 
     def fill_mask(self, out: torch.Tensor) -> bool:
         self._matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * out.element_size())
         if self._matcher.is_error():
             raise self.matcher_fault()
+        words = out.numpy().view(np.uint32)
         barred = self._barred()
         if barred:
-            clear_bits(out.numpy().view(np.uint32), barred)
+            clear_bits(words, barred)
+        repeats = self._key_bars()
+        if repeats:  # soft: dropped where only a repeated key is allowed
+            kept = words.copy()
+            clear_bits(words, repeats)
+            if not words.any():
+                words[:] = kept
         return True
+
+    def _key_bars(self) -> set[int]:
+        """Tokens that would write a key the object holds already (distinct_keys.py)."""
+        return self._keys.barred() if self._keys is not None else set()
 
     def _barred(self) -> set[int]:
         """Tokens barred at this position: by the keyword guard, or by a loop undone."""
@@ -240,16 +281,24 @@ def _back(n: int, ff_tokens: list[int]) -> Directive:
 
 
 def _accepts(validator: Any) -> Callable[[str], bool]:
-    """Whether an output text is a value `validator` accepts: what a close checks its
-    completion with (early_close.py)."""
+    """Whether an output text is a value `validator` accepts, with no key twice in an
+    object: what a close checks its completion with (early_close.py)."""
 
     def accepts(text: str) -> bool:
         try:
-            return bool(validator.is_valid(json.loads(text)))
+            return bool(validator.is_valid(json.loads(text, object_pairs_hook=_distinct)))
         except Exception:  # noqa: BLE001 - not JSON, or not checkable: not known valid
             return False
 
     return accepts
+
+
+def _distinct(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict; a key written twice is an error."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        raise ValueError("a key written twice")
+    return value
 
 
 def _is_valid(validator: Any, value: Any, warnings: list[str]) -> bool:

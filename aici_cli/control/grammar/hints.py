@@ -24,9 +24,12 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aici_cli.control.grammar.schema_walk import walk
+
+if TYPE_CHECKING:
+    from aici_cli.control.grammar.distinct_keys import TokenIndex
 
 # The parser behind `re` (`re._parser` from Python 3.11, `sre_parse` before): private,
 # so every use is guarded, and a pattern it cannot read gets no sample.
@@ -52,10 +55,13 @@ MAX_SAMPLE_CHARS = 64
 @dataclass(frozen=True)
 class Hints:
     """`strings`: JSON-escaped string contents (no quotes), shortest first; `keys`: the
-    required property names, JSON-escaped, in the order the schema lists them."""
+    required property names, JSON-escaped, in the order the schema lists them;
+    `distinct_keys`: where the schema's objects may hold undeclared keys, the vocabulary
+    by bytes, so that a completion writes no key twice in an object (distinct_keys.py)."""
 
     strings: tuple[str, ...] = ()
     keys: tuple[str, ...] = ()
+    distinct_keys: TokenIndex | None = None
 
 
 NO_HINTS = Hints()

@@ -36,6 +36,7 @@ class Frame:
     member_start: int = -1  # where the current member (its key) or item began
     separator: int = -1  # offset of the last comma seen in it
     wants_key: bool = False  # an object after `{` or `,`: a string here is a key
+    keys: set[bytes] = field(default_factory=set)  # an object's keys so far, as written
 
     @property
     def step(self) -> Step:
@@ -71,6 +72,7 @@ class JsonScanner:
     _is_key: bool = False
     _escaped: bool = False
     _bare_start: int = -1  # offset of an open number or literal (-1: none open)
+    repeated_key: int = -1  # offset of the last key written twice in its object (-1: none)
 
     def feed(self, data: bytes) -> list[ValueEnd]:
         ended: list[ValueEnd] = []
@@ -88,6 +90,17 @@ class JsonScanner:
             self._structural(b, i, ended)
         return ended
 
+    def open_key(self) -> bytes | None:
+        """The bytes of the key being written (after its opening quote), or None outside
+        a key."""
+        if self._string_start < 0 or not self._is_key:
+            return None
+        return bytes(self.text[self._string_start + 1 :])
+
+    def in_string(self) -> bool:
+        """Whether the text ends inside a string (a key or a value)."""
+        return self._string_start >= 0
+
     def _in_string(self, b: int, i: int, ended: list[ValueEnd]) -> None:
         if self._escaped:
             self._escaped = False
@@ -97,6 +110,10 @@ class JsonScanner:
             start, self._string_start = self._string_start, -1
             if self._is_key:
                 self.stack[-1].key = json.loads(bytes(self.text[start : i + 1]))
+                key, keys = bytes(self.text[start + 1 : i]), self.stack[-1].keys
+                if key in keys:
+                    self.repeated_key = start
+                keys.add(key)
             else:
                 ended.append(self._ended(start, i + 1))
 
