@@ -14,6 +14,7 @@ import llguidance
 import referencing
 
 from aici_cli.control import tool_calls
+from aici_cli.control.grammar.conditionals import rewrite_conditionals
 from aici_cli.control.grammar.distinct_keys import TokenIndex, may_repeat_keys
 from aici_cli.control.grammar.hints import NO_HINTS, Hints, hints_for
 from aici_cli.control.grammar.keyword_schema import KeywordSchema
@@ -196,14 +197,16 @@ class GrammarCompiler:
         # would open it), it fails validation instead.
         validator = jsonschema.validators.validator_for(original)(
             original, registry=referencing.Registry())
-        schema = exclusive_one_of(original)
+        rewritten, kept = rewrite_conditionals(original)
+        schema = exclusive_one_of(rewritten)
         strict = self.strict_json if permissive is None else not permissive
         if strict:
             schema = close_objects(schema)
         found, errors = self._json_matcher(schema, whitespace, where)
         if found is not None:
             matcher, note, options = found
-            warnings = [f"schema relaxed: {note}"] if note else []
+            # Conditionals left as written are what a lenient compile dropped: named.
+            warnings = [f"schema relaxed: {note}", *kept] if note else []
             return _PreparedJson(schema, options, matcher, warnings, validator)
         if relax and isinstance(original, dict):
             return self._relaxed(original, validator, errors, strict, whitespace, where)

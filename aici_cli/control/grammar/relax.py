@@ -13,11 +13,11 @@ from `required`. When no rule applies, the deepest subschema whose replacement b
 lets the schema compile is replaced. Every step is recorded as a short string; the output
 is still validated against the original schema.
 
-The rules work on the user's schema (a copy); the usual rewrites (`exclusive_one_of`,
-`close_objects`) are applied to it afresh before each compile. Searches compile the schema
-again and again (`Checks.probe`), so they are bounded (`MAX_SEARCH_PROBES`), as is the
-whole (`MAX_RELAX_STEPS`, and the compiler's `RELAX_SECONDS`). The rules find what to
-change by walking the schema (`schema_walk.py`).
+The rules work on the user's schema (a copy); the usual rewrites (`rewrite_conditionals`,
+`exclusive_one_of`, `close_objects`) are applied to it afresh before each compile.
+Searches compile the schema again and again (`Checks.probe`), so they are bounded
+(`MAX_SEARCH_PROBES`), as is the whole (`MAX_RELAX_STEPS`, and the compiler's
+`RELAX_SECONDS`). The rules find what to change by walking the schema (`schema_walk.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+from aici_cli.control.grammar.conditionals import rewrite_conditionals
 from aici_cli.control.grammar.ref_merges import merge_exactly, merged_use
 from aici_cli.control.grammar.schema_rewrite import close_objects, exclusive_one_of
 from aici_cli.control.grammar.schema_walk import SchemaNode, children, pointer, shown, walk
@@ -59,7 +60,8 @@ class Relaxation:
 
     def prepared(self, strict_json: bool) -> Any:
         """The schema as compiled: the relaxed one with the usual rewrites applied."""
-        schema = exclusive_one_of(self.schema) if self.exclusive else self.schema
+        schema = rewrite_conditionals(self.schema)[0]
+        schema = exclusive_one_of(schema) if self.exclusive else schema
         return close_objects(schema) if strict_json and self.close else schema
 
 

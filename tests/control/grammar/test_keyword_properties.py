@@ -243,6 +243,11 @@ def test_a_stopped_or_closed_output_keeps_the_keyword(keyword: str, lm: LoadedMo
 
     check()
     # The draws did test the guard (some wanted values broke the keyword), and it kept
-    # the keyword in all but a few.
-    assert seen["guarded"] > 0, seen
+    # the keyword in all but a few; a conditional the grammar holds itself
+    # (conditionals.py) leaves the guard nothing to mend.
+    assert seen["guarded"] > 0 or keyword in HELD_BY_GRAMMAR, seen
     assert seen["invalid"] <= 2, seen
+
+
+# Drawn under an `if` whose test conditionals.py writes into the grammar.
+HELD_BY_GRAMMAR = ("if/then/else", "minProperties")
