@@ -152,6 +152,7 @@ class GrammarController(ControllerBase):
         """`closed_early` and `close_reason` ("limit", "loop", or "loop_unclosable": a
         loop the guard cut, its output not a whole value) when it was; `loops_undone`,
         the loops taken back for the model to write again (early_close.py), and
+        `undone_tokens`, the tokens the loop guard took back (passes spent on them), and
         `keyword_retries`, the tokens barred to mend a keyword (keyword_guard.py), when
         any was."""
         out: dict[str, float | bool | str] = {}
@@ -159,6 +160,8 @@ class GrammarController(ControllerBase):
             out.update(closed_early=True, close_reason=self._early.reason)
         if self._early is not None and self._early.loops_undone:
             out["loops_undone"] = self._early.loops_undone
+        if self._early is not None and self._early.undone_tokens:
+            out["undone_tokens"] = self._early.undone_tokens
         if self._guard is not None and self._guard.barred_count:
             out["keyword_retries"] = self._guard.barred_count
         return out

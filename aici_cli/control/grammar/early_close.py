@@ -135,6 +135,7 @@ class EarlyClose:
         self.reason: str | None = None  # set once the sequence was closed early
         self.sampled = False  # the model has written a token (closing waits for one)
         self.loops_undone = 0
+        self.undone_tokens = 0  # tokens the loop guard took back (undone or closed from)
         self._bars: dict[int, set[int]] = {}  # position -> tokens barred there
         self._missed = -REPLAN_EVERY  # where a completion walk last found none
 
@@ -232,10 +233,11 @@ class EarlyClose:
             tail[len(tail) - loop.span :][: loop.period].encode("utf-8")))
         first = min(first, n - 1)
         if self.loops_undone < self.closing.undo_loops:
-            unit_end = min(n - 1, first + max(1, self._tokens_in(first, loop)))
+            unit_end = min(n - 1, first + max(1, tokens_in(self._ends, first, loop)))
             at = self._first_choice(m, first, unit_end)
             if at is not None:
                 self.loops_undone += 1
+                self.undone_tokens += n - at
                 return Undo(n - at)
         keep = bisect_right(self._ends, begun)
         plan = self._plan
@@ -247,10 +249,13 @@ class EarlyClose:
             else:
                 done = self._walk_from(m, pos, left + n - pos)
             if done is not None:
+                self.undone_tokens += n - pos
                 return self._close(m, n - pos, done, "loop")
         rescued = self._rescue(m, first, "loop")
         if rescued is not None:
+            self.undone_tokens += rescued.backtrack
             return rescued
+        self.undone_tokens += n - keep
         m.rollback(n - keep)
         self._truncate(keep)
         return self._close(m, n - keep, [], UNCLOSABLE)
@@ -307,11 +312,6 @@ class EarlyClose:
             return None
         self._truncate(pos)
         return done
-
-    def _tokens_in(self, first: int, loop: Loop) -> int:
-        """How many tokens from `first` one unit of `loop` takes (at least 1)."""
-        start = self._ends[first - 1] if first else 0
-        return bisect_right(self._ends, start + loop.period) - first
 
     def _first_choice(self, m: llguidance.LLMatcher, first: int, last: int) -> int | None:
         """The first position in [first, last] where the grammar allows a token other
@@ -427,3 +427,10 @@ def loop_start(text: bytearray, tail: str, loop: Loop) -> int:
             guess = at
             break
     return len(text) - len(raw) + max(0, min(guess, len(raw)))
+
+
+def tokens_in(ends: list[int], first: int, loop: Loop) -> int:
+    """How many tokens from `first` one unit of `loop` takes, `ends` being the output's
+    bytes after each token."""
+    start = ends[first - 1] if first else 0
+    return bisect_right(ends, start + loop.period) - first

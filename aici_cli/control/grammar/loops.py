@@ -11,10 +11,11 @@ tokenization, and the verdict at a given character does not depend on how many t
 step appended (drafts on or off).
 
 Thresholds (`min_span`): a unit repeated at least MIN_REPEATS times *and* over at least
-MIN_SPAN characters. Tuned on the `tune` half of the schema split (bench/data_split.py):
-there, no output that finished on its own holds such a tail at any point of its writing,
-while every loop a 135M model writes is far longer (hundreds of characters). The rate on
-the held-out half is measured by `bench/loop_guard.py`.
+MIN_SPAN characters: a unit of MIN_SPAN / 2 characters or more (a key/value pair, a list
+item) is known at its second unit, a shorter one (a digit, a space) once its run covers
+MIN_SPAN characters. Every pass a loop runs on before it is known is a pass spent on
+tokens taken back, so it is known as early as false positives allow: their rate on the
+`tune` half of the schema split (bench/data_split.py) is measured by `bench/loop_guard.py`.
 
 Cost: one `str.rfind` per call in the common case (no recent repeat of the last
 MIN_SPAN // 2 characters), a few slice compares otherwise; microseconds per token.
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 MAX_PERIOD = 200
 # A loop covers at least this many characters ...
 MIN_SPAN = 40
-# ... and holds its unit at least this many times.
-MIN_REPEATS = 4
+# ... and holds its unit at least this many times: known at its second unit.
+MIN_REPEATS = 2
 # How much of the output's tail is looked at (characters): the longest loop that must be
 # seen whole is MIN_REPEATS units of MAX_PERIOD.
 WINDOW = MAX_PERIOD * MIN_REPEATS + MAX_PERIOD
