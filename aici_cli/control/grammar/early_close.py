@@ -48,7 +48,14 @@ import numpy as np
 from aici_cli.control.grammar.closing import Closer, boundaries
 from aici_cli.control.grammar.hints import NO_HINTS, Hints
 from aici_cli.control.grammar.keyword_guard import clear_bits
-from aici_cli.control.grammar.loops import WINDOW, Loop, find_loop
+from aici_cli.control.grammar.loops import (
+    WINDOW,
+    Loop,
+    find_loop,
+    loop_start,
+    second_unit,
+    tokens_in,
+)
 
 # A fresh plan is made at least this often (tokens), so a backtrack to it loses little.
 REPLAN_EVERY = 8
@@ -182,12 +189,14 @@ class EarlyClose:
         the matcher after every token so far. What is returned is already applied to `m`
         (rolled back, completion consumed)."""
         c = self.closing
-        if m.is_stopped() or m.is_accepting() or m.is_error():
+        if m.is_stopped() or m.is_error():
             return None
         pos = len(self.tokens)
         left = c.max_tokens - pos
         tail = self.text(tail=4 * WINDOW) if c.loop_guard else ""
         loop = find_loop(tail) if c.loop_guard else None
+        if m.is_accepting():  # a whole value (`1.1` of a number) that may go on looping
+            return self._end_whole(m, tail, loop) if loop is not None else None
         if loop is not None:
             return self._end_loop(m, left, tail, loop)
         if not c.at_limit:
@@ -216,8 +225,7 @@ class EarlyClose:
             self._truncate(plan[0])
             return self._close(m, pos - plan[0], plan[1], "limit")
         if left <= MARGIN and self.sampled and self._rescued_at != pos:
-            # No plan (a retry or an undo took it back) and no way on from here: the
-            # last tokens of the budget are not spent inside a value that stays open.
+            # No plan (a retry or an undo took it back), no way on: close from earlier.
             return self._rescue(m, pos, "limit")
         return None
 
@@ -228,10 +236,7 @@ class EarlyClose:
         plan, or from here, or else cut the output where the loop begins."""
         n = len(self.tokens)
         begun = loop_start(self._text, tail, loop)
-        # The loop's second unit: its first token on is the loop (the first unit stays).
-        first = bisect_right(self._ends, begun + len(
-            tail[len(tail) - loop.span :][: loop.period].encode("utf-8")))
-        first = min(first, n - 1)
+        first = min(second_unit(self._ends, begun, tail, loop), n - 1)
         if self.loops_undone < self.closing.undo_loops:
             unit_end = min(n - 1, first + max(1, tokens_in(self._ends, first, loop)))
             at = self._first_choice(m, first, unit_end)
@@ -261,33 +266,36 @@ class EarlyClose:
         return self._close(m, n - keep, [], UNCLOSABLE)
 
     def _rescue(self, m: llguidance.LLMatcher, before: int, reason: str) -> Close | None:
-        """A close from an earlier place, where none was found from the usual ones: the
-        last `RESCUE_WALKS` value boundaries before position `before` (after a `{` or
-        `[`, beside a `,`: no string or number cut), latest first, then the line's first
-        plan (or, where it never had one, the output's start). Less of the model's output
-        is kept, but the value is whole. None (and `m`, this state unchanged) where none
-        has a completion within the budget."""
-        n = len(self.tokens)
+        """A close from the last `RESCUE_WALKS` value boundaries before `before`, then the
+        first plan (or the start): less kept, but whole; None (nothing changed) if none."""
+        n, first = len(self.tokens), self._first_plan
         at_end = {end: p + 1 for p, end in enumerate(self._ends[:before])}
         places = [at_end[b] for b in boundaries(bytes(self._text[: self._ends[before - 1]]))
                   if b in at_end] if before else []
-        first = self._first_plan
-        for pos in list(dict.fromkeys(reversed(places)))[:RESCUE_WALKS]:
-            if first is not None and pos <= first[0]:
-                break
-            done = self._walk_from(m, pos, self.closing.max_tokens - pos)
+        floor = first[0] if first is not None else 0
+        later = [p for p in dict.fromkeys(reversed(places)) if p > floor][:RESCUE_WALKS]
+        for pos in [*later, floor] if floor < n else later:
+            if pos == floor and first is not None:  # the first plan's own completion
+                m.rollback(n - pos)
+                self._truncate(pos)
+            done = first[1] if pos == floor and first is not None else self._walk_from(
+                m, pos, self.closing.max_tokens - pos)
             if done is not None:
                 return self._close(m, n - pos, done, reason)
-        if first is not None and first[0] < n:
-            m.rollback(n - first[0])
-            self._truncate(first[0])
-            return self._close(m, n - first[0], first[1], reason)
-        if first is None and n:  # the value from its start: what the grammar forced on
-            done = self._walk_from(m, 0, self.closing.max_tokens)
-            if done is not None:
-                return self._close(m, n, done, reason)
         self._rescued_at = n
         return None
+
+    def _end_whole(self, m: llguidance.LLMatcher, tail: str, loop: Loop) -> Close | None:
+        """A whole value loops on (`1.1000…`): it ends at its loop's second unit, or here."""
+        n = len(self.tokens)
+        first = min(second_unit(self._ends, loop_start(self._text, tail, loop), tail, loop), n)
+        m.rollback(n - first)
+        if first == n or not m.is_accepting():
+            m.consume_tokens(self.tokens[first:])  # accepted before: cannot fail
+            first = n
+        self._truncate(first)
+        self.undone_tokens += n - first
+        return self._close(m, n - first, [], "loop")
 
     def _plan_or_walk(self, m: llguidance.LLMatcher, pos: int, left: int) -> list[int] | None:
         """A completion from `pos`: the plan's where it was made there, else a walk."""
@@ -401,7 +409,7 @@ class EarlyClose:
         state already)."""
         if tokens and self.accepts is not None:
             tokens = self._accepted(m, tokens)
-        if not m.consume_tokens(tokens):
+        if tokens and not m.consume_tokens(tokens):
             return None
         self.consumed(tokens)
         self.reason = reason
@@ -414,23 +422,3 @@ def _other_allowed(m: llguidance.LLMatcher, written: int) -> bool:
     clear_bits(words, {written})
     return bool(words.any())
 
-
-def loop_start(text: bytearray, tail: str, loop: Loop) -> int:
-    """The byte offset in the output `text` where `loop`'s text begins (`tail` being its
-    last `4 * WINDOW` bytes decoded with errors="replace"): found by encoding the
-    looping suffix, checked against the bytes where a replaced byte may differ."""
-    suffix = tail[len(tail) - loop.span :]
-    raw = bytes(text[-4 * WINDOW :])
-    guess = len(raw) - len(suffix.encode("utf-8"))
-    for at in sorted(range(guess - 3, guess + 4), key=lambda b: abs(b - guess)):
-        if 0 <= at <= len(raw) and raw[at:].decode("utf-8", "replace") == suffix:
-            guess = at
-            break
-    return len(text) - len(raw) + max(0, min(guess, len(raw)))
-
-
-def tokens_in(ends: list[int], first: int, loop: Loop) -> int:
-    """How many tokens from `first` one unit of `loop` takes, `ends` being the output's
-    bytes after each token."""
-    start = ends[first - 1] if first else 0
-    return bisect_right(ends, start + loop.period) - first

@@ -23,6 +23,7 @@ MIN_SPAN // 2 characters), a few slice compares otherwise; microseconds per toke
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 # The longest unit looked for (characters): a repeated key/value pair or list item.
@@ -93,3 +94,31 @@ def find_loop(text: str) -> Loop | None:
         if span >= min_span(period):
             return Loop(period, span)
         bound = at + probe - 1
+
+def loop_start(text: bytearray, tail: str, loop: Loop) -> int:
+    """The byte offset in the output `text` where `loop`'s text begins (`tail` being its
+    last `4 * WINDOW` bytes decoded with errors="replace"): found by encoding the
+    looping suffix, checked against the bytes where a replaced byte may differ."""
+    suffix = tail[len(tail) - loop.span :]
+    raw = bytes(text[-4 * WINDOW :])
+    guess = len(raw) - len(suffix.encode("utf-8"))
+    for at in sorted(range(guess - 3, guess + 4), key=lambda b: abs(b - guess)):
+        if 0 <= at <= len(raw) and raw[at:].decode("utf-8", "replace") == suffix:
+            guess = at
+            break
+    return len(text) - len(raw) + max(0, min(guess, len(raw)))
+
+
+def tokens_in(ends: list[int], first: int, loop: Loop) -> int:
+    """How many tokens from `first` one unit of `loop` takes, `ends` being the output's
+    bytes after each token."""
+    start = ends[first - 1] if first else 0
+    return bisect_right(ends, start + loop.period) - first
+
+
+def second_unit(ends: list[int], begun: int, tail: str, loop: Loop) -> int:
+    """The position (tokens, `ends` being the output's bytes after each) of the token
+    that holds the first byte of `loop`'s second unit, its text beginning at byte
+    `begun`: from there on is the loop (the first unit stays)."""
+    return bisect_right(ends, begun + len(
+        tail[len(tail) - loop.span :][: loop.period].encode("utf-8")))
