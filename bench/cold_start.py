@@ -96,7 +96,8 @@ def run(args: list[str], cache: Path, work: Path) -> dict[str, Any]:
     if done.returncode not in (0, 1):
         raise SystemExit(f"run failed: {done.stderr[-2000:]}")
     summary = json.loads(stats.read_text())
-    return {"wall_s": round(wall, 2), "first_result_s": summary.get("first_result_s"),
+    return {"wall_s": round(wall, 2), "load_s": summary.get("load_s"),
+            "lines_wall_s": summary.get("wall_s"), "first_result_s": summary.get("first_result_s"),
             "compiled_steps": summary.get("compiled_steps"),
             "eager_steps": summary.get("eager_steps"), "valid": summary.get("valid"),
             "builder_after_s": round(wait_for_builder(cache), 1)}
