@@ -91,7 +91,38 @@ def run_record(config: RunConfig, model: str, controller: str | None,
     record.update({k: v for k, v in full.items() if v != DEFAULTS[k]})
     if quantize != "none" and dtype:
         record["dtype"] = dtype
+    varies = batch_variant_paths(config.engine, quantize, dtype) if dtype else []
+    if varies:
+        record["batch_variant"] = varies
     return record
+
+
+def batch_variant_paths(engine: EngineConfig, quantize: str, dtype: str) -> list[str]:
+    """The paths of this run at which a line's tokens may still depend on the lines that
+    share its passes (docs/speed.md, "A line's text and its neighbours"; none under
+    `--deterministic`). Recorded, never compared on resume: like `--batch-size`, they
+    change how a result is computed, not what is asked.
+
+    - `attention`: SDPA's, where the int kernels' operator does not attend (16-bit
+      passes, unquantised float32 runs);
+    - `dense-gemm`: an unquantised run's linear layers, whose BLAS rounds a row by the
+      pass's row count;
+    - `dense-copies`: a quantised run's passes of many rows, once they run on dense
+      copies (`models/quant/dense_copies.py`), against few-row passes on the int kernels;
+    - `compiled-steps`: the compiled one-token step of two rows or more, whose fused
+      norms sum in another order than the eager passes';
+    - `long-prompts`: prompts longer than the attention's PER_QUERY_MAX (256 tokens) on
+      SDPA, whose bits depend on where the prefix cache cut them."""
+    if engine.deterministic:
+        return []
+    int_kernels = dtype == "float32" and quantize != "none"
+    paths = [] if int_kernels else ["attention"]
+    paths += ["dense-copies"] if quantize != "none" else ["dense-gemm"]
+    if engine.compile != "off":
+        paths.append("compiled-steps")
+    if int_kernels and engine.prefix_cache:
+        paths.append("long-prompts")
+    return paths
 
 
 def mismatch(made: dict[str, Any], now: dict[str, Any], keys: set[str] | None = None

@@ -12,6 +12,15 @@ that needs to know which row a token belongs to, is done here per row group:
   or repeated for grouped-query attention;
 - rows feeding several tokens: one call each, over that row's cache slots only.
 
+In a float32 pass where the int kernels' library is loaded, both groups attend on its
+operator (`aici::rows_attention`), a multi-token row of up to `PER_QUERY_MAX` tokens one
+query at a time over its own slots (its keys a stride-0 view): a token's attention is then
+the same computation, bit for bit, whether it is fed in a prompt, a fast-forward chunk, a
+draft or alone, and whatever rows share the pass, so a line's tokens do not depend on its
+neighbours (docs/speed.md, "A line's text and its neighbours"). Longer rows (prompts) keep
+SDPA: the same bits alone or beside other rows, other bits where the prefix cache has
+supplied the prompt's start.
+
 The model's attention layers call `rows_attention`: a `models/families/llama.py` model's directly,
 a transformers model's through transformers' attention registry (`install`). Outside a
 `packed(plan)` block it falls back to plain causal SDPA attention (transformers' own for
@@ -37,6 +46,11 @@ from aici_cli.models.families.softcap import softcapped_attention
 from aici_cli.models.kernels.rows_attention import rows_attention as rows_attention_op
 
 NAME = "aici_rows"
+# The longest multi-token row whose queries attend one at a time on the one-token rows'
+# operator (`_run_per_query`). Past it SDPA's blocked kernel wins: 1,000 and 1,500 query
+# prompts' attention took 4.3x and 4.5x SDPA's time a layer on it (2 threads, default
+# model's heads), at 300 queries the same time.
+PER_QUERY_MAX = 256
 
 
 @dataclass
@@ -186,7 +200,13 @@ def rows_attention(
         _one_token_rows(plan, plan.single, query, key, value, out, scaling, windowed, softcap,
                       attend)
     for r in plan.runs:
-        q = query[:, :, r.start : r.start + r.n]  # [1, H, n, D]
+        if r.n <= PER_QUERY_MAX and softcap is None and \
+                not (windowed and r.sliding_attn_mask is not None) and \
+                _run_per_query(r, query, key, value, out, scaling):
+            continue
+        # Contiguous: the same strides alone or beside other rows (SDPA's bf16 path gave
+        # a row other bits as its query sat in a longer packed pass).
+        q = query[:, :, r.start : r.start + r.n].contiguous()  # [1, H, n, D]
         k = key[r.row : r.row + 1, :, : r.kv_len]
         v = value[r.row : r.row + 1, :, : r.kv_len]
         run_mask = (r.sliding_attn_mask if windowed and r.sliding_attn_mask is not None
@@ -220,3 +240,27 @@ def _one_token_rows(plan: PackedPlan, g: SingleGroup, query: torch.Tensor, key: 
     if o is None:
         o = attend(q, k, v, attn_mask=mask, scale=scaling)
     out[g.member_tokens] = o.reshape(span, heads, dim)[g.members]
+
+
+def _run_per_query(r: RowRun, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   out: torch.Tensor, scaling: float | None) -> bool:
+    """A multi-token row's queries each over its row's slots up to its own position, on
+    the one-token rows' operator, into `out` [T, H, D]; False where the operator does not
+    apply (the caller attends with SDPA). Each query is then the very computation it is
+    fed alone: a token's attention has the same bits in a prompt, a fast-forward chunk,
+    a draft or a one-token pass, however a line's tokens were split into passes (the
+    prefix cache, drafts, the neighbours' share of the pass). The row's keys are read
+    through a view that repeats it per query (stride 0), nothing copied."""
+    heads, dim = query.shape[1], query.shape[3]
+    kv_heads = key.shape[1]
+    # [H, n, D] -> [n, kv_heads, rep, D]: head h = kv group h // rep, as in repeat_kv.
+    q = query[0, :, r.start : r.start + r.n].transpose(0, 1).reshape(
+        r.n, kv_heads, heads // kv_heads, dim)
+    k = key[r.row : r.row + 1, :, : r.kv_len].expand(r.n, -1, -1, -1)
+    v = value[r.row : r.row + 1, :, : r.kv_len].expand(r.n, -1, -1, -1)
+    lengths = torch.arange(r.kv_len - r.n + 1, r.kv_len + 1, device=query.device)
+    o = rows_attention_op(q, k, v, lengths, dim ** -0.5 if scaling is None else scaling)
+    if o is None:
+        return False
+    out[r.start : r.start + r.n] = o.reshape(r.n, heads, dim)
+    return True

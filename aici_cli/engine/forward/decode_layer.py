@@ -5,12 +5,13 @@ and the compiled graphs of a model's layers (kept per model, for every engine on
 Per layer and step: norm, q/k/v as one stacked matrix (models/quant/fused_linear.py),
 HF's own RoPE, the new key and value written into the row cache, attention over the slots
 the mask covers (the whole capacity, or the step's span: compiled.py) with a mask by
-position, o, norm, gate/up as one stacked matrix, down, both residuals: 4 weight reads,
-not 7. Qwen 3's and Gemma 3's q/k norms run between the split and RoPE. Gemma 3
-(`sandwich` norms) norms the attention's output and the MLP's output before each residual
-add, and its MLP's input with a norm of its own; its sliding layers take the step's
-sliding tables (their own RoPE base, a mask that also hides the slots before the window),
-its full layers the step's plain ones.
+position (in float32 with the int kernels' library, its operator over each row's own
+slots, as the eager passes attend), o, norm, gate/up as one stacked matrix, down, both
+residuals: 4 weight reads, not 7. Qwen 3's and Gemma 3's q/k norms run between the
+split and RoPE. Gemma 3 (`sandwich` norms) norms the attention's output and the MLP's
+output before each residual add, and its MLP's input with a norm of its own; its sliding
+layers take the step's sliding tables (their own RoPE base, a mask that also hides the
+slots before the window), its full layers the step's plain ones.
 
 On CPU all layers are one graph: one call a step instead of 30, and inductor fuses each
 layer's residual add into the next layer's norm. Measured on the 2-core Xeon (default
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from aici_cli.models.kernels.rows_attention import rows_attention as rows_attention_op
 from aici_cli.models.quant.fused_linear import stack_linears
 
 
@@ -68,6 +70,9 @@ class DecodeLayer(torch.nn.Module):
         self.post_mlp_norm = layer.post_feedforward_layernorm if sandwich else None
         # Whether the layer attends under the step's sliding tables (`all_layers_step`).
         self.sliding = slides(layer)
+        # Plain causal attention from slot 0, no window: the one-token rows' operator may
+        # attend for it (`layer_step`), as it does in eager passes.
+        self.causal = not self.sliding and getattr(attn, "sliding_window", None) is None
         self.gate_up = stack_linears([mlp.gate_proj, mlp.up_proj])
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn
@@ -110,9 +115,15 @@ def layer_step(layer: DecodeLayer, h: torch.Tensor, cos: torch.Tensor, sin: torc
     # Query heads stacked per key/value head, as rows_attention's one-token group.
     qg = q[:, :, 0].reshape(rows, kv_heads, heads // kv_heads, dim)
     span = mask.shape[-1]
-    o = F.scaled_dot_product_attention(qg, k_buf[:rows].narrow(2, 0, span),
-                                       v_buf[:rows].narrow(2, 0, span), attn_mask=mask,
-                                       scale=layer.scaling)
+    k_span, v_span = k_buf[:rows].narrow(2, 0, span), v_buf[:rows].narrow(2, 0, span)
+    # The eager passes' operator where they call it (float32, plain causal attention), so
+    # a row's token has the same bits compiled or eager, whatever its neighbours
+    # (attention.py); an idle row attends to nothing (length 0), its output unused.
+    o = (rows_attention_op(qg, k_span, v_span, torch.where(valid, pos + 1, 0), layer.scaling)
+         if layer.causal else None)
+    if o is None:
+        o = F.scaled_dot_product_attention(qg, k_span, v_span, attn_mask=mask,
+                                           scale=layer.scaling)
     attended = layer.o_proj(o.reshape(rows, heads * dim))
     if layer.pre_mlp_norm is not None and layer.post_mlp_norm is not None:  # Gemma 3
         h = h + layer.post_norm(attended)

@@ -1,0 +1,127 @@
+"""A line's greedy tokens, and their logprobs, do not depend on its neighbours at the
+default paths (not only under `--deterministic`): whatever the batch size, the order of
+the lines, their prompts' lengths, drafts and prefix-cache hits, on the int kernels
+(row-invariant by construction: activations quantised per row, one order of sums) with
+every attention call of a float32 pass through the one-token rows' operator
+(engine/forward/attention.py), so a token fed in a prompt, a fast-forward chunk, a draft
+or alone is one computation.
+
+The model is the test suite's tiny Llama quantised to int4 on the project's int kernels,
+float32 activations: what `--dtype auto` runs on a CPU without native bf16.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aici_cli.core.config import EngineConfig
+from aici_cli.core.constraint import Constraint
+from aici_cli.core.job import Job
+from aici_cli.engine import Engine
+from aici_cli.engine.forward import attention
+from aici_cli.models import LoadedModel, load_model
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.quant.dense_copies import WideRows
+
+WHY_NOT = int_mm.unusable()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no int kernel: {WHY_NOT}")
+
+WORDS = ["sky", "grass", "snow", "planet", "river", "stone", "tree", "cloud", "sea", "sun"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "count": {"type": "integer"}},
+          "required": ["name", "count"]}
+
+
+@pytest.fixture(scope="module")
+def lm_int4(tiny_model_dir: Path) -> Iterator[LoadedModel]:
+    """The tiny model at int4, its wide passes kept on the int kernels: dense copies
+    (`models/quant/dense_copies.py`) run a wide pass's every row on the dense GEMM with
+    float activations, and are not row-independent (docs/speed.md, "A line's text and
+    its neighbours"); a trial makes them for so small a model."""
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32", quantize="int4")
+    assert lm.quantize == "int4"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(WideRows, "for_model", classmethod(lambda cls, model: None))
+        yield lm
+
+
+def make_jobs(lengths: list[int]) -> list[Job]:
+    """One line per prompt length: a shared opening (prefix-cache hits), words repeated (so
+    prompt-lookup drafts find matches), every third line held to a JSON schema (its
+    fast-forwarded chunks), greedy."""
+    jobs = []
+    for i, n in enumerate(lengths):
+        body = " ".join(WORDS[(i + j) % 4] for j in range(n))
+        constraint = Constraint("json_schema", SCHEMA) if i % 3 == 2 else None
+        jobs.append(Job(index=i + 1, id=f"l{i}", prompt=f"Answer briefly. {body}",
+                        messages=None, max_tokens=12, constraint=constraint, logprobs=0))
+    return jobs
+
+
+def tokens(lm: LoadedModel, jobs: list[Job], batch_size: int, **config: Any
+           ) -> dict[str, list[tuple[int, float]]]:
+    """Each line's token ids with their raw logprobs: a rounding that depends on the
+    neighbours shows in a logprob even where the argmax survives it."""
+    engine = Engine(lm, EngineConfig(batch_size=batch_size, **config))
+    results: list[dict[str, Any]] = []
+    engine.run(jobs, results.append)
+    out = {}
+    for r in results:
+        assert r["finish_reason"] != "error", r.get("error")
+        out[r["id"]] = [(e["id"], e["logprob"]) for e in r["logprobs"]]
+    return out
+
+
+@pytest.mark.heavy
+@settings(max_examples=6, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(st.integers(1, 40), min_size=2, max_size=9),
+       batch_size=st.integers(1, 8), data=st.data())
+def test_a_lines_tokens_do_not_depend_on_its_neighbours(
+        lm_int4: LoadedModel, lengths: list[int], batch_size: int, data: Any) -> None:
+    jobs = make_jobs(lengths)
+    alone = {j.id: tokens(lm_int4, [j], 1)[j.id] for j in jobs}
+    order = data.draw(st.permutations(jobs))
+    got = tokens(lm_int4, list(order), batch_size)
+    for key, want in alone.items():
+        assert got[key] == want, (f"line {key} at batch {batch_size}:\n{json.dumps(got[key])}"
+                                  f"\n!= {json.dumps(want)}")
+
+
+def test_a_prompt_split_into_passes_gives_the_same_logits(lm_int4: LoadedModel) -> None:
+    """The same 40 tokens fed as one prompt, as a cached prefix and the rest, and as a
+    prompt and then one token a pass (drafts' and fast-forward chunks' splits): the last
+    token's logits bit for bit."""
+    from aici_cli.engine.forward.cache import row_cache
+    from aici_cli.engine.forward.passes import ModelPass
+
+    attention.install(lm_int4.model)
+    ids = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def last_logits(splits: list[int], neighbours: int) -> torch.Tensor:
+        cache = row_cache(lm_int4.model, lm_int4.model.config.num_hidden_layers,
+                          1 + neighbours, 64)
+        model_pass = ModelPass(lm_int4, cache)
+        fed = 0
+        for n in splits:
+            # Neighbour rows feed as many tokens of their own beside it, from slot `fed`.
+            chunks = [ids[fed : fed + n], *([ids[:n]] * neighbours)]
+            with torch.inference_mode():
+                out = model_pass.run(0, [fed] * (1 + neighbours), chunks,
+                                     [[] for _ in chunks])
+            fed += n
+        return out.next_token_logits(1 + neighbours)[0].clone()
+
+    whole = last_logits([40], 0)
+    for splits, neighbours in [([40], 3), ([12, 28], 0), ([30, 5, 5], 2),
+                               ([25, *[1] * 15], 0), ([25, *[1] * 15], 4)]:
+        assert torch.equal(last_logits(splits, neighbours), whole), (splits, neighbours)
+
