@@ -33,13 +33,14 @@ import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from aici_cli.engine.forward.deterministic import per_query_attention
+from aici_cli.engine.forward.packed_runs import RunsMask, packed_runs_attention, takes_packed
 from aici_cli.models.families.llama import Attention as OwnAttention
 from aici_cli.models.families.llama import LlamaCausalLM, causal_attention
 from aici_cli.models.families.softcap import softcapped_attention
@@ -100,6 +101,9 @@ class PackedPlan:
     deterministic: bool = False
     token_row_list: list[int] | None = None
     token_slot_list: list[int] | None = None
+    # The multi-token rows in one call where launches bind (`packed_runs.py`): its block
+    # masks and output index, made at the first layer and kept for the others.
+    runs_mask: RunsMask = field(default_factory=RunsMask)
 
 
 _state = threading.local()
@@ -199,7 +203,13 @@ def rows_attention(
     if plan.single is not None:
         _one_token_rows(plan, plan.single, query, key, value, out, scaling, windowed, softcap,
                       attend)
-    for r in plan.runs:
+    runs = plan.runs
+    if softcap is None and takes_packed(runs, query.device):  # one call for them all
+        o = packed_runs_attention(query, key, value, runs,
+                                  plan.runs_mask.get(runs, windowed, query.device), scaling)
+        out.index_copy_(0, plan.runs_mask.tokens(runs, query.device), o)
+        runs = []
+    for r in runs:
         if r.n <= PER_QUERY_MAX and softcap is None and \
                 not (windowed and r.sliding_attn_mask is not None) and \
                 _run_per_query(r, query, key, value, out, scaling):

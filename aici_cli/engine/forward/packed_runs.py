@@ -44,6 +44,14 @@ class RunsMask:
     """A pass's block masks, made at its first layer and kept for the others."""
 
     masks: dict[bool, torch.Tensor] = field(default_factory=dict)  # by windowed
+    index: torch.Tensor | None = None  # [N] long: the runs' packed token indices, in order
+
+    def tokens(self, runs: Sequence[Run], device: torch.device) -> torch.Tensor:
+        """Where the packed call's N outputs go in the pass's [T, H, D] output."""
+        if self.index is None:
+            self.index = torch.cat([torch.arange(r.start, r.start + r.n) for r in runs]
+                                   ).to(device)
+        return self.index
 
     def get(self, runs: Sequence[Run], windowed: bool, device: torch.device) -> torch.Tensor:
         mask = self.masks.get(windowed)

@@ -5,6 +5,7 @@ cached prefixes, grouped-query heads and rows with masks of their own."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from aici_cli.engine.forward.packed_runs import (
     packed_runs_attention,
     takes_packed,
 )
+from aici_cli.models.load import LoadedModel
 
 
 @dataclass
@@ -91,3 +93,50 @@ def test_the_packed_call_is_taken_where_launches_bind_and_its_square_is_small() 
     assert not takes_packed(runs[:1], torch.device("cuda"))  # one row: its own call
     big = [Run(0, 0, 2048, 2048, None), Run(1, 2048, 2048, 2048, None)]
     assert MAX_PAIRS < 4096 * 4096 and not takes_packed(big, torch.device("cuda"))
+
+
+def test_a_pass_takes_the_packed_call_with_the_loops_logits(lm: LoadedModel,
+                                                             monkeypatch: Any) -> None:
+    """Three prompts in one pass, then each row's next chunk of three over its cached
+    prompt: a pass whose runs attend in one call (the CPU let in, as CUDA takes it) gives
+    the loop's logits, and its rows' keys and values, to float32 rounding."""
+    from aici_cli.engine.forward import packed_runs
+    from aici_cli.engine.forward.attention import install
+    from aici_cli.engine.forward.cache import RowCache
+    from aici_cli.engine.forward.inputs import AttentionLayout, build_inputs, forward
+
+    install(lm.model)
+    layout = AttentionLayout.for_config(lm.model.config)
+    layers = int(lm.model.config.num_hidden_layers)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (7, 3, 11)]
+    chunks = [torch.randint(5, 200, (3,), generator=g).tolist() for _ in prompts]
+
+    def passes(packed: bool) -> tuple[torch.Tensor, torch.Tensor, RowCache]:
+        monkeypatch.setattr(packed_runs, "PACKED_ON", {"cuda", "cpu"} if packed else {"cuda"})
+        cache = RowCache(layers, 3, 32)
+        with torch.inference_mode():
+            first = forward(lm.model, cache, build_inputs(0, [0, 0, 0], prompts, layout,
+                                                          torch.device("cpu")))
+            second = forward(lm.model, cache, build_inputs(
+                0, [len(p) for p in prompts], chunks, layout, torch.device("cpu")))
+        return first, second, cache
+
+    from aici_cli.engine.forward import attention
+
+    calls: list[int] = []
+    real = attention.packed_runs_attention
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "packed_runs_attention", counted)
+    loop_first, loop_second, loop_cache = passes(False)
+    assert not calls
+    one_first, one_second, one_cache = passes(True)
+    assert len(calls) == 2 * layers  # every layer of both passes, once
+    assert torch.allclose(one_first, loop_first, atol=1e-4)
+    assert torch.allclose(one_second, loop_second, atol=1e-4)
+    for a, b in zip(one_cache.keys, loop_cache.keys):
+        assert torch.allclose(a, b, atol=1e-4)
