@@ -107,18 +107,23 @@ def batch_variant_paths(engine: EngineConfig, quantize: str, dtype: str) -> list
       passes, unquantised float32 runs);
     - `dense-gemm`: an unquantised run's linear layers, whose BLAS rounds a row by the
       pass's row count;
-    - `dense-copies`: a quantised run's passes of many rows, once they run on dense
-      copies (`models/quant/dense_copies.py`), against few-row passes on the int kernels;
-    - `compiled-steps`: the compiled one-token step of two rows or more, whose fused
-      norms sum in another order than the eager passes';
+    - `dense-copies`: a 16-bit quantised run's passes of many rows, once they run on
+      dense copies (`models/quant/dense_copies.py`), against few-row passes on the int
+      kernels (float32 passes on the int kernels never take them);
+    - `compiled-steps`: the compiled one-token step of a 16-bit run, whose attention is
+      not the eager passes' (a float32 step on the int kernels computes each op as the
+      eager passes do: their attention operator, the norms as one opaque call);
     - `long-prompts`: prompts longer than the attention's PER_QUERY_MAX (256 tokens) on
       SDPA, whose bits depend on where the prefix cache cut them."""
     if engine.deterministic:
         return []
     int_kernels = dtype == "float32" and quantize != "none"
     paths = [] if int_kernels else ["attention"]
-    paths += ["dense-copies"] if quantize != "none" else ["dense-gemm"]
-    if engine.compile != "off":
+    if quantize == "none":
+        paths.append("dense-gemm")
+    elif not int_kernels:
+        paths.append("dense-copies")
+    if engine.compile != "off" and not int_kernels:
         paths.append("compiled-steps")
     if int_kernels and engine.prefix_cache:
         paths.append("long-prompts")

@@ -627,7 +627,7 @@ def test_made_with_says_which_dtype_ran_the_quantised_weights() -> None:
     plain = RunConfig(input="-")
     four = run_record(plain, "m", None, "int4", "float32")
     assert four == {"model": "m", "quantize": "int4", "dtype": "float32",
-                    "batch_variant": ["dense-copies", "long-prompts"]}
+                    "batch_variant": ["long-prompts"]}
     assert run_record(plain, "m", None, "none", "float32") == {
         "model": "m", "batch_variant": ["attention", "dense-gemm"]}
     assert mismatch(four, run_record(plain, "m", None, "int4", "bfloat16")) is None
@@ -637,7 +637,8 @@ def test_made_with_says_which_dtype_ran_the_quantised_weights() -> None:
 
 def test_made_with_names_the_paths_where_a_line_may_depend_on_its_neighbours() -> None:
     """The float32 int kernels' passes attend one token at a time (engine/forward/
-    attention.py): what is left is named; `--deterministic` leaves nothing."""
+    attention.py), never take dense copies, and their compiled step computes as they do:
+    what is left is named; `--deterministic` leaves nothing."""
     from dataclasses import replace
 
     from aici_cli.core.config import EngineConfig, RunConfig
@@ -647,6 +648,6 @@ def test_made_with_names_the_paths_where_a_line_may_depend_on_its_neighbours() -
     assert run_record(cli, "m", None, "int4", "bfloat16")["batch_variant"] == [
         "attention", "dense-copies", "compiled-steps"]
     assert run_record(cli, "m", None, "int4", "float32")["batch_variant"] == [
-        "dense-copies", "compiled-steps", "long-prompts"]
+        "long-prompts"]
     exact = replace(cli, engine=EngineConfig(compile="off", deterministic=True))
     assert "batch_variant" not in run_record(exact, "m", None, "none", "float32")

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from aici_cli.models.kernels.native_norm import native_norm
 from aici_cli.models.kernels.rows_attention import rows_attention as rows_attention_op
 from aici_cli.models.quant.fused_linear import stack_linears
 
@@ -56,18 +57,20 @@ class DecodeLayer(torch.nn.Module):
     def __init__(self, layer: Any, config: Any) -> None:
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
-        self.input_norm = layer.input_layernorm
-        self.post_norm = layer.post_attention_layernorm
+        # Each norm one opaque call where the int kernels' library is loaded, computing
+        # what the module does op for op (native_norm.py): the eager passes' bits.
+        self.input_norm = native_norm(layer.input_layernorm)
+        self.post_norm = native_norm(layer.post_attention_layernorm)
         self.qkv = stack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         # Qwen 3's per-head RMSNorm of q and k before RoPE (None: the layer has none).
-        self.q_norm = getattr(attn, "q_norm", None)
-        self.k_norm = getattr(attn, "k_norm", None)
+        self.q_norm = native_norm(getattr(attn, "q_norm", None))
+        self.k_norm = native_norm(getattr(attn, "k_norm", None))
         self.o_proj = attn.o_proj
         # Gemma 3's norms before and after the MLP (None: a Llama layer, whose
         # `post_norm` is the MLP's input norm; with them it norms the attention's output).
         sandwich = bool(getattr(layer, "sandwich", False))
-        self.pre_mlp_norm = layer.pre_feedforward_layernorm if sandwich else None
-        self.post_mlp_norm = layer.post_feedforward_layernorm if sandwich else None
+        self.pre_mlp_norm = native_norm(layer.pre_feedforward_layernorm) if sandwich else None
+        self.post_mlp_norm = native_norm(layer.post_feedforward_layernorm) if sandwich else None
         # Whether the layer attends under the step's sliding tables (`all_layers_step`).
         self.sliding = slides(layer)
         # Plain causal attention from slot 0, no window: the one-token rows' operator may

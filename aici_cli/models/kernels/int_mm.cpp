@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -164,16 +166,44 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   return out;
 }
 
+// x [..., hidden], weight [hidden]: an RMSNorm over the last dimension as
+// transformers' Llama-family norms and models/families/llama.py compute it, the same ATen
+// calls in the same order (`offset`: Gemma's, scaled by 1 + weight in float32, then cast).
+// One opaque call to a compiler: inductor would fuse the norm and sum its squares in an
+// order of its own, and a compiled step's tokens would part from the eager passes'.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+  at::Tensor hidden = x.to(at::kFloat);
+  if (offset) {
+    hidden = hidden.mul(hidden.pow(2).mean(-1, true).add(eps).rsqrt());
+    return hidden.mul(weight.to(at::kFloat).add(1.0)).to(x.scalar_type());
+  }
+  at::Tensor variance = hidden.pow(2).mean(-1, true);
+  hidden = hidden.mul(variance.add(eps).rsqrt());
+  return weight.mul(hidden.to(x.scalar_type()));
+}
+
+// The shape and dtype alone, for tracing (symbolic sizes pass through empty_like).
+at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+  auto dtype = offset ? x.scalar_type() : c10::promoteTypes(weight.scalar_type(), x.scalar_type());
+  return at::empty_like(x, x.options().dtype(dtype));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(aici, lib) {
   lib.def("int4_vnni_mm(Tensor x, Tensor codes, Tensor d, Tensor m, int n) -> Tensor");
   lib.def("int8_vnni_mm(Tensor x, Tensor codes, Tensor scale, int n) -> Tensor");
   lib.def("rows_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps, bool offset) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aici, CPU, lib) {
   lib.impl("int4_vnni_mm", &int4_vnni_mm);
   lib.impl("int8_vnni_mm", &int8_vnni_mm);
   lib.impl("rows_attention", &rows_attention);
+  lib.impl("rms_norm", &rms_norm);
+}
+
+TORCH_LIBRARY_IMPL(aici, Meta, lib) {
+  lib.impl("rms_norm", &rms_norm_meta);
 }

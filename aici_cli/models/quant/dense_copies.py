@@ -165,10 +165,17 @@ class WideRows:
 
     @classmethod
     def for_model(cls, model: Any) -> WideRows | None:
-        """None where no layer is int4 on the CPU (nothing to choose)."""
+        """None where no layer is int4 on the CPU (nothing to choose), and where the
+        layers run float32 activations on the int kernels: there every row of every pass
+        stays on the int kernels, whose rows' bits do not depend on the pass's width, so
+        a line's text does not depend on which lines share its passes (docs/speed.md,
+        "A line's text and its neighbours"). A wide pass on a dense copy runs its rows on
+        float activations, a narrow one on 8-bit ones: the kernel would follow the
+        neighbours. 16-bit passes keep the copies where a trial finds them faster."""
         layers = [m for m in model.modules() if isinstance(m, Int4Linear)
                   and m.packed.device.type == "cpu"]
-        if not layers:
+        if not layers or all(layer.vnni and layer.scale_zero.dtype == torch.float32
+                             for layer in layers):
             return None
         wide = cls(layers, getattr(model, "config", None))
         if all(layer.dense is not None for layer in layers):  # another engine made them

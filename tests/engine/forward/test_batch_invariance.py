@@ -12,7 +12,9 @@ float32 activations: what `--dtype auto` runs on a CPU without native bf16.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,15 +44,13 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def lm_int4(tiny_model_dir: Path) -> Iterator[LoadedModel]:
-    """The tiny model at int4, its wide passes kept on the int kernels: dense copies
-    (`models/quant/dense_copies.py`) run a wide pass's every row on the dense GEMM with
-    float activations, and are not row-independent (docs/speed.md, "A line's text and
-    its neighbours"); a trial makes them for so small a model."""
+    """The tiny model at int4 with float32 activations: its wide passes stay on the int
+    kernels (`WideRows.for_model`: no dense copies, whose wide passes would run a row on
+    float activations and a narrow pass on 8-bit ones), as at the defaults."""
     lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32", quantize="int4")
     assert lm.quantize == "int4"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(WideRows, "for_model", classmethod(lambda cls, model: None))
-        yield lm
+    assert WideRows.for_model(lm.model) is None
+    yield lm
 
 
 def make_jobs(lengths: list[int]) -> list[Job]:
@@ -125,3 +125,20 @@ def test_a_prompt_split_into_passes_gives_the_same_logits(lm_int4: LoadedModel) 
                                ([25, *[1] * 15], 0), ([25, *[1] * 15], 4)]:
         assert torch.equal(last_logits(splits, neighbours), whole), (splits, neighbours)
 
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor needs a C++ compiler for CPU kernels")
+def test_the_compiled_step_gives_the_eager_bits_at_any_row_count(lm_int4: LoadedModel) -> None:
+    """The compiled one-token step (`--compile on`) against eager passes, at 1 to 4 rows
+    of different lengths: every line's tokens and raw logprobs bit for bit, so a run's
+    text does not depend on whether its steps were built yet, nor on how many rows share
+    a compiled step."""
+    jobs = [dataclasses.replace(j, max_tokens=16) for j in make_jobs([3, 17, 9, 30, 5])]
+    eager = tokens(lm_int4, jobs, 4, compile="off", draft_tokens=0)
+    for batch_size in (4, 2, 1):
+        fast = tokens(lm_int4, jobs, batch_size, compile="on", draft_tokens=0)
+        differ = [k for k in eager if fast[k] != eager[k]]
+        assert differ == [], f"batch {batch_size}: {differ}: {fast[differ[0]]} != " \
+                             f"{eager[differ[0]]}"
