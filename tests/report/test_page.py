@@ -167,6 +167,75 @@ def test_model_text_cannot_break_out_of_the_page(tmp_path: Path) -> None:
     assert decode(text)["details"][0]["text"] == EVIL
 
 
+# Allowed masses (min, mean) on report_pages.py's lines: `broken` and `slow` never
+# weighed a constrained step; q1 and q2 tie, so file order keeps q1 first.
+MASSES = {"pair": (0.002, 0.41), "person": (0.03, 0.5), "weather": (0.2, 0.6),
+          "city": (0.5, 0.9), "q1": (0.9, 0.95), "q2": (0.9, 0.97), "q3": (1.0, 1.0)}
+BENT_ORDER = ["pair", "person", "weather", "city", "q1", "q2", "q3"]
+HOSTILE = "<script>window.pwned = 1</script><b>bold</b> {\"name\": \"x\"}"
+
+
+def bent_results() -> list[dict[str, Any]]:
+    """The run with allowed masses, `person`'s text hostile and `weather`'s long and
+    over several lines (the page shows an excerpt of it)."""
+    out = results()
+    for line in out:
+        if line["id"] in MASSES:
+            low, mean = MASSES[line["id"]]
+            line["stats"].update(allowed_mass_min=low, allowed_mass_mean=mean,
+                                 allowed_mass_steps=4)
+        if line["id"] == "person":
+            line["text"] = HOSTILE
+        if line["id"] == "weather":
+            line["text"] = "<tool_call>\n" + '{"name": "get_weather", "arguments": {}}\n' * 4
+    return out
+
+
+def test_the_bent_section_lists_json_bent_most_lowest_first(tmp_path: Path) -> None:
+    """The section's lines are the `bent_most` `--json` prints, carried as they are (no
+    second ranking), each joined to its row by index and id; a line's hostile text stays
+    text in the page."""
+    path = write_jsonl(tmp_path / "r.jsonl", bent_results())
+    out = tmp_path / "r.html"
+    res = report(str(path), "--json", "--html", str(out))
+    assert res.exit_code == 0, res.output
+    printed = json.loads(res.stdout)["bent_most"]
+    text = out.read_text(encoding="utf-8")
+    data = decode(text)
+    bent = data["summary"]["bent_most"]
+    assert bent == printed
+    assert [b["id"] for b in bent] == BENT_ORDER
+    assert [(b["allowed_mass_min"], b["allowed_mass_mean"]) for b in bent] == [
+        MASSES[name] for name in BENT_ORDER]
+    # The key the page joins on names exactly one row, and that row is the line's.
+    table = rows(data)
+    for b in bent:
+        [joined] = [r for r in table if r["index"] == b["index"] and r["id"] == b["id"]]
+        assert joined["id"] == b["id"]
+    by_id = {r["id"]: r for r in table}
+    assert (by_id["pair"]["finish"], by_id["pair"]["valid"]) == ("stop", False)
+    assert (by_id["city"]["finish"], by_id["city"]["valid"]) == ("stop", True)
+    details = {r["id"]: d for r, d in zip(table, data["details"])}
+    assert details["person"]["text"] == HOSTILE
+    # The hostile text is in the page only as escaped JSON: no element of it is markup.
+    assert "<script>window.pwned" not in text and "<b>bold" not in text
+    assert text.count("<script") == 2
+    # Shown only when there is something to show, from the summary's own list.
+    assert '<section id="bent" aria-label="where the constraint bent the model" hidden>' in text
+    assert "data.summary.bent_most" in text
+
+
+def test_without_allowed_mass_the_bent_section_stays_hidden(tmp_path: Path,
+                                                            page_run: PageRun) -> None:
+    """An unconstrained run (no line carries an allowed mass) has an empty `bent_most`,
+    and the page's section and its link in the nav stay hidden, as the baseline's do
+    without a baseline."""
+    data, text = page(tmp_path, page_run)
+    assert data["summary"]["bent_most"] == []
+    assert '<section id="bent" aria-label="where the constraint bent the model" hidden>' in text
+    assert '<a href="#bent" id="nav-bent" hidden>' in text
+
+
 def test_payload_compresses_only_where_it_pays() -> None:
     small = {"a": "x" * 100}
     assert encode(small)[0] == "json"

@@ -4,7 +4,8 @@ selenium, one browser for the module.
 The page opens from `file://` with no console error and no request past its own file;
 its filters count what `report --json` counts (each expected figure is read from
 `--json`'s output, never from the page); a line opens with its validator errors; the
-baseline view lists the changed lines; 5,000 rows scroll with a few dozen elements.
+baseline view lists the changed lines; the lines the constraint bent most are listed
+lowest first, their text shown as text; 5,000 rows scroll with a few dozen elements.
 
 Without chromium, chromedriver or selenium these tests skip, unless AICI_REQUIRE_BROWSER
 is set (as .ci/run does after installing them): then they fail.
@@ -210,6 +211,63 @@ def test_the_baseline_view_lists_the_changed_lines(browser: Any, run: Any) -> No
     click(browser, '#baseline tr.change[data-id="q2"] a')
     assert browser.execute_script("return document.getElementById('detail').dataset.position") \
         == "1"
+
+
+# Allowed masses (min, mean) for three of report_pages.py's lines; `person` also writes
+# markup that would run if the page ever put a line's text in as HTML.
+BENT = {"pair": (0.002, 0.41), "person": (0.03, 0.5), "city": (0.5, 0.9)}
+HOSTILE = "<script>window.pwned=1</script><img src=x onerror=\"window.pwned=2\"><b>b</b>"
+
+
+def test_the_bent_section_lists_the_lines_lowest_first(browser: Any, tmp_path: Path) -> None:
+    lines = results()
+    for line in lines:
+        if line["id"] in BENT:
+            low, mean = BENT[line["id"]]
+            line["stats"].update(allowed_mass_min=low, allowed_mass_mean=mean,
+                                 allowed_mass_steps=4)
+        if line["id"] == "person":
+            line["text"] = HOSTILE + " " + "x" * 100
+        if line["id"] == "city":
+            line["id"] = 42  # an integer id: the row holds it as text
+    html = tmp_path / "bent.html"
+    res = report(str(write_jsonl(tmp_path / "bent.jsonl", lines)), "--html", str(html),
+                 "--json")
+    bent = json.loads(res.stdout)["bent_most"]
+    load(browser, html)
+    shown_rows = browser.execute_script(
+        "return [...document.querySelectorAll('#bent tr.bent-line')]"
+        ".map(r => [...r.querySelectorAll('td')].map(c => c.textContent))")
+    assert [b["id"] for b in bent] == ["pair", "person", 42]
+    assert [row[1] for row in shown_rows] == ["pair", "person", "42"]
+    assert shown_rows[0][:6] == ["8", "pair", "0.00200", "0.410", "stop", "✗"]
+    assert shown_rows[2][:6] == ["4", "42", "0.500", "0.900", "stop", "✓"]
+    links = "return document.querySelectorAll('#bent tr.bent-line td a').length"
+    assert browser.execute_script(links) == 3  # each joined to its row
+    excerpt = shown_rows[1][6]
+    assert excerpt.startswith(HOSTILE) and excerpt.endswith("…") and len(excerpt) == 80
+    assert browser.execute_script("return document.querySelectorAll('#bent script, #bent img, "
+                                  "#bent b').length") == 0
+    assert browser.execute_script("return window.pwned === undefined")
+    assert browser.execute_script("return document.getElementById('nav-bent').hidden") is False
+    title = browser.execute_script("return document.querySelector('#bent h2').textContent")
+    assert title == "Where the constraint bent the model"
+    click(browser, '[data-filter="errors"]')  # the line opens even where a filter hid it
+    click(browser, '#bent tr.bent-line[data-id="person"] a')
+    assert browser.execute_script("return document.getElementById('detail').dataset.position") \
+        == "2"
+    assert shown(browser) == 9
+    assert console_errors(browser) == []
+
+
+def test_without_allowed_mass_there_is_no_bent_section(browser: Any, run: Any) -> None:
+    html, summary = run
+    assert summary["bent_most"] == []
+    load(browser, html)
+    assert browser.execute_script("return [document.getElementById('bent').hidden, "
+                                  "document.getElementById('nav-bent').hidden, "
+                                  "document.getElementById('bent').children.length]") \
+        == [True, True, 0]
 
 
 def wait_shown(driver: Any, count: int) -> None:

@@ -1,4 +1,5 @@
-// aici-batch report --html: unpack the data, then draw the run, the table and the plots.
+// aici-batch report --html: unpack the data, then draw the run, the table, the lines the
+// constraint bent most, the baseline and the plots.
 (async function boot() {
   let data;
   try {
@@ -11,6 +12,7 @@
   document.getElementById("title").textContent = "aici-batch report: " + data.title;
   AB.renderRun(data);
   AB.table = new AB.Table(data, (position) => AB.showLine(data, position));
+  AB.renderBent(data);
   AB.renderBaseline(data);
   AB.renderPlots(data);
   AB.table.openFromHash();

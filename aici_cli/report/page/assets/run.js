@@ -1,5 +1,6 @@
-// aici-batch report --html: the run's figures and gates, the baseline, the plots. Every
-// figure comes from `data.summary`, the object `report --json` prints.
+// aici-batch report --html: the run's figures and gates, the lines the constraint bent
+// most, the baseline, the plots. Every figure comes from `data.summary`, the object
+// `report --json` prints.
 
 AB.card = (label, value, sub, test) =>
   AB.el("div", { class: "card", "data-card": test }, AB.el("div", { class: "label", text: label }),
@@ -53,6 +54,57 @@ AB.renderRun = function (data) {
   const notes = (s.notes || []).map((n) => AB.el("li", { text: n }));
   document.getElementById("run").replaceChildren(...AB.flat(AB.el("h2", { text: "Run" }), AB.cards(s),
     AB.gates(s.gates), notes.length ? AB.el("ul", { class: "muted" }, notes) : null));
+};
+
+// An allowed mass, to 3 significant digits: the masses worth a look are often tiny.
+AB.mass = (x) => (x === null || x === undefined ? "–" : x === 0 ? "0" : Number(x).toPrecision(3));
+
+// Enough of a line's text to know it by, on one row; the whole is a click away.
+AB.EXCERPT = 80;
+AB.excerpt = function (text) {
+  const flat = String(text || "").replace(/\s+/g, " ").trim();
+  return flat.length > AB.EXCERPT ? flat.slice(0, AB.EXCERPT - 1) + "…" : flat;
+};
+
+// The lines whose constraint left the model the least probability on the tokens it
+// allowed: `summary.bent_most` as `report --json` prints it (lowest first), each joined to
+// its row for what the line did. A run without allowed masses (nothing constrained) has
+// none, and the section stays hidden, as the baseline's does without a baseline.
+AB.renderBent = function (data) {
+  const bent = data.summary.bent_most || [];
+  if (!bent.length) return;
+  const col = Object.fromEntries(data.columns.map((name, i) => [name, i]));
+  // By index, and by id where the result had one: a row holds it as text (an integer id
+  // too), and names "line N" a line without one (a falsy id, as aici_cli/report/lines.py
+  // reads it).
+  const positionOf = (b) => data.rows.findIndex((r) => r[col.index] === b.index &&
+    (!b.id || r[col.id] === String(b.id)));
+  const rows = bent.map((b) => {
+    const position = positionOf(b);
+    const r = position < 0 ? null : data.rows[position];
+    const d = position < 0 ? {} : data.details[position] || {};
+    const name = r ? r[col.id] : String(b.id || `line ${b.index}`);
+    const valid = r ? r[col.valid] : null;
+    const excerpt = AB.excerpt(d.text);
+    return AB.el("tr", { class: "bent-line", "data-index": b.index, "data-id": name },
+      AB.el("td", { class: "num", text: b.index }),
+      AB.el("td", {}, r ? AB.el("a", { href: "#", text: name, onclick: (e) => { e.preventDefault(); AB.table.openAt(position); } }) : name),
+      AB.el("td", { class: "num", "data-mass": "min", text: AB.mass(b.allowed_mass_min) }),
+      AB.el("td", { class: "num", "data-mass": "mean", text: AB.mass(b.allowed_mass_mean) }),
+      AB.el("td", { text: r && r[col.finish] !== null ? r[col.finish] : "–" }),
+      AB.el("td", { text: valid === null ? "–" : valid ? "✓" : "✗" }),
+      AB.el("td", { class: "excerpt" }, excerpt ? AB.el("code", { text: excerpt }) : AB.el("span", { class: "muted", text: "–" })));
+  });
+  const section = document.getElementById("bent");
+  section.hidden = false;
+  document.getElementById("nav-bent").hidden = false;
+  section.replaceChildren(AB.el("h2", { text: "Where the constraint bent the model" }),
+    AB.el("p", { class: "muted", text: (bent.length === 1 ? "The line" : `The ${bent.length} lines`) + " whose constraint left the model the least probability " +
+      "on the tokens it allowed, at some step (allowed mass min), lowest first; the mean is over the line's " +
+      "constrained steps. A low mass: the model wanted what the constraint forbade." }),
+    AB.el("table", { class: "plain bent", "data-count": bent.length },
+      AB.el("tr", {}, [["#", "num"], ["id"], ["allowed mass min", "num"], ["mean", "num"], ["finish"], ["valid"], ["text"]]
+        .map(([h, cls]) => AB.el("th", { class: cls, text: h }))), rows));
 };
 
 // The accuracy delta and its 95% interval on an axis through zero.

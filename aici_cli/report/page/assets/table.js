@@ -184,7 +184,11 @@ AB.Table = class {
   }
 
   openById(id) {
-    const position = this.rows.findIndex((r) => r[this.col.id] === id);
+    this.openAt(this.rows.findIndex((r) => r[this.col.id] === id));
+  }
+
+  // A line named elsewhere on the page: shown in the table even if a filter or search hid it.
+  openAt(position) {
     if (position < 0) return;
     if (!this.order.includes(position)) { this.query = ""; document.getElementById("search").value = ""; this.setFilter("all"); }
     document.getElementById("lines").scrollIntoView();
