@@ -145,6 +145,7 @@ class EarlyClose:
         self.undone_tokens = 0  # tokens the loop guard took back (undone or closed from)
         self._bars: dict[int, set[int]] = {}  # position -> tokens barred there
         self._missed = -REPLAN_EVERY  # where a completion walk last found none
+        self._checked = 0  # the tokens there were at the last `decide`
 
     def barred(self) -> set[int]:
         """Tokens the model may not write next: the first of an undone loop, at the
@@ -171,6 +172,7 @@ class EarlyClose:
         self._bars = {p: b for p, b in self._bars.items() if p <= keep}
 
     def _truncate(self, keep: int) -> None:
+        self._checked = min(self._checked, keep)
         if self._missed > keep:
             self._missed = -REPLAN_EVERY
         del self.tokens[keep:]
@@ -187,10 +189,51 @@ class EarlyClose:
     def decide(self, m: llguidance.LLMatcher) -> Close | Undo | None:
         """Whether to finish now (a `Close`) or take a loop back (an `Undo`), from `m`,
         the matcher after every token so far. What is returned is already applied to `m`
-        (rolled back, completion consumed)."""
-        c = self.closing
+        (rolled back, completion consumed).
+
+        A loop is looked for after each token consumed since the last call, not only
+        after the last: where a step brought several (fast-forward, drafts), one that
+        loops and then ends the run (a run of spaces, then its closing quote) is known
+        where a step of one token would have known it, so a line's text does not
+        depend on how many tokens its steps bring. The decision is then made there, as
+        if the tokens after it had not come, and counts them in what it takes back."""
         if m.is_stopped() or m.is_error():
             return None
+        later = self._tokens_after_loop()
+        if later:
+            m.rollback(later)
+            taken = self.tokens[len(self.tokens) - later :]
+            self.rollback(later)
+        decided = self._decide(m)
+        self._checked = len(self.tokens)
+        if not later:
+            return decided
+        if decided is None:  # not expected with a loop found; the tokens stand, as they came
+            if not m.consume_tokens(taken):
+                raise RuntimeError("the grammar refused tokens it had accepted")
+            self.consumed(taken)
+            self._checked = len(self.tokens)
+            return None
+        if isinstance(decided, Undo):
+            return Undo(decided.backtrack + later)
+        return Close(decided.backtrack + later, decided.tokens, decided.reason)
+
+    def _tokens_after_loop(self) -> int:
+        """How many of the tokens consumed since the last `decide` come after the first
+        one the output loops at (0: it loops at none before the last)."""
+        if not self.closing.loop_guard:
+            return 0
+        n = len(self.tokens)
+        for at in range(max(1, self._checked + 1), n):
+            end = self._ends[at - 1]
+            tail = bytes(self._text[max(0, end - 4 * WINDOW) : end]).decode("utf-8", "replace")
+            if find_loop(tail) is not None:
+                return n - at
+        return 0
+
+    def _decide(self, m: llguidance.LLMatcher) -> Close | Undo | None:
+        """`decide` with the output as it stands."""
+        c = self.closing
         pos = len(self.tokens)
         left = c.max_tokens - pos
         tail = self.text(tail=4 * WINDOW) if c.loop_guard else ""

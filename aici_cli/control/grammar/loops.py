@@ -29,7 +29,7 @@ from dataclasses import dataclass
 # The longest unit looked for (characters): a repeated key/value pair or list item.
 MAX_PERIOD = 200
 # A loop covers at least this many characters ...
-MIN_SPAN = 40
+MIN_SPAN = 20
 # ... and holds its unit at least this many times: known at its second unit.
 MIN_REPEATS = 2
 # How much of the output's tail is looked at (characters): the longest loop that must be
