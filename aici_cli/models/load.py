@@ -7,7 +7,9 @@ files (`model_files`) to say which one is at fault, since transformers' own erro
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from aici_cli.models.device import DTYPES, pick_device, pick_dtype
 from aici_cli.models.families.llama import unsupported
 from aici_cli.models.families.transformers_build import attention_implementation, fill_buffers
 from aici_cli.models.gguf.entry_record import BASE_FILE, DENSE_FILE
+from aici_cli.models.kernels import int_mm
+from aici_cli.models.kernels import probe as kernel_probe
 from aici_cli.models.kernels.aligned import align_model
 from aici_cli.models.kernels.probe import KernelChoice, choose_kernels
 from aici_cli.models.progress import current_progress
@@ -80,6 +84,10 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     resolve_mode(quantize, Path(), torch.float32)  # refuses an unknown mode before any work
+    if torch_device.type == "cpu" and quantize != "none":
+        # The int kernels' library, where a quantised CPU run may take them, built while
+        # the model resolves (its first run converts a GGUF file, mostly on one core).
+        int_mm.start_build()
     path, name = resolve_with_name(spec)
     mode = resolve_mode(quantize, path, torch_dtype, torch_device)
     kernels = _probed(path, torch_device, dtype, quantize, torch_dtype, mode)
@@ -107,17 +115,11 @@ def load_model(spec: str | None, device: str = "auto", dtype: str = "auto",
     eos_ids |= _as_id_set(tok.eos_token_id)
     if not eos_ids:
         raise ModelError(f"model at {path} defines no end-of-sequence token")
-    return LoadedModel(
-        model=model,
-        tokenizer=tok,
-        name=name,
-        device=torch_device,
-        dtype=torch_dtype,
-        vocab_size=int(model.config.get_text_config().vocab_size),
-        eos_token_ids=frozenset(eos_ids),
-        quantize=mode,
-        kernels=kernels, path=path,
-    )
+    return LoadedModel(model=model, tokenizer=tok, name=name, device=torch_device,
+                       dtype=torch_dtype,
+                       vocab_size=int(model.config.get_text_config().vocab_size),
+                       eos_token_ids=frozenset(eos_ids), quantize=mode, kernels=kernels,
+                       path=path)
 
 
 def _probed(path: Path, device: torch.device, dtype_spec: str, quantize_spec: str,
@@ -133,11 +135,34 @@ def _probed(path: Path, device: torch.device, dtype_spec: str, quantize_spec: st
     def auto_quantize(dt: str) -> str:
         return resolve_mode(quantize_spec, path, DTYPES[dt], device)
 
+    ahead = _probe_int_kernels_ahead(path, device, dtype, mode)
     choice = choose_kernels(path, device.type, dtype_spec, quantize_spec,
                             str(dtype).removeprefix("torch."), mode, auto_quantize)
+    if ahead is not None:
+        ahead.join()
     if choice.note is not None:
         current_progress().note(choice.note)
     return choice
+
+
+def _probe_int_kernels_ahead(path: Path, device: torch.device, dtype: torch.dtype,
+                             mode: str) -> threading.Thread | None:
+    """The int kernels' probe at this dtype (`int_mm.wanted` asks it when the layers are
+    built, and finds its verdict in the probe's cache) started on a thread, so that its
+    child runs beside `choose_kernels`' rather than after it; None where a load would
+    not ask it. The thread prints nothing: a failure is the later probe's to say."""
+    if mode == "none" or device.type != "cpu" or not kernel_probe.enabled() \
+            or dtype not in (torch.bfloat16, torch.float32) or int_mm.unusable() is not None:
+        return None
+    shapes, name = kernel_probe.Shapes.of(path), str(dtype).removeprefix("torch.")
+
+    def probe() -> None:
+        with contextlib.suppress(Exception):  # `int_mm.wanted` probes again and raises
+            int_mm.probed(shapes, name)
+
+    thread = threading.Thread(target=probe, daemon=True, name="int-kernels-probe")
+    thread.start()
+    return thread
 
 
 def _note_default_files(path: Path, mode: str, device: torch.device) -> None:

@@ -28,7 +28,9 @@ Modules (* imports torch):
     cpu_features.py  the CPU's flags, model and torch's capability, read once
     int_mm.py *      the int kernels' variants: choose, build, load, use, reference
     int_mm.cpp       the torch operators over native/: checks, output, threads
+    native_build.py  a native library compiled into the cache, found once a process
     rows_attention.py * one-token rows' attention over their own slots, where it applies
+    native_norm.py *  a decoder's RMSNorm as one opaque call: the compiled step's norms
     probe.py         the kernel probe's verdicts, cached per machine; runs the child
     aligned.py *     every weight a kernel reads at a 64-byte boundary
     huge_pages.py *  the weights a step streams read onto 2 MiB pages, where the kernel lends them

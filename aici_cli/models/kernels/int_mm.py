@@ -42,14 +42,13 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from aici_cli.core.cache_paths import cache_dir
-from aici_cli.models.kernels import probe
+from aici_cli.models.kernels import native_build, probe
 from aici_cli.models.kernels.cpu_features import cpu_features
 from aici_cli.models.kernels.rows_attention import ATTENTION_FLAGS
 
@@ -319,12 +318,25 @@ def variant() -> Variant | str:
 def unusable() -> str | None:
     """Why this machine or process cannot run the kernels, or None (builds the library
     the first time)."""
-    if os.environ.get(ENV, "").lower() in ("off", "0", "false", "no"):
+    if _turned_off():
         return f"{ENV}=off"
     chosen = variant()
     if isinstance(chosen, str):
         return chosen
     return _load(chosen)
+
+
+def start_build() -> None:
+    """This CPU's variant's library found or built on a thread of its own, where this
+    process has not yet and the kernels are on: its compilers run while the caller works
+    on (a load converts its GGUF file meanwhile), and `unusable` waits for what is left."""
+    chosen = None if _turned_off() else variant()
+    if isinstance(chosen, Variant):
+        native_build.in_background(chosen, functools.partial(_find_or_build, chosen))
+
+
+def _turned_off() -> bool:
+    return os.environ.get(ENV, "").lower() in ("off", "0", "false", "no")
 
 
 def _objects(v: Variant) -> list[tuple[Path, list[str]]]:
@@ -352,8 +364,29 @@ def _source_digest() -> str:
 
 @functools.cache
 def _load(v: Variant) -> str | None:
-    """Builds (where the cache lacks it) and loads the operators' library for variant
-    `v`, once a process: None, or why not."""
+    """Loads the operators' library for variant `v` (built where the cache lacks it, or
+    waited for where `start_build` builds it), once a process: None, or why not."""
+    built = _library(v)
+    if isinstance(built, str):
+        return built
+    try:
+        torch.ops.load_library(str(built))
+    except (OSError, RuntimeError) as e:
+        built.unlink(missing_ok=True)  # built again by the next process
+        return f"its library did not load ({type(e).__name__}: {str(e)[:200]})"
+    _register_fakes()
+    return None
+
+
+def _library(v: Variant) -> Path | str:
+    """Variant `v`'s library, its path or why there is none: found once a process (by
+    `start_build`'s thread or `_load`, the other waiting for it)."""
+    return native_build.once(v, functools.partial(_find_or_build, v))
+
+
+def _find_or_build(v: Variant) -> Path | str:
+    """Variant `v`'s library in the cache, built where it is missing: its path, or why
+    not."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cc is None or cxx is None:
@@ -381,46 +414,14 @@ def _load(v: Variant) -> str | None:
                                                  + libraries).encode()
             + versions.encode() + torch.__version__.encode()).hexdigest()
         built = cache_dir() / "kernels" / f"int-{v.name}-{digest[:16]}.so"
-        if not built.is_file():
-            problem = _build(built, v, cc, cxx, c_flags, cxx_flags, libraries)
+        if not built.is_file():  # ~10-13 s of compilers on a loaded 2-core machine
+            problem = native_build.compile_library(built, cc, _objects(v), c_flags, cxx,
+                                                   SOURCE, cxx_flags, libraries)
             if problem is not None:
                 return problem
     except (OSError, subprocess.SubprocessError) as e:
         return f"building its library failed ({type(e).__name__}: {str(e)[:200]})"
-    try:
-        torch.ops.load_library(str(built))
-    except (OSError, RuntimeError) as e:
-        built.unlink(missing_ok=True)  # built again by the next process
-        return f"its library did not load ({type(e).__name__}: {str(e)[:200]})"
-    _register_fakes()
-    return None
-
-
-def _build(built: Path, v: Variant, cc: str, cxx: str, c_flags: list[str],
-           cxx_flags: list[str], libraries: list[str]) -> str | None:
-    """The library at `built`, made in a temporary folder beside it and renamed into
-    place (another process may build the same one at once): None, or why not (~6 s)."""
-    built.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".int-", dir=built.parent) as tmp:
-        objects = []
-        for source, flags in _objects(v):
-            obj = Path(tmp) / f"{source.stem}.o"
-            steps = [cc, *c_flags, *flags, "-c", str(source), "-o", str(obj)]
-            done = subprocess.run(steps, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                return f"building its library failed ({_tail(done.stderr)})"
-            objects.append(str(obj))
-        out = Path(tmp) / built.name
-        done = subprocess.run([cxx, *cxx_flags, "-o", str(out), str(SOURCE), *objects,
-                               *libraries], capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            return f"building its library failed ({_tail(done.stderr)})"
-        os.replace(out, built)
-    return None
-
-
-def _tail(stderr: str) -> str:
-    return (stderr.strip().splitlines() or ["no output"])[-1][:200]
+    return built
 
 
 def _register_fakes() -> None:
