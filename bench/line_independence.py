@@ -73,16 +73,19 @@ def run(name: str, src: Path, folder: Path, extra: list[str], env: dict[str, str
                "--cpus-per-worker", "1"]
     else:
         cmd = [*base, "--batch-size", "8"]
-        _killed_after(cmd, out, env, results=6)
+        kept = _killed_after(cmd, out, env, results=6)
         cmd = [*cmd, "--resume"]
     subprocess.run(cmd, env=env, check=False, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)
     summary = json.loads(stats.read_text()) if stats.is_file() else {}
+    if name == "resume":
+        summary["before_resume"] = kept
     return read(out), summary
 
 
-def _killed_after(cmd: list[str], out: Path, env: dict[str, str], results: int) -> None:
-    """Start `cmd` and SIGKILL its process group once `out` holds `results` lines."""
+def _killed_after(cmd: list[str], out: Path, env: dict[str, str], results: int) -> int:
+    """Start `cmd` and SIGKILL its process group once `out` holds `results` lines: the
+    whole lines it held then."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     while proc.poll() is None:
@@ -91,6 +94,7 @@ def _killed_after(cmd: list[str], out: Path, env: dict[str, str], results: int) 
             break
         time.sleep(0.05)
     proc.wait()
+    return out.read_text().count("\n") if out.is_file() else 0
 
 
 def main() -> int:
@@ -121,11 +125,16 @@ def main() -> int:
         differ = sorted(k for k, r in reference.items()
                         if k not in results or (results[k]["text"], results[k]["finish_reason"])
                         != (r["text"], r["finish_reason"]))
+        workers = len((summary.get("ray") or {}).get("workers") or [])
         table[name] = {"lines": len(results), "differ": differ,
                        "tokens_per_s": summary.get("tokens_per_s"),
+                       "ray_workers": workers, "before_resume": summary.get("before_resume"),
                        "made_with": next(iter(results.values()), {}).get("made_with")}
+        how = (f" ({workers} Ray workers)" if workers else
+               f" ({summary['before_resume']} lines before the kill)"
+               if "before_resume" in summary else "")
         print(f"{name:8} {len(results):5d} {len(differ):6d} "
-              f"{summary.get('tokens_per_s') or 0:7.1f}  {', '.join(differ[:6])}")
+              f"{summary.get('tokens_per_s') or 0:7.1f}  {', '.join(differ[:6])}{how}")
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
     return 0
