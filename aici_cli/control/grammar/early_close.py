@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import llguidance
 import numpy as np
 
+from aici_cli.control.grammar.close_choice import CloseChoice
 from aici_cli.control.grammar.closing import Closer, boundaries
 from aici_cli.control.grammar.hints import NO_HINTS, Hints
 from aici_cli.control.grammar.keyword_guard import clear_bits
@@ -67,12 +68,6 @@ MARGIN = 4
 # The longest completion looked for (tokens): bounds a walk's cost where the closer finds
 # no way to the end (it then tries every token up to here).
 WALK_LIMIT = 256
-# Other completions tried where the schema rejects the first (a walk and a validation
-# each, once a line).
-VARIANTS = 8
-# Walks a close's completion is steered through (`_steered`): the k-th repeated item of a
-# `uniqueItems` array takes up to k of them.
-STEER_WALKS = 16
 # The close reason of a loop neither the current position nor a plan could close: the
 # output is cut where the loop begins, and the sequence ends as at the limit ("length").
 UNCLOSABLE = "loop_unclosable"
@@ -133,6 +128,8 @@ class EarlyClose:
         self.accepts = accepts
         self.fault_at = fault_at
         self.token_bytes = closing.closer.decode_bytes
+        # Which completion a close takes where the schema says more than the grammar.
+        self._choice = CloseChoice(closing.closer, hints, accepts, fault_at)
         self.tokens: list[int] = []
         self._text = bytearray()  # the output's bytes
         self._ends: list[int] = []  # len(self._text) after each token
@@ -385,73 +382,13 @@ class EarlyClose:
                                               self.hints)
         return done if done else None
 
-    def _accepted(self, m: llguidance.LLMatcher, tokens: list[int]) -> list[int]:
-        """`tokens`, or where the value they close breaks the schema, another completion
-        from here (within the budget) that keeps it: first the walk steered away from
-        each fault the keyword guard finds in it (`_steered`), then the walk with one of
-        its choices barred (`Closer.variants`). The schema's own verdict stays on the
-        line (`valid`) where none keeps it. Costs a validation (and a keyword scan) per
-        completion tried, at most STEER_WALKS + VARIANTS + 1 walks (~1 ms each on a
-        small schema), once a line."""
-        if self._keeps(tokens):
-            return tokens
-        text = self.text()
-        left = min(self.closing.max_tokens - len(self.tokens), WALK_LIMIT)
-        steered = self._steered(m, text, left)
-        if steered is not None:
-            return steered
-        for other in self.closing.closer.variants(m, text, left, self.hints, VARIANTS):
-            if self._keeps(other):
-                return other
-        return tokens
-
-    def _keeps(self, tokens: list[int]) -> bool:
-        """Whether the output closed by `tokens` keeps the schema: its validator's verdict
-        and no fault of the keyword guard's."""
-        whole = bytes(self._text) + self.token_bytes(tokens)
-        if self.accepts is not None and not self.accepts(whole.decode("utf-8", "replace")):
-            return False
-        return self.fault_at is None or self.fault_at(whole) is None
-
-    def _steered(self, m: llguidance.LLMatcher, text: str, left: int) -> list[int] | None:
-        """The completion walked again, up to STEER_WALKS times, each time with the choice
-        that began the first fault in it barred there too (bars accumulate: a third
-        repeated item is barred its first letter, then its second): a completion that
-        keeps `uniqueItems` or `minProperties`, which one bar at a time cannot reach.
-        None where the keyword guard is off, or a fault lies all in what the model wrote."""
-        if self.fault_at is None:
-            return None
-        bars: set[tuple[int, int]] = set()
-        written = len(self._text)
-        for _ in range(STEER_WALKS):
-            tokens, choices = self.closing.closer.walk(m, text, left, self.hints,
-                                                       frozenset(bars))
-            if tokens is None:
-                return None
-            if self._keeps(tokens):
-                return tokens
-            whole = bytes(self._text) + self.token_bytes(tokens)
-            fault = self.fault_at(whole)
-            if fault is None or fault[1] <= written:  # all of it the model's
-                return None
-            # The completion's first choice from the fault's first byte on (or from the
-            # completion's start, where the value began in what the model wrote).
-            starts, size = [], written
-            for t in tokens:
-                starts.append(size)
-                size += len(self.token_bytes([t]))
-            chosen = next(((p, t) for p, t in choices if starts[p] >= fault[0]), None)
-            if chosen is None or chosen in bars:
-                return None
-            bars.add(chosen)
-        return None
-
     def _close(self, m: llguidance.LLMatcher, backtrack: int, tokens: list[int],
                reason: str) -> Close | None:
         """Finish with `tokens` after `backtrack` tokens taken back (from `m` and this
         state already)."""
         if tokens and self.accepts is not None:
-            tokens = self._accepted(m, tokens)
+            left = min(self.closing.max_tokens - len(self.tokens), WALK_LIMIT)
+            tokens = self._choice.accepted(m, bytes(self._text), left, tokens)
         if tokens and not m.consume_tokens(tokens):
             return None
         self.consumed(tokens)
