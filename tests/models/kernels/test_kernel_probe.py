@@ -207,8 +207,8 @@ def test_doctor_prints_the_fingerprint_every_verdict_and_the_pick(
     # `auto`'s first mode is this machine's (int4 where bf16 is native, the CPU's own
     # kernels elsewhere): it is rejected, and walked past, only where it is the faulty int4.
     monkeypatch.setenv("AICI_BATCH_CACHE", env["AICI_BATCH_CACHE"])  # converted there
-    first = resolve_mode("auto", resolve_model(str(gguf)),
-                         pick_dtype("auto", torch.device("cpu")))
+    cpu = torch.device("cpu")
+    first = resolve_mode("auto", resolve_model(str(gguf)), pick_dtype("auto", cpu), cpu)
     auto = report["auto"]
     assert auto["quantize"] != "int4"
     assert bool(auto["rejected"]) == (first == "int4"), (first, auto)
