@@ -94,9 +94,10 @@ def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> P
     # built is found below, and no two builds share the cores.
     with builders_turn(lambda: say("waiting for a run's builder of the compiled steps")):
         for n, cache_rows in builds:
-            say(f"building the compiled one-token step for {n} row{'s' * (n > 1)}"
+            # Found in the cache where an earlier prepare or run's builder made it.
+            say(f"the compiled one-token step for {n} row{'s' * (n > 1)}"
                 f"{' in a one-row cache (--batch-size 1)' if cache_rows == 1 < len(builds) else ''}"
-                " (once per model, mode and machine)")
+                ": built once per model, mode and machine, found where it was")
             engine = _drive(lm, dataclasses.replace(engine_config, compile="on",
                                                     batch_size=cache_rows), n)
             problem = engine.compiled_step_problem
