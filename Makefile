@@ -38,13 +38,14 @@ $(JS_STAMP): $(JS_DIR)/package.json $(JS_DIR)/package-lock.json
 
 setup: $(BIN)/.installed $(JS_STAMP)
 
-# `prepare` first: the model's conversion and its compiled one-token step, built once per
-# machine (~4 min on 2 cores), so that this run and every later one at the defaults start compiled.
 # The lines first (eager, while the run's builder starts on the compiled steps), then
 # `prepare`: it waits for that builder and builds the rest, so the next run starts compiled.
+# Each result printed as its line finishes (stdout, kept in examples/results.jsonl), the
+# progress and summary on stderr; a line's own error (exit 1) does not stop the demo.
+demo: SHELL := /bin/bash
 demo: setup
-	$(BIN)/aici-batch run examples/prompts.jsonl -o examples/results.jsonl --stats-out examples/stats.json; \
-	  status=$$?; cat examples/results.jsonl; [ $$status -le 1 ] || exit $$status
+	$(BIN)/aici-batch run examples/prompts.jsonl --stats-out examples/stats.json \
+	  | tee examples/results.jsonl; status=$${PIPESTATUS[0]}; [ $$status -le 1 ] || exit $$status
 	$(BIN)/aici-batch prepare
 
 test: setup
