@@ -88,9 +88,14 @@ def results_in(path: Path) -> dict[int, dict[str, Any]]:
 
 
 def without_stats(results: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Everything but the timings (and the worker) of each result and of its samples."""
+    """Everything but the timings (and the worker) of each result and of its samples, and
+    `made_with.batch_variant`: how a result was computed (a worker's compile mode), never
+    what was asked, as resume treats it."""
     def strip(result: dict[str, Any]) -> dict[str, Any]:
         out = {k: v for k, v in result.items() if k != "stats"}
+        if isinstance(out.get("made_with"), dict):
+            out["made_with"] = {k: v for k, v in out["made_with"].items()
+                                if k != "batch_variant"}
         if "choices" in out:
             out["choices"] = [strip(sample) for sample in out["choices"]]
         return out
