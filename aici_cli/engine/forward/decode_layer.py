@@ -169,11 +169,17 @@ def all_layers_step(layers: list[DecodeLayer], h: torch.Tensor, cos: torch.Tenso
 
 StepFn = Callable[..., torch.Tensor]
 
+# Inductor rounds a fused chain of 16-bit elementwise ops (RoPE, the MLP's act(gate) * up,
+# the residual adds) once, where eager rounds after each op: a bf16 step's tokens would
+# part from the eager passes' by a bit at one row. With the casts emulated each op rounds
+# as eager does (float32 graphs are unchanged: there is no cast to emulate).
+EAGER_ROUNDING: dict[str, bool] = {"emulate_precision_casts": True}
+
 # Dynamo's guards on the layers' modules are dropped (module docstring); size asserts cost
 # about as much as the guards.
 _CPU_OPTIONS: dict[str, str | int | bool | Callable[..., Any]] = {
     "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-    "size_asserts": False}
+    "size_asserts": False, **EAGER_ROUNDING}
 
 
 class LayerGraphs:

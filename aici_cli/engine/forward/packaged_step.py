@@ -47,7 +47,14 @@ import torch
 from aici_cli.core.cache_paths import cache_dir
 from aici_cli.core.file_lock import exclusive_lock
 from aici_cli.engine.forward import decode_layer
-from aici_cli.engine.forward.decode_layer import DecodeLayer, Tables, all_layers_step, slides
+from aici_cli.engine.forward.decode_layer import (
+    EAGER_ROUNDING,
+    DecodeLayer,
+    Tables,
+    all_layers_step,
+    slides,
+)
+from aici_cli.models.kernels import native_norm, rows_attention
 from aici_cli.models.kernels.cpu_features import cpu_features
 from aici_cli.models.kernels.probe import fingerprint
 
@@ -102,9 +109,11 @@ def package_file(model: Any, rows: int, cache_rows: int) -> Path:
     shapes = [[(name, list(t.shape), str(t.dtype)) for name, t in
                (*layer.named_parameters(remove_duplicate=False),
                 *layer.named_buffers(remove_duplicate=False))] for layer in layers]
+    # The operators' Python sides too: which calls a trace takes (rows_attention's dtypes)
+    # is decided there.
     sources = [inspect.getsource(module) for module in
                (decode_layer, sys.modules[type(attn.q_proj).__module__],
-                sys.modules[type(attn).__module__])]
+                sys.modules[type(attn).__module__], rows_attention, native_norm)]
     config = model.config
     key = json.dumps({
         "version": PACKAGE_VERSION, "torch": torch.__version__, "rows": rows,
@@ -214,7 +223,7 @@ def _export_and_compile(layers: list[DecodeLayer], example: tuple[Any, ...],
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
             aoti_compile_and_package(program, package_path=str(path), inductor_configs={
-                "aot_inductor.package_constants_in_so": False})
+                "aot_inductor.package_constants_in_so": False, **EAGER_ROUNDING})
     finally:
         GraphLowering.add_tensor_constant = original  # type: ignore[method-assign]
     torch.save(made, path.with_suffix(".constants.pt"))

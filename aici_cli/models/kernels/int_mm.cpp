@@ -130,17 +130,20 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::
   });
 }
 
-// q [S, G, R, D], k and v [>= S, G, >= max(lengths), D] float32 (views: any strides but
-// D's), lengths [S] int64: each row's attention over its own first lengths[s] slots
-// (native/rows_attention.c), [S, G, R, D]; the (row, head) pairs split over threads.
+// q [S, G, R, D], k and v [>= S, G, >= max(lengths), D], all float32 or all bf16 (views:
+// any strides but D's), lengths [S] int64: each row's attention over its own first
+// lengths[s] slots (native/rows_attention.c), [S, G, R, D] in q's dtype; the (row, head)
+// pairs split over threads. The arithmetic is float32 either way: a bf16 output is the
+// float32 result rounded once (to nearest even, as a torch cast rounds).
 at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && lengths.dim() == 1,
               "aici::rows_attention: q, k, v [rows, kv_heads, ., D] and lengths [rows]");
   int64_t S = q.size(0), G = q.size(1), R = q.size(2), D = q.size(3);
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat && lengths.scalar_type() == at::kLong,
-              "aici::rows_attention: float32 q, k, v and int64 lengths");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype && lengths.scalar_type() == at::kLong,
+              "aici::rows_attention: q, k, v all float32 or all bf16, and int64 lengths");
   TORCH_CHECK(k.size(0) >= S && v.size(0) >= S && k.size(1) == G && v.size(1) == G &&
                   k.size(3) == D && v.size(3) == D && k.size(2) == v.size(2) &&
                   lengths.size(0) == S && R <= AICI_MAX_REP,
@@ -154,16 +157,17 @@ at::Tensor rows_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     TORCH_CHECK(lp[s] >= 0 && lp[s] <= k.size(2), "aici::rows_attention: a length past the cache");
     longest = std::max(longest, lp[s]);
   }
-  at::Tensor out = at::empty({S, G, R, D}, q.options());
-  aici_attention_args args{q.data_ptr<float>(), {q.stride(0), q.stride(1), q.stride(2)},
-                           k.data_ptr<float>(), {k.stride(0), k.stride(1), k.stride(2)},
-                           v.data_ptr<float>(), {v.stride(0), v.stride(1), v.stride(2)},
-                           lp, G, R, D, static_cast<float>(scale), out.data_ptr<float>()};
+  at::Tensor out = at::empty({S, G, R, D}, q.options().dtype(at::kFloat));
+  aici_attention_args args{q.data_ptr(), {q.stride(0), q.stride(1), q.stride(2)},
+                           k.data_ptr(), {k.stride(0), k.stride(1), k.stride(2)},
+                           v.data_ptr(), {v.stride(0), v.stride(1), v.stride(2)},
+                           lp, G, R, D, static_cast<float>(scale), out.data_ptr<float>(),
+                           dtype == at::kBFloat16 ? AICI_ELEM_BF16 : AICI_ELEM_F32};
   at::parallel_for(0, S * G, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(1, R * longest)));
     aici_rows_attention(&args, begin, end, scores.data());
   });
-  return out;
+  return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 // x [..., hidden], weight [hidden]: an RMSNorm over the last dimension as

@@ -350,6 +350,7 @@ def _objects(v: Variant) -> list[tuple[Path, list[str]]]:
 
 def _sources(v: Variant) -> list[Path]:
     return [NATIVE / "int_dot.h", NATIVE / "tiles.h", NATIVE / "rows_attention.h",
+            NATIVE / "rows_attention_body.h",
             *(path for path, _ in _objects(v))]
 
 

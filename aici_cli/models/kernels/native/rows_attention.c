@@ -1,5 +1,6 @@
 /* Attention of a few queries a key/value head over each row's own slots: the one-token
- * rows of an eager pass (engine/forward/attention.py's single group), float32.
+ * rows of an eager pass (engine/forward/attention.py's single group), float32 or bf16
+ * inputs (rows_attention_body.h, once per type), float32 arithmetic and output.
  *
  * PyTorch's attention over such a group reads every row's keys up to the longest row's
  * length (a mask hides the rest), and the rows sitting the call out (a prompt's row) up
@@ -10,7 +11,7 @@
  * g), over slots j < L = lengths[s]:
  *   score[r][j] = scale (q[s][g][r] . k[s][g][j])
  *   p = exp(score - max_j score), out[s][g][r] = sum_j p[j] v[s][g][j] / sum_j p[j]
- * in float32, keys and values read once each. Its sums run in another order than
+ * in float32 (bf16 inputs widened as read, exactly), keys and values read once each. Its sums run in another order than
  * PyTorch's kernel (the compiler's vector lanes), and exp is a polynomial within ~2 ulp of
  * expf, so results agree with it to float32 rounding, not bit for bit.
  *
@@ -44,53 +45,36 @@ static inline float exp_nonpositive(float x) {
   return y * two_n;
 }
 
+
+/* A bf16 value as float: its 16 bits are a float's high half (exact). Plain integer
+ * operations, so that the loops reading it vectorise. */
+static inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#define NAME attend_f32
+#define ELEM float
+#define LOAD(x) (x)
+#include "rows_attention_body.h"
+#undef NAME
+#undef ELEM
+#undef LOAD
+
+#define NAME attend_bf16
+#define ELEM uint16_t
+#define LOAD(x) bf16_to_float(x)
+#include "rows_attention_body.h"
+#undef NAME
+#undef ELEM
+#undef LOAD
+
 void aici_rows_attention(const aici_attention_args *a, int64_t item_begin, int64_t item_end,
                          float *scores) {
-  const int64_t R = a->rep, D = a->dim;
-  for (int64_t item = item_begin; item < item_end; item++) {
-    const int64_t s = item / a->kv_heads, g = item % a->kv_heads;
-    const int64_t L = a->lengths[s];
-    float *out = a->out + item * R * D; /* [S][G][R][D], contiguous */
-    if (L <= 0) {
-      memset(out, 0, (size_t)(R * D) * sizeof(float));
-      continue;
-    }
-    const float *q = a->q + s * a->q_stride[0] + g * a->q_stride[1];
-    const float *k = a->k + s * a->k_stride[0] + g * a->k_stride[1];
-    const float *v = a->v + s * a->v_stride[0] + g * a->v_stride[1];
-    float top[AICI_MAX_REP], sum[AICI_MAX_REP];
-    for (int64_t r = 0; r < R; r++) top[r] = -3.0e38f;
-    for (int64_t j = 0; j < L; j++) {
-      const float *kj = k + j * a->k_stride[2];
-      for (int64_t r = 0; r < R; r++) {
-        const float *qr = q + r * a->q_stride[2];
-        float dot = 0.0f;
-        for (int64_t d = 0; d < D; d++) dot += qr[d] * kj[d];
-        dot *= a->scale;
-        scores[r * L + j] = dot;
-        top[r] = dot > top[r] ? dot : top[r];
-      }
-    }
-    for (int64_t r = 0; r < R; r++) {
-      float *row = scores + r * L, m = top[r], total = 0.0f;
-      for (int64_t j = 0; j < L; j++) {
-        float p = exp_nonpositive(row[j] - m);
-        row[j] = p;
-        total += p;
-      }
-      sum[r] = total;
-    }
-    memset(out, 0, (size_t)(R * D) * sizeof(float));
-    for (int64_t j = 0; j < L; j++) {
-      const float *vj = v + j * a->v_stride[2];
-      for (int64_t r = 0; r < R; r++) {
-        float w = scores[r * L + j], *o = out + r * D;
-        for (int64_t d = 0; d < D; d++) o[d] += w * vj[d];
-      }
-    }
-    for (int64_t r = 0; r < R; r++) {
-      float inv = 1.0f / sum[r], *o = out + r * D;
-      for (int64_t d = 0; d < D; d++) o[d] *= inv;
-    }
-  }
+  if (a->elem == AICI_ELEM_BF16)
+    attend_bf16(a, item_begin, item_end, scores);
+  else
+    attend_f32(a, item_begin, item_end, scores);
 }

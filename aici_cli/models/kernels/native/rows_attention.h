@@ -11,17 +11,21 @@ extern "C" {
 
 enum { AICI_MAX_REP = 16 }; /* query heads a key/value head */
 
+/* The element type of q, k and v (the arithmetic and `out` are float32 either way). */
+typedef enum aici_attention_elem { AICI_ELEM_F32 = 0, AICI_ELEM_BF16 = 1 } aici_attention_elem;
+
 typedef struct aici_attention_args {
-  const float *q; /* [S][G][R][D], strides in elements (D contiguous) */
+  const void *q; /* [S][G][R][D] of `elem`, strides in elements (D contiguous) */
   int64_t q_stride[3];
-  const float *k; /* [>= S][G][>= max length][D] */
+  const void *k; /* [>= S][G][>= max length][D] */
   int64_t k_stride[3];
-  const float *v;
+  const void *v;
   int64_t v_stride[3];
   const int64_t *lengths; /* [S]: row s attends slots 0 .. lengths[s] - 1 (0: none) */
   int64_t kv_heads, rep, dim; /* G, R <= AICI_MAX_REP, D */
   float scale;
   float *out; /* [S][G][R][D] contiguous; a row of length 0 gets zeros */
+  aici_attention_elem elem; /* q, k and v's */
 } aici_attention_args;
 
 /* Items item_begin .. item_end - 1 (item = s G + g); `scores`: R max(lengths) floats of

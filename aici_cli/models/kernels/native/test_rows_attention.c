@@ -1,5 +1,6 @@
 /* rows_attention.c against a float64 model of attention, over random shapes, lengths
- * (0 included), strided cache views and magnitudes; built by build_and_test.sh with each
+ * (0 included), strided cache views, magnitudes and element types (float32, bf16: the
+ * model reads the bf16 values); built by build_and_test.sh with each
  * variant's flags (and ATTENTION_FLAGS), natively or under qemu-aarch64.
  *
  *   test_rows_attention NAME [SEED]   prints "rows_attention NAME: pass (N cases ...)" */
@@ -7,6 +8,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "rows_attention.h"
 
@@ -18,6 +20,24 @@ static uint64_t next_u64(void) { /* xorshift64* */
   return rng_state * 2685821657736338717ULL;
 }
 static int below(int n) { return (int)(next_u64() % (uint64_t)n); }
+/* x rounded to bf16 (to nearest even; inputs are finite), as float and as its bits. */
+static uint16_t bf16_bits(float x) {
+  uint32_t b;
+  memcpy(&b, &x, sizeof b);
+  return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+static float bf16_round(float x) {
+  uint32_t b = (uint32_t)bf16_bits(x) << 16;
+  float f;
+  memcpy(&f, &b, sizeof f);
+  return f;
+}
+/* n floats as bf16 bits, each float rounded to its bf16 value in place. */
+static uint16_t *to_bf16(float *x, size_t n) {
+  uint16_t *out = malloc(n * sizeof(uint16_t));
+  for (size_t i = 0; i < n; i++) { out[i] = bf16_bits(x[i]); x[i] = bf16_round(x[i]); }
+  return out;
+}
 static float uniform(float m) { return m * ((float)(next_u64() >> 40) / (float)(1 << 24) * 2.0f - 1.0f); }
 
 int main(int argc, char **argv) {
@@ -44,7 +64,14 @@ int main(int argc, char **argv) {
     float scale = 1.0f / sqrtf((float)D);
     aici_attention_args a = {q, {(int64_t)G * R * D, (int64_t)R * D, D},
                              k + spare * ks0, {ks0, ks1, ks2}, v + spare * ks0, {ks0, ks1, ks2},
-                             lengths, G, R, D, scale, out};
+                             lengths, G, R, D, scale, out, AICI_ELEM_F32};
+    uint16_t *qb = NULL, *kb = NULL, *vb = NULL;
+    if (c % 2) { /* bf16 inputs: the float copies rounded to them, which the model reads */
+      qb = to_bf16(q, (size_t)S * G * R * D);
+      kb = to_bf16(k, cache);
+      vb = to_bf16(v, cache);
+      a.q = qb, a.k = kb + spare * ks0, a.v = vb + spare * ks0, a.elem = AICI_ELEM_BF16;
+    }
     /* Two ranges of items, as two threads would run them. */
     int64_t items = (int64_t)S * G, half = items / 2;
     aici_rows_attention(&a, 0, half, scores);
@@ -69,15 +96,17 @@ int main(int argc, char **argv) {
             for (int64_t j = 0; j < L; j++) want += p[j] * vv[j * ks2 + d];
             want = L ? want / total : 0.0;
             if (fabs(o[d] - want) > 2e-5 + 1e-4 * fabs(want) || (L == 0 && o[d] != 0.0f)) {
-              printf("rows_attention %s: FAILED case %d (S %d G %d R %d D %d L %lld): %g, want %g\n",
-                     name, c, S, G, R, D, (long long)L, o[d], want);
+              printf("rows_attention %s: FAILED case %d (%s S %d G %d R %d D %d L %lld): %g, want %g\n",
+                     name, c, c % 2 ? "bf16" : "float32", S, G, R, D, (long long)L, o[d], want);
               return 1;
             }
           }
           free(p);
         }
     free(k); free(v); free(q); free(out); free(scores); free(lengths);
+    free(qb); free(kb); free(vb);
   }
-  printf("rows_attention %s: pass (%d cases against a float64 model)\n", name, cases);
+  printf("rows_attention %s: pass (%d cases, float32 and bf16, against a float64 model)\n",
+         name, cases);
   return 0;
 }
