@@ -88,8 +88,7 @@ class ModelRunner:
             plan.draws, plan.masks, plan.rules, plan.logprobs, plan.offsets, drafts)
         step = (plan.first_row, plan.lengths, plan.chunks, drafts, plan.offsets,
                 plan.steps_ahead, plan.rows_bound)
-        passed = (self.model_pass.run(*step, project=False) if hidden
-                  else self.model_pass.run(*step))
+        passed = self.model_pass.run(*step, project=not hidden, prompt=plan.prompt or None)
         clock.mark("forwarded")
         verdict = _verdict(masks.result(), passed.out_of_memory)
         clock.mark("masks_ready")

@@ -42,7 +42,8 @@ class StepPlan:
     and take their readout: one more pass, only to read the logprobs of their last
     fast-forwarded tokens.
     `steps_ahead` bounds the one-token steps still to come (whether compiling the decode
-    step pays); `rows_bound` the rows (below). `started`: the step's clock start."""
+    step pays); `rows_bound` the rows (below). `started`: the step's clock start.
+    `prompt[k]`: how many of `chunks[k]`'s first tokens are its line's prompt."""
 
     span: tuple[int, ...]  # the cache rows of the pass, consecutive
     lengths: tuple[int, ...]
@@ -65,6 +66,9 @@ class StepPlan:
     # step's graph on CPU is sized by it (compiled.py): a one-line run computes one row.
     rows_bound: int = 0
     started: float = 0.0
+    # Per position: how many of its chunk's first tokens are its line's prompt (they run
+    # on dense copies where a 16-bit run makes them: models/quant/prompt_tokens.py).
+    prompt: tuple[int, ...] = ()
 
     @property
     def first_row(self) -> int:

@@ -347,9 +347,11 @@ def _plan(gens: list[Generation | None], span: list[int], copies: list[tuple[int
     logprobs: set[int] = set()
     scoring: set[int] = set()
     readout: set[int] = set()
+    prompt: list[int] = []
     fed = prefill = 0
     for k, g in enumerate(gens):
         if g is None:
+            prompt.append(0)
             lengths.append(0)
             chunks.append(())
             outputs.append(0)
@@ -359,6 +361,7 @@ def _plan(gens: list[Generation | None], span: list[int], copies: list[tuple[int
             continue
         lengths.append(g.length)
         chunks.append(tuple(g.pending))
+        prompt.append(max(0, min(len(g.pending), len(g.prompt) - g.length)))
         outputs.append(len(g.output))
         fed += len(g.pending)
         prefill += g.stats.forward_passes == 0
@@ -381,4 +384,5 @@ def _plan(gens: list[Generation | None], span: list[int], copies: list[tuple[int
                     tuple(tuple(d) for d in drafts), tuple(tuple(o) for o in offsets),
                     tuple(draws), tuple(masks), tuple(rules), tuple(outputs),
                     frozenset(logprobs), frozenset(scoring), frozenset(readout),
-                    "prefill" if prefill else "decode", fed, steps_ahead, rows_bound, started)
+                    "prefill" if prefill else "decode", fed, steps_ahead, rows_bound, started,
+                    tuple(prompt))

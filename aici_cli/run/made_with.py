@@ -103,30 +103,30 @@ def batch_variant_paths(engine: EngineConfig, quantize: str, dtype: str) -> list
     `--deterministic`). Recorded, never compared on resume: like `--batch-size`, they
     change how a result is computed, not what is asked.
 
-    - `attention`: SDPA's, where the int kernels' operator does not attend (16-bit
-      passes, unquantised float32 runs);
+    A quantised float32 or bf16 CPU run (the defaults) computes every token from its own
+    row: the int kernels, the attention operator (`aici::rows_attention`, float32
+    arithmetic for both), the prompt tokens' dense copies in tiles of one shape
+    (`models/quant/prompt_tokens.py`), the compiled step's ops as eager rounds them. What
+    is left:
+
+    - `attention`: SDPA's, where the operator does not attend (float16 passes,
+      unquantised runs, GPUs);
     - `dense-gemm`: an unquantised run's linear layers, whose BLAS rounds a row by the
       pass's row count;
-    - `dense-copies`: a 16-bit quantised run's passes of many rows, once they run on
-      dense copies (`models/quant/dense_copies.py`), against few-row passes on the int
-      kernels (float32 passes on the int kernels never take them);
-    - `compiled-steps`: the compiled one-token step of a 16-bit run, whose attention is
-      not the eager passes' (a float32 step on the int kernels computes each op as the
-      eager passes do: their attention operator, the norms as one opaque call);
+    - `compiled-steps`: the compiled one-token step of such a run, whose attention is
+      not the eager passes';
     - `long-prompts`: prompts longer than the attention's PER_QUERY_MAX (256 tokens) on
       SDPA, whose bits depend on where the prefix cache cut them."""
     if engine.deterministic:
         return []
-    int_kernels = dtype == "float32" and quantize != "none"
-    paths = [] if int_kernels else ["attention"]
+    int_kernels = quantize != "none" and dtype in ("float32", "bfloat16")
+    if int_kernels:
+        return ["long-prompts"] if engine.prefix_cache else []
+    paths = ["attention"]
     if quantize == "none":
         paths.append("dense-gemm")
-    elif not int_kernels:
-        paths.append("dense-copies")
-    if engine.compile != "off" and not int_kernels:
+    if engine.compile != "off":
         paths.append("compiled-steps")
-    if int_kernels and engine.prefix_cache:
-        paths.append("long-prompts")
     return paths
 
 

@@ -641,18 +641,22 @@ def test_made_with_says_which_dtype_ran_the_quantised_weights() -> None:
 
 
 def test_made_with_names_the_paths_where_a_line_may_depend_on_its_neighbours() -> None:
-    """The float32 int kernels' passes attend one token at a time (engine/forward/
-    attention.py), never take dense copies, and their compiled step computes as they do:
-    what is left is named; `--deterministic` leaves nothing."""
+    """The float32 and bf16 int kernels' passes attend one token at a time (engine/
+    forward/attention.py), run prompt tokens alone on dense copies in tiles of one shape,
+    and their compiled step computes as they do: what is left is named (float16 attends
+    on SDPA); `--deterministic` leaves nothing."""
     from dataclasses import replace
 
     from aici_cli.core.config import EngineConfig, RunConfig
     from aici_cli.run.made_with import run_record
 
     cli = RunConfig(input="-", engine=EngineConfig(compile="auto"))
-    assert run_record(cli, "m", None, "int4", "bfloat16")["batch_variant"] == [
-        "attention", "dense-copies", "compiled-steps"]
-    assert run_record(cli, "m", None, "int4", "float32")["batch_variant"] == [
-        "long-prompts"]
+    for dtype in ("bfloat16", "float32"):
+        assert run_record(cli, "m", None, "int4", dtype)["batch_variant"] == ["long-prompts"]
+    assert run_record(cli, "m", None, "int4", "float16")["batch_variant"] == [
+        "attention", "compiled-steps"]
+    assert "batch_variant" not in run_record(
+        replace(cli, engine=EngineConfig(compile="auto", prefix_cache=False)), "m", None,
+        "int4", "bfloat16")
     exact = replace(cli, engine=EngineConfig(compile="off", deterministic=True))
     assert "batch_variant" not in run_record(exact, "m", None, "none", "float32")

@@ -26,13 +26,13 @@ def main(modes: list[dict[str, str]], lines: list[dict[str, Any]]) -> None:
     from aici_cli.models.quant import dense_copies
 
     capability = cpu_features().capability
-    own = (dense_copies.BUILD_AFTER, dense_copies.MIN_SPEEDUP)
+    own = dense_copies.MIN_SPEEDUP
     for mode in modes:
         print(json.dumps({"starting": mode, "capability": capability}), flush=True)
-        # "wide": passes of many rows on dense copies of the int4 layers from the first
-        # wide pass, whatever this CPU's trial would say (models/quant/dense_copies.py).
+        # "wide": prompt tokens on dense copies of the int4 layers, whatever this CPU's
+        # trial would say (models/quant/dense_copies.py).
         wide = mode.get("wide") == "on"
-        dense_copies.BUILD_AFTER, dense_copies.MIN_SPEEDUP = (0, 0.0) if wide else own
+        dense_copies.MIN_SPEEDUP = 0.0 if wide else own
         lm = load_model(None, "cpu", mode["dtype"], mode["quantize"])
         for batch in (1, 8):
             jobs = list(read_jobs([json.dumps(line) for line in lines], JobDefaults()))

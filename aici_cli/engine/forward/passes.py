@@ -27,6 +27,7 @@ from aici_cli.engine.forward.inputs import (
 )
 from aici_cli.engine.forward.step_builds import BuildSource
 from aici_cli.models.load import LoadedModel
+from aici_cli.models.quant import prompt_tokens
 from aici_cli.models.quant.dense_copies import WideRows
 
 
@@ -83,18 +84,20 @@ class ModelPass:
         self.lm = lm
         self.cache = cache
         self.fits: int | None = None  # rows that fit in one pass, once one ran out of memory
+        self.prompt: list[int] = []  # the running pass's prompt tokens per row (`run`)
         self.layout = AttentionLayout.for_config(lm.model.config)
         self.deterministic = deterministic
         if deterministic:
             install_tiled_linears(lm.model, deterministic_pass)
         self.decode = DecodeSteps(compile, lm.model, cache, cache.rows, lm.device,
                                   deterministic, BuildSource.of(lm))
-        # Passes of many rows on dense copies of the int4 layers, once that pays here.
+        # Dense copies of the int4 layers for prompt tokens, where that pays here.
         self.wide = None if deterministic else WideRows.for_model(lm.model)
 
     def run(self, first_row: int, lengths: Sequence[int], chunks: Sequence[Sequence[int]],
             drafts: list[list[int]], scored: Sequence[Sequence[int]] | None = None,
-            steps_ahead: int = 0, rows_bound: int = 0, project: bool = True) -> PassOutput:
+            steps_ahead: int = 0, rows_bound: int = 0, project: bool = True,
+            prompt: Sequence[int] | None = None) -> PassOutput:
         """Row `first_row + i`, whose cache holds `lengths[i]` tokens, feeds `chunks[i]`
         (empty: it sits the pass out) and its draft but its last token (a draft d is
         checked against the logits after d[0..-2]: its last token needs no pass of its
@@ -103,7 +106,10 @@ class ModelPass:
         `steps_ahead`: a bound of the one-token steps still to come (whether compiling
         the decode step pays, compiled.py); `rows_bound`: of the rows the run can still
         occupy (0: unknown, every row). `project` False (no drafts, no scored positions:
-        the masked projection's passes): the rows' final hidden states, not their logits."""
+        the masked projection's passes): the rows' final hidden states, not their logits.
+        `prompt[i]`: how many of chunk i's first tokens are its line's prompt (None: none),
+        the tokens that run on dense copies where a 16-bit run has them (`WideRows`)."""
+        self.prompt = list(prompt) if prompt is not None else [0] * len(chunks)
         b = len(chunks)
         scored = scored if scored is not None else [() for _ in chunks]
         assert project or not (any(drafts) or any(scored)), "hidden states: next tokens only"
@@ -120,7 +126,7 @@ class ModelPass:
                 self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, fed)))
                 inputs = build_inputs(first_row, lengths, fed, self.layout, self.lm.device,
                                       readouts, self.deterministic)
-                every = self._pass(inputs)
+                every = self._pass(inputs, fed)
                 return PassOutput(self._vocab(every), inputs.extra_at, scored, [])
             except Exception as e:
                 if not is_out_of_memory(e):
@@ -157,10 +163,24 @@ class ModelPass:
             self.decode.give_up(e)
             return None
 
-    def _pass(self, inputs: ForwardInputs, project: bool = True) -> torch.Tensor:
-        """One eager packed pass over `inputs` (inputs.forward)."""
-        if self.wide is not None:
-            self.wide.before_pass(inputs.input_ids.shape[1])
+    def _pass(self, inputs: ForwardInputs, fed: Sequence[Sequence[int]],
+              project: bool = True) -> torch.Tensor:
+        """One eager packed pass over `inputs` (inputs.forward), whose rows feed `fed` (in
+        row order, packed), their prompt tokens (`self.prompt`) on the dense copies where
+        the run makes them."""
+        if self.wide is None:
+            return self._forward_pass(inputs, project)
+        runs, start = [], 0
+        for n, tokens in zip(self.prompt, fed):
+            runs.append((start, min(n, len(tokens))))
+            start += len(tokens)
+        self.wide.before_pass(sum(n for _, n in runs))
+        if not self.wide.dense:
+            return self._forward_pass(inputs, project)
+        with prompt_tokens.feeding([r for r in runs if r[1]], start, inputs.input_ids.device):
+            return self._forward_pass(inputs, project)
+
+    def _forward_pass(self, inputs: ForwardInputs, project: bool) -> torch.Tensor:
         if project:
             return forward(self.lm.model, self.cache, inputs)
         return forward(self.lm.model, self.cache, inputs, project=False)
@@ -182,7 +202,7 @@ class ModelPass:
             self.cache.ensure_capacity(max(a + len(c) for a, c in zip(lengths, chunks)))
             inputs = build_inputs(first_row, lengths, chunks, self.layout, self.lm.device,
                                   readouts, self.deterministic)
-            out = self._pass(inputs, project)
+            out = self._pass(inputs, chunks, project)
             return out, inputs.extra_at, []
         except Exception as e:
             if not is_out_of_memory(e):

@@ -1,10 +1,9 @@
-"""Passes of many rows on dense copies of the int4 layers, where this machine's dense GEMM
-is faster than the int4 kernel at that many rows.
+"""Dense copies of the int4 layers for the prompt tokens of 16-bit passes, where this
+machine's dense GEMM is faster than the int kernel at many rows.
 
-The CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) widens every weight again for every
-block of rows, so its cost grows with the rows, while a dense GEMM (oneDNN; AMX or
-AVX512-BF16 where the CPU has them) reads each weight once for many rows. On the 2-core
-Xeon with AMX, 1536 x 576 in bf16:
+The int kernel quantises and widens again for every block of rows, so its cost grows with
+the rows, while a dense GEMM (oneDNN; AMX or AVX512-BF16 where the CPU has them) reads each
+weight once for many rows. On the 2-core Xeon with AMX, 1536 x 576 in bf16:
 
 | rows | int4 | dense bf16 |
 | ---: | ---: | ---: |
@@ -12,28 +11,26 @@ Xeon with AMX, 1536 x 576 in bf16:
 | 64 | 0.627 ms | 0.108 ms |
 | 1,500 | 14.85 ms | 0.92 ms |
 
-At one row int4 wins (it reads a quarter of the bytes), so one-token steps keep it. A
-prefill of 1,500 tokens of the default model took 2.3 s at int4 against 0.55 s dense.
+At one row int4 wins (it reads a quarter of the bytes), so generated tokens keep it.
+
+Which tokens take the copy is a rule by token, so that a line's text does not depend on
+the lines beside it (`prompt_tokens`: a prompt token, in tiles of a fixed shape; every
+other token on the int kernels). The choice whether copies are made at all is taken once,
+before the run's first prompt token is computed: a trial on the model's largest int4
+layer, a tile of `prompt_tokens.TILE_ROWS` rows on the copy against as many rows on the
+int kernel, must show at least `MIN_SPEEDUP`, the copy must fit `budget_bytes`, and the
+kernel probe must pass this machine's dense kernels (the unquantised mode at the run's
+dtype). A choice taken later (as a rental once enough prompt rows had run) would give the
+run's first lines other bits than its later ones.
 
 A dense copy costs memory (two bytes a weight: 212 MB for the default model's 210 int4
 layers) and time to make (`dense_weight`: the kernel's weights rounded to the activation
 dtype, widened from the unpacked codes where that gives the kernel's own bits, 0.10 s for
-the default model, else the kernel's own widening, W^T = int4mm(I), 1.58 s). So it is
-made once the run has shown it pays, as in ski rental: when the passes of at least
-`quantize.DENSE_MIN_ROWS` rows (16) have fed about as many rows as the copy costs on the
-int4 kernel (`copy_rows`: 64 unpacked, else 816 for the default model), and only where a
-trial on the model's largest int4 layer finds the dense GEMM at least `MIN_SPEEDUP`
-times faster on this machine at some of `TRIAL_ROWS` and the deciding pass's rows (an
-AVX2 CPU without native bf16 may find it at none), where the copy fits `budget_bytes`,
-and where the kernel probe passes this machine's dense kernels (the unquantised mode at
-the run's dtype). From then on every pass of at least the smallest of those row counts
-from which it pays runs the int4 layers dense (16 rows on the Xeon with AMX: 2.4x there;
-more elsewhere); the others, and the compiled one-token step (its stacked layers are
-other modules), keep the int4 kernel.
+the default model, else the kernel's own widening, W^T = int4mm(I), 1.58 s).
 
-Outputs of a wide pass differ from the int4 kernel's in rounding only (the product's
-accumulation order, and the weights rounded to bf16), as a pass of another row count
-already does; `--deterministic` runs unquantised and never comes here.
+float32 passes on the int kernels never take copies (`WideRows.for_model`); neither does
+the compiled one-token step (its stacked layers are other modules) nor `--deterministic`
+(unquantised).
 """
 
 from __future__ import annotations
@@ -47,22 +44,10 @@ import torch
 
 from aici_cli.models.cache import packed_layers
 from aici_cli.models.kernels import int_mm, probe
-from aici_cli.models.quant import quantize
+from aici_cli.models.quant import prompt_tokens, quantize
 from aici_cli.models.quant.quantize import GROUP, Int4Linear
 
-# Rows of wide passes before the copy is made; None: what making it costs, in rows (the
-# layers' input widths, weighted by size: the copy is one pass of K rows through each
-# layer's kernel), so the run has spent on the int4 kernel about what the copy costs
-# (816 for the default model, ~4,000 for a 1B Llama).
-BUILD_AFTER: int | None = None
-# What widening a layer from its unpacked codes (`dense_weight`) costs, in rows through its
-# int4 kernel: 0.10 s for the default model's 210 layers against 1.58 s for K rows each
-# (816 weighted) on the AMX Xeon, about 53 rows; rounded up.
-UNPACKED_COPY_ROWS = 64
-MIN_SPEEDUP = 1.5  # the dense GEMM's speed-up a trial must show
-# The row counts the trial times (with the deciding pass's): passes from the smallest of
-# them where the dense GEMM is MIN_SPEEDUP times faster, and at every larger one, run it.
-TRIAL_ROWS = (16, 32, 64, 128, 256)
+MIN_SPEEDUP = 1.5  # the dense tiles' speed-up the trial must show
 MAX_BYTES = 4 << 30  # and the copy's size at most this, and a quarter of free memory
 
 
@@ -151,17 +136,15 @@ def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
 
 
 class WideRows:
-    """A model's int4 layers, and whether passes of many rows run them dense yet."""
+    """A model's int4 layers, and whether their prompt tokens run on dense copies."""
 
     def __init__(self, layers: list[Int4Linear], config: Any = None) -> None:
         """`config`: the model's, for the kernel probe's verdict on the dense kernels."""
         self.layers = layers
         self.config = config
-        self.fed = 0  # rows of wide passes so far
-        self.state = "counting"  # then "dense", or "int4" (it would not pay, or fit)
+        self.state = "undecided"  # then "dense", or "int4" (it would not pay, or fit)
         self.reason: str | None = None  # why "int4", or what the trial measured
         self.build_s = 0.0
-        self.min_rows = 0  # with "dense": passes of this many rows or more run it
 
     @classmethod
     def for_model(cls, model: Any) -> WideRows | None:
@@ -179,29 +162,21 @@ class WideRows:
             return None
         wide = cls(layers, getattr(model, "config", None))
         if all(layer.dense is not None for layer in layers):  # another engine made them
-            wide.state, wide.min_rows = "dense", layers[0].dense_rows
+            wide.state = "dense"
         return wide
 
-    def before_pass(self, rows: int) -> None:
-        """A pass of `rows` rows (tokens fed) is about to run."""
-        if rows < quantize.DENSE_MIN_ROWS or self.state != "counting":
-            return
-        self.fed += rows
-        if self.fed >= (BUILD_AFTER if BUILD_AFTER is not None else self.copy_rows):
-            self._decide(rows)
+    def before_pass(self, prompt_rows: int) -> None:
+        """A pass feeding `prompt_rows` prompt tokens is about to run: before the run's
+        first, whether its prompt tokens run on dense copies is decided, once."""
+        if prompt_rows and self.state == "undecided":
+            self._decide()
 
     @property
-    def copy_rows(self) -> int:
-        """What making the copy costs, in rows through the int4 kernel (`BUILD_AFTER`):
-        `UNPACKED_COPY_ROWS` where the codes unpack, else a pass of K rows a layer."""
-        if all(layer.vnni for layer in self.layers) or (
-                packed_layers.unpacks() and _unpacked_exact()):
-            return UNPACKED_COPY_ROWS
-        sizes = [layer.in_features * layer.out_features for layer in self.layers]
-        return sum(size * layer.in_features for size, layer in zip(sizes, self.layers)) \
-            // max(1, sum(sizes))
+    def dense(self) -> bool:
+        """Whether the prompt tokens run on the dense copies."""
+        return self.state == "dense"
 
-    def _decide(self, rows: int) -> None:
+    def _decide(self) -> None:
         need = sum(layer.in_features * layer.out_features for layer in self.layers) \
             * self.layers[0].scale_zero.element_size()
         if need > budget_bytes():
@@ -214,19 +189,15 @@ class WideRows:
         trial = max(self.layers, key=lambda layer: layer.in_features * layer.out_features)
         started = time.perf_counter()
         try:
-            sizes = sorted({*TRIAL_ROWS, rows})
-            made = dense_weight(trial)  # once: the trial's sizes, then the copy itself
-            speedups = {n: _trial(trial, made, n) for n in sizes}
-            self.reason = "the dense GEMM against the int4 kernel: " + ", ".join(
-                f"{speedups[n]:.1f}x at {n} rows" for n in sizes)
-            pays = [n for i, n in enumerate(sizes)
-                    if all(speedups[m] >= MIN_SPEEDUP for m in sizes[i:])]
-            if not pays:
+            made = dense_weight(trial)  # once: the trial, then the copy itself
+            speedup = _trial(trial, made, prompt_tokens.TILE_ROWS)
+            self.reason = f"the dense GEMM against the int4 kernel: {speedup:.1f}x at " \
+                f"{prompt_tokens.TILE_ROWS} rows"
+            if speedup < MIN_SPEEDUP:
                 self.state = "int4"
                 return
             for layer in self.layers:
                 layer.dense = made if layer is trial else dense_weight(layer)
-                layer.dense_rows = pays[0]
         except (MemoryError, RuntimeError) as e:  # fail safe: the int4 kernel, as before
             for layer in self.layers:
                 layer.dense = None
@@ -234,7 +205,7 @@ class WideRows:
             self.reason = f"making the dense copy failed: {type(e).__name__}: {e}"[:300]
             return
         self.build_s = time.perf_counter() - started
-        self.state, self.min_rows = "dense", pays[0]
+        self.state = "dense"
 
     def _probe_refuses(self) -> str | None:
         """Why this machine's dense kernels must not run here: the kernel probe's verdict
@@ -260,8 +231,9 @@ def dense_verdict(config: Any, dtype: torch.dtype) -> probe.Verdict:
 
 
 def _trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:
-    """How many times faster `layer` runs `rows` rows on `dense`, its dense copy, than on
-    the int4 kernel (the better of three calls each, after one to warm)."""
+    """How many times faster `layer` runs `rows` rows on `dense`, its dense copy (as the
+    prompt tokens run it: `prompt_tokens.tiled_linear`), than on the int4 kernel (the
+    better of three calls each, after one to warm)."""
     x = torch.randn(rows, layer.in_features, dtype=layer.scale_zero.dtype)
 
     def best(run: Any) -> float:
@@ -274,4 +246,4 @@ def _trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:
         return min(times)
 
     int4 = best(lambda: layer.few_rows(x))
-    return int4 / max(best(lambda: torch.nn.functional.linear(x, dense)), 1e-9)
+    return int4 / max(best(lambda: prompt_tokens.tiled_linear(x, dense)), 1e-9)

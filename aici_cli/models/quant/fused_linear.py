@@ -16,8 +16,8 @@ keeps back to back (`vnni_layouts`), its output split into the parts' (views, no
 the activations are quantised once, not three times, and the 192-wide k and v projections
 of the default model no longer pay a call each. Measured on the 32 held-out schemas at
 batch 8 forced to AVX2 (their prompts ride in eager passes), two pairs alternating: 15.8 /
-16.4 s against 17.2 / 18.1 s. Passes whose rows run the dense copies
-(`dense_copies`), and layers of any other kind, call the parts.
+16.4 s against 17.2 / 18.1 s. Passes whose prompt tokens run the dense copies
+(`dense_copies`, `prompt_tokens`), and layers of any other kind, call the parts.
 
 Every kernel here computes each output column from its own weight row, so the stacked
 output is bit for bit the parts' outputs side by side. `stack_linears` checks that on a
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from aici_cli.models.kernels import int_mm
-from aici_cli.models.quant.quantize import DENSE_MIN_ROWS, Int4Linear, Int8Linear
+from aici_cli.models.quant.quantize import Int4Linear, Int8Linear
 
 
 class StackedParts:
@@ -218,9 +218,9 @@ def _same_outputs(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module]) ->
 def _probe(stacked: torch.nn.Module, parts: Sequence[torch.nn.Module],
            like: torch.Tensor) -> bool:
     gen = torch.Generator(device="cpu").manual_seed(0)
-    # Fewer rows than a part's dense copy serves (quantize.DENSE_MIN_ROWS): both sides on
-    # the kernel the stacked layer runs, whether or not wide passes made copies already.
-    for rows in (1, 3, DENSE_MIN_ROWS - 1):
+    # Outside a pass's prompt tokens (models/quant/prompt_tokens.py) no part runs its dense
+    # copy: both sides on the kernel the stacked layer runs, whether or not copies exist.
+    for rows in (1, 3, 15):
         x = torch.randn(rows, _in_features(parts[0]) or 0, generator=gen).to(like.device,
                                                                              like.dtype)
         if not torch.equal(stacked(x), torch.cat([q(x) for q in parts], dim=-1)):

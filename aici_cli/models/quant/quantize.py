@@ -47,13 +47,10 @@ from aici_cli.models.gguf import blocks
 from aici_cli.models.gguf.matrices import GgufMatrices
 from aici_cli.models.kernels import int_mm
 from aici_cli.models.kernels.aligned import aligned
+from aici_cli.models.quant import prompt_tokens
 
 GROUP = blocks.BLOCK  # int4 group size: one GGUF block
 MODES = ("none", "int8", "int4")
-# A CPU pass of fewer rows never runs an int4 layer on its dense copy (`dense_copies`: from
-# the layer's `dense_rows` on, where this machine's dense GEMM is faster at such rows).
-# Above the compiled step's buckets of one-token steps at the default batch size.
-DENSE_MIN_ROWS = 16
 # The activations the project's int kernels take (`kernels/int_mm.py`): both are rounded
 # to 8 bits per group of 32 there, so a float32 run's layers cost what a bf16 run's do.
 INT_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
@@ -68,12 +65,11 @@ class Int4Linear(torch.nn.Module):
     packed: torch.Tensor
     scale_zero: torch.Tensor
     bias: torch.Tensor | None
-    # [N, K] in the activation dtype, for passes of `dense_rows` rows or more (wide_rows;
-    # never fewer than DENSE_MIN_ROWS): attributes, not buffers (no state dict, no
+    # [N, K] in the activation dtype, for the prompt tokens of 16-bit passes
+    # (`dense_copies`, `prompt_tokens`): an attribute, not a buffer (no state dict, no
     # package, no stacked layer has one).
     dense: torch.Tensor | None = None
-    dense_rows: int = 1 << 62
-    # Whether bf16 and float32 passes below `dense_rows` run the int kernels (int_mm) on
+    # Whether bf16 and float32 tokens off the dense copy run the int kernels (int_mm) on
     # the same matrix in its layout: buffers `vnni_codes`, `vnni_d`, `vnni_m` (`use_vnni`).
     vnni: bool = False
     vnni_codes: torch.Tensor
@@ -135,24 +131,30 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        if self.runs_dense(flat.shape[0]):
+        prompt = self.prompt_tokens(flat.shape[0])
+        if prompt is not None:
             assert self.dense is not None
-            y = F.linear(flat, self.dense)
+            y = prompt.run(flat, self.dense, self.few_rows)
         else:
             y = self.few_rows(flat)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
-    def runs_dense(self, rows: int) -> bool:
-        """Whether a pass of `rows` rows runs on the dense copy (`dense_copies`)."""
-        # The row count first: a compiled step's rows (fewer) never read `dense`, so its
-        # graph holds no guard on it.
-        return rows >= DENSE_MIN_ROWS and self.dense is not None and rows >= self.dense_rows
+    def prompt_tokens(self, rows: int) -> prompt_tokens.PromptTokens | None:
+        """The prompt tokens of an eager pass of `rows` tokens that run on the dense copy
+        (`prompt_tokens`), or None where every token runs the int kernel (no copy, no
+        prompt token, or not the pass's own rows)."""
+        # The copy first: a compiled step's layers have none, so its graph never asks.
+        if self.dense is None:
+            return None
+        tokens = prompt_tokens.current()
+        return tokens if tokens is not None and tokens.total == rows else None
 
     def runs_int_kernel(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether a pass of `rows` rows of `dtype` runs on the project's int kernel."""
-        return self.vnni and dtype in INT_KERNEL_DTYPES and not self.runs_dense(rows)
+        """Whether every token of a pass of `rows` rows of `dtype` runs on the project's
+        int kernel."""
+        return self.vnni and dtype in INT_KERNEL_DTYPES and self.prompt_tokens(rows) is None
 
     def few_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """[rows, K] -> [rows, N] on the quantised kernel a pass without the dense copy

@@ -2,12 +2,14 @@
 default paths (not only under `--deterministic`): whatever the batch size, the order of
 the lines, their prompts' lengths, drafts and prefix-cache hits, on the int kernels
 (row-invariant by construction: activations quantised per row, one order of sums) with
-every attention call of a float32 pass through the one-token rows' operator
+every attention call of a float32 or bf16 pass through the one-token rows' operator
 (engine/forward/attention.py), so a token fed in a prompt, a fast-forward chunk, a draft
 or alone is one computation.
 
 The model is the test suite's tiny Llama quantised to int4 on the project's int kernels,
-float32 activations: what `--dtype auto` runs on a CPU without native bf16.
+float32 activations (what `--dtype auto` runs on a CPU without native bf16) and bf16 (with
+it: the attention operator reads bf16, prompt tokens run on dense copies in tiles of one
+shape, the compiled step rounds each op as eager does).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from aici_cli.engine import Engine
 from aici_cli.engine.forward import attention
 from aici_cli.models import LoadedModel, load_model
 from aici_cli.models.kernels import int_mm
+from aici_cli.models.quant import dense_copies
 from aici_cli.models.quant.dense_copies import WideRows
 
 WHY_NOT = int_mm.unusable()
@@ -42,15 +45,23 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "count"]}
 
 
-@pytest.fixture(scope="module")
-def lm_int4(tiny_model_dir: Path) -> Iterator[LoadedModel]:
-    """The tiny model at int4 with float32 activations: its wide passes stay on the int
-    kernels (`WideRows.for_model`: no dense copies, whose wide passes would run a row on
-    float activations and a narrow pass on 8-bit ones), as at the defaults."""
-    lm = load_model(str(tiny_model_dir), device="cpu", dtype="float32", quantize="int4")
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def lm_int4(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[LoadedModel]:
+    """The tiny model at int4, float32 activations (what `--dtype auto` runs on a CPU
+    without native bf16: no dense copies, `WideRows.for_model`) and bf16 (with native
+    bf16: its prompt tokens on dense copies, made whatever the trial says here, so that
+    they are tested on every machine)."""
+    lm = load_model(str(tiny_model_dir), device="cpu", dtype=request.param, quantize="int4")
     assert lm.quantize == "int4"
-    assert WideRows.for_model(lm.model) is None
-    yield lm
+    if request.param == "float32":
+        assert WideRows.for_model(lm.model) is None
+        yield lm
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
+        yield lm
+    wide = WideRows.for_model(lm.model)
+    assert wide is not None and wide.dense, "no prompt token ran on a dense copy"
 
 
 def make_jobs(lengths: list[int]) -> list[Job]:
@@ -97,9 +108,9 @@ def test_a_lines_tokens_do_not_depend_on_its_neighbours(
 
 
 def test_a_prompt_split_into_passes_gives_the_same_logits(lm_int4: LoadedModel) -> None:
-    """The same 40 tokens fed as one prompt, as a cached prefix and the rest, and as a
-    prompt and then one token a pass (drafts' and fast-forward chunks' splits): the last
-    token's logits bit for bit."""
+    """The same 40 prompt tokens fed as one prompt, as a cached prefix and the rest, and
+    one token a pass, alone and beside other rows' prompts: the last token's logits bit
+    for bit (at bf16 every one of them on the dense copies' tiles)."""
     from aici_cli.engine.forward.cache import row_cache
     from aici_cli.engine.forward.passes import ModelPass
 
@@ -116,7 +127,7 @@ def test_a_prompt_split_into_passes_gives_the_same_logits(lm_int4: LoadedModel) 
             chunks = [ids[fed : fed + n], *([ids[:n]] * neighbours)]
             with torch.inference_mode():
                 out = model_pass.run(0, [fed] * (1 + neighbours), chunks,
-                                     [[] for _ in chunks])
+                                     [[] for _ in chunks], prompt=[n] * len(chunks))
             fed += n
         return out.next_token_logits(1 + neighbours)[0].clone()
 

@@ -34,10 +34,12 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
 @given(rows=st.integers(1, 9), kv_heads=st.integers(1, 4), rep=st.integers(1, 8),
        dim=st.sampled_from([8, 16, 24, 64, 80, 128]), capacity=st.integers(1, 300),
        spare_rows=st.integers(0, 2), magnitude=st.sampled_from([0.1, 1.0, 8.0]),
-       seed=st.integers(0, 2**31 - 1), data=st.data())
+       seed=st.integers(0, 2**31 - 1), bf16=st.booleans(), data=st.data())
 def test_each_row_attends_over_its_own_slots(rows: int, kv_heads: int, rep: int, dim: int,
                                              capacity: int, spare_rows: int, magnitude: float,
-                                             seed: int, data: Any) -> None:
+                                             seed: int, bf16: bool, data: Any) -> None:
+    """float32 rows against the float64 model; bf16 rows are the float32 computation of
+    their bf16 values, rounded once, bit for bit."""
     g = torch.Generator().manual_seed(seed)
     # The cache's buffers as the engine's: more rows and slots than the call reads, and
     # the call's keys a view of its rows.
@@ -49,6 +51,13 @@ def test_each_row_attends_over_its_own_slots(rows: int, kv_heads: int, rep: int,
     scale = dim ** -0.5
     k = keys[spare_rows:, :, :capacity]
     v = values[spare_rows:, :, :capacity]
+    if bf16:
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        out = op.rows_attention(q, k, v, lengths, scale)
+        wide = op.rows_attention(q.float(), k.float(), v.float(), lengths, scale)
+        assert out is not None and wide is not None and out.dtype == torch.bfloat16
+        assert torch.equal(out, wide.bfloat16())
+        return
     out = op.rows_attention(q, k, v, lengths, scale)
     assert out is not None and out.shape == q.shape and out.dtype == torch.float32
     for s in range(rows):
@@ -66,8 +75,8 @@ def test_it_refuses_a_length_past_the_cache_and_leaves_other_dtypes_to_sdpa() ->
     kv = torch.randn(2, 1, 8, 16)
     with pytest.raises(RuntimeError, match="a length past the cache"):
         op.rows_attention(q, kv, kv, torch.tensor([3, 9]), 0.25)
-    assert op.rows_attention(q.bfloat16(), kv.bfloat16(), kv.bfloat16(),
-                                 torch.tensor([3, 4]), 0.25) is None
+    assert op.rows_attention(q.half(), kv.half(), kv.half(), torch.tensor([3, 4]), 0.25) is None
+    assert op.rows_attention(q, kv.bfloat16(), kv.bfloat16(), torch.tensor([3, 4]), 0.25) is None
 
 
 class _Module(torch.nn.Module):

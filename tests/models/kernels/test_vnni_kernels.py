@@ -23,7 +23,7 @@ from aici_cli.models.checks.probe_child import FAULT_ENV
 from aici_cli.models.kernels import int_mm
 from aici_cli.models.kernels import probe as kernel_probe
 from aici_cli.models.kernels.cpu_features import cpu_features
-from aici_cli.models.quant import vnni_layouts
+from aici_cli.models.quant import prompt_tokens, vnni_layouts
 from aici_cli.models.quant.quantize import (
     Int4Linear,
     Int8Linear,
@@ -108,7 +108,7 @@ def test_shapes_that_do_not_tile_are_left_to_the_int4_kernel() -> None:
 
 
 @needs_kernel
-def test_a_layer_runs_it_for_bf16_and_float32_rows_below_its_dense_rows_only() -> None:
+def test_a_layer_runs_it_for_bf16_and_float32_rows_off_its_dense_copy() -> None:
     torch.manual_seed(0)
     w = torch.randn(64, 128) / 128 ** 0.5
     codes, d, m = quantize_int4(w)
@@ -130,10 +130,17 @@ def test_a_layer_runs_it_for_bf16_and_float32_rows_below_its_dense_rows_only() -
     assert (f32(x).double() - int_mm.reference_int4(x, codes, d, m)).abs().max() \
         <= 1e-5 * expected.abs().max()
     assert not torch.equal(f32(x), Int4Linear(codes, d, m, None, torch.float32)(x))
-    # rows from the dense copy's threshold on run dense
-    layer.dense, layer.dense_rows = torch.zeros(64, 128, dtype=torch.bfloat16), 16
-    assert layer(torch.randn(16, 128).bfloat16()).abs().max() == 0
-    assert layer(torch.randn(15, 128).bfloat16()).abs().max() > 0
+    # with a dense copy, a pass's prompt tokens run on it, the other tokens the kernel
+    layer.dense = torch.zeros(64, 128, dtype=torch.bfloat16)
+    many = torch.randn(40, 128).bfloat16()
+    assert torch.equal(layer(many), int_mm.int4_mm(many, tiled))  # no prompt token
+    with prompt_tokens.feeding([(0, 40)], 40, many.device):
+        assert layer(many).abs().max() == 0
+    with prompt_tokens.feeding([(5, 10)], 40, many.device):
+        y = layer(many)
+    assert y[5:15].abs().max() == 0
+    assert torch.equal(y[:5], int_mm.int4_mm(many[:5], tiled))
+    assert torch.equal(y[15:], int_mm.int4_mm(many[15:], tiled))
 
 
 def test_a_cpu_with_the_flags_runs_them(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aici_cli.models.kernels import int_mm
+from aici_cli.models.quant import prompt_tokens
 from aici_cli.models.quant.fused_linear import (
     SideBySide,
     StackedParts,
@@ -144,13 +145,13 @@ def test_a_pass_on_the_dense_copies_calls_the_parts() -> None:
     assert isinstance(owner.qkv, StackedParts)
     for part in (owner.q_proj, owner.k_proj, owner.v_proj):  # as dense_copies leaves them
         part.dense = torch.randn(part.out_features, 64)
-        part.dense_rows = 16
-    wide, narrow = torch.randn(16, 64), torch.randn(15, 64)
-    for x, dense in ((wide, True), (narrow, False)):
-        got = owner.qkv(x)
-        for out, part in zip(got, (owner.q_proj, owner.k_proj, owner.v_proj)):
-            assert torch.equal(out, part(x))
-            assert torch.equal(out, x @ part.dense.t()) == dense
+    x = torch.randn(16, 64)
+    for runs, dense in (([(0, 16)], True), ([], False)):
+        with prompt_tokens.feeding(runs, 16, x.device):
+            got = owner.qkv(x)
+            for out, part in zip(got, (owner.q_proj, owner.k_proj, owner.v_proj)):
+                assert torch.equal(out, part(x))
+                assert torch.equal(out, prompt_tokens.tiled_linear(x, part.dense)) == dense
 
 
 @needs_kernel

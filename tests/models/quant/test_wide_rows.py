@@ -1,8 +1,9 @@
-"""Passes of many rows on dense copies of the int4 layers (models/quant/dense_copies.py): the copy
-is the kernel's own weights; it is made only once wide passes have fed enough rows, only
-where the trial finds it faster and it fits; from then on a pass of many rows runs dense
-and a pass of few rows (a one-token step) keeps the int4 kernel; the engine's outputs stay
-within rounding of the int4 kernel's."""
+"""Dense copies of the int4 layers for prompt tokens (models/quant/dense_copies.py,
+prompt_tokens.py): the copy is the kernel's own weights; whether it is made is decided once,
+before the first prompt token, only where the trial finds it faster and it fits; from
+then on a pass's prompt tokens run on it in tiles of one shape, every other token on the
+int4 kernel, a prompt token's bits the same whatever shares its pass; the engine's outputs
+stay within rounding of the int4 kernel's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aici_cli.core.config import EngineConfig
@@ -18,7 +19,7 @@ from aici_cli.core.job import Job
 from aici_cli.engine import Engine
 from aici_cli.models.cache import packed_layers
 from aici_cli.models.load import load_model
-from aici_cli.models.quant import dense_copies, quantize
+from aici_cli.models.quant import dense_copies, prompt_tokens
 from aici_cli.models.quant.dense_copies import WideRows, dense_weight
 from aici_cli.models.quant.quantize import GROUP, Int4Linear, quantize_int4
 
@@ -76,47 +77,70 @@ def test_the_unpacked_copy_is_taken_only_where_it_gives_the_kernels_bits(
     assert torch.equal(dense_weight(layer), made)
 
 
-def test_a_copy_is_made_only_after_enough_wide_rows_and_then_used_by_wide_passes(
+def test_the_choice_is_taken_once_before_the_first_prompt_token(
         monkeypatch: pytest.MonkeyPatch) -> None:
     layers = [_layer(128, 64, seed) for seed in range(3)]
     wide = WideRows(layers)
-    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 100)
     monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)  # whatever this CPU measures
     for _ in range(10):
-        wide.before_pass(quantize.DENSE_MIN_ROWS - 1)  # narrow passes never count
-    assert wide.fed == 0
-    wide.before_pass(60)
-    assert wide.state == "counting" and all(layer.dense is None for layer in layers)
-    wide.before_pass(60)
-    assert wide.state == "dense" and "at 16 rows" in (wide.reason or "")
-    assert wide.min_rows == quantize.DENSE_MIN_ROWS  # any speed-up pays: from the floor
+        wide.before_pass(0)  # passes of generated tokens only never decide
+    assert wide.state == "undecided" and all(layer.dense is None for layer in layers)
+    wide.before_pass(1)  # the first prompt token, however few
+    assert wide.state == "dense" and f"at {prompt_tokens.TILE_ROWS} rows" in (wide.reason or "")
     assert all(layer.dense is not None for layer in layers)
-
-    layer = layers[0]
-    many = torch.randn(quantize.DENSE_MIN_ROWS, 64, dtype=torch.bfloat16)
-    assert layer.dense is not None
-    assert torch.equal(layer(many), torch.nn.functional.linear(many, layer.dense))
-    few = many[: quantize.DENSE_MIN_ROWS - 1]
-    assert torch.equal(layer(few), _kernel(layer, few))
     # Another engine over the same layers finds the copies made.
-    assert WideRows(layers).state == "counting"
+    assert WideRows(layers).state == "undecided"
     again = WideRows.for_model(torch.nn.Sequential(*layers))
-    assert again is not None and again.state == "dense"
+    assert again is not None and again.dense
+
+
+def test_a_passs_prompt_tokens_run_on_the_copy_and_the_rest_on_the_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
+    layer = _layer(128, 64)
+    WideRows([layer]).before_pass(1)
+    assert layer.dense is not None
+    x = torch.randn(30, 64, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), _kernel(layer, x))  # outside a pass: the kernel
+    runs = [(2, 5), (10, 1), (20, 10)]
+    with prompt_tokens.feeding(runs, 30, x.device):
+        y = layer(x)
+        assert torch.equal(layer(x[:29]), _kernel(layer, x[:29]))  # not the pass's rows
+    prompt = [p for start, n in runs for p in range(start, start + n)]
+    others = [p for p in range(30) if p not in prompt]
+    assert torch.equal(y[prompt], prompt_tokens.tiled_linear(x[prompt], layer.dense))
+    assert torch.equal(y[others], _kernel(layer, x[others]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(count=st.integers(1, 300), at=st.integers(0, 299), seed=st.integers(0, 2**16))
+def test_a_prompt_tokens_bits_do_not_depend_on_the_tokens_beside_it(
+        count: int, at: int, seed: int) -> None:
+    """A prompt token's row through the tiles, alone and among `count` other prompt
+    tokens at any place: the same bits (a dense GEMM of the pass's width would round it
+    by that width)."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(192, 576, generator=generator) * 0.05).to(torch.bfloat16)
+    x = torch.randn(count, 576, generator=generator).to(torch.bfloat16)
+    token = torch.randn(1, 576, generator=generator).to(torch.bfloat16)
+    at = at % (count + 1)
+    beside = torch.cat([x[:at], token, x[at:]])
+    assert torch.equal(prompt_tokens.tiled_linear(beside, weight)[at],
+                       prompt_tokens.tiled_linear(token, weight)[0])
 
 
 def test_no_copy_where_the_trial_finds_no_gain_or_it_does_not_fit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
     slow = WideRows([_layer(128, 64)])
     monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 1e9)
     slow.before_pass(64)
     assert slow.state == "int4" and slow.layers[0].dense is None
     assert "against the int4 kernel" in (slow.reason or "")
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     slow.before_pass(10_000)  # decided: never tried again
     assert slow.layers[0].dense is None
 
     big = WideRows([_layer(128, 64)])
-    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     monkeypatch.setattr(dense_copies, "budget_bytes", lambda: 1000)
     big.before_pass(64)
     assert big.state == "int4" and "does not fit" in (big.reason or "")
@@ -134,8 +158,7 @@ def test_a_run_with_wide_passes_keeps_the_int4_runs_tokens_within_rounding(
     def run(dense: bool) -> tuple[list[dict[str, object]], str]:
         lm = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16",
                         quantize="int4")
-        monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1 if dense else 10**9)
-        monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
+        monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0 if dense else 1e9)
         engine = Engine(lm, EngineConfig(batch_size=2, draft_tokens=0, compile="off"))
         results: list[dict[str, object]] = []
         engine.run([job], results.append)
@@ -144,7 +167,7 @@ def test_a_run_with_wide_passes_keeps_the_int4_runs_tokens_within_rounding(
         return results[0]["logprobs"], wide.state  # type: ignore[return-value]
 
     plain, state = run(dense=False)
-    assert state == "counting"
+    assert state == "int4"
     dense, state = run(dense=True)
     assert state == "dense"
     first_plain, first_dense = plain[0], dense[0]
@@ -183,7 +206,6 @@ def test_a_copy_that_cannot_be_made_leaves_the_int4_kernel(
         return torch.zeros(layer.out_features, layer.in_features, dtype=torch.bfloat16)
 
     monkeypatch.setattr(dense_copies, "dense_weight", fails_on_the_third)
-    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
     monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     wide = WideRows(layers)
     wide.before_pass(64)
@@ -209,7 +231,6 @@ def test_the_dense_kernels_run_only_where_the_kernel_probe_passes_them(
     lm = load_model(str(tiny_model_dir), device="cpu", dtype="bfloat16", quantize="int4")
     monkeypatch.setenv(kernel_probe.ENV, "on")  # after the load: its own probe is not asked
     monkeypatch.setattr(kernel_probe, "verdict", verdict)
-    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
     monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     wide = WideRows.for_model(lm.model)
     assert wide is not None
@@ -223,37 +244,14 @@ def test_the_dense_kernels_run_only_where_the_kernel_probe_passes_them(
         assert "SIGSEGV" in (wide.reason or "")
 
 
-def test_the_dense_copy_serves_passes_from_the_smallest_row_count_where_it_pays(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """An AVX2 or AVX512-BF16 CPU without AMX wins with the dense GEMM only at more rows
-    than AMX does: the trial's row counts pick where passes start to use it."""
-    measured = {16: 1.6, 32: 1.2, 64: 1.7, 128: 2.5, 256: 4.0, 300: 4.5}
-    monkeypatch.setattr(dense_copies, "_trial", lambda layer, dense, rows: measured[rows])
-    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
-    layers = [_layer(128, 64, seed) for seed in range(2)]
-    wide = WideRows(layers)
-    wide.before_pass(300)
-    # 16 pays but 32 does not: from 64 on, where every larger count pays too.
-    assert wide.state == "dense" and wide.min_rows == 64
-    layer = layers[1]
-    assert layer.dense is not None
-    at = {rows: torch.randn(rows, 64, dtype=torch.bfloat16) for rows in (16, 63, 64, 300)}
-    for rows, x in at.items():
-        want = (torch.nn.functional.linear(x, layer.dense) if rows >= 64
-                else _kernel(layer, x))
-        assert torch.equal(layer(x), want), rows
-    assert WideRows.for_model(torch.nn.Sequential(*layers)).min_rows == 64  # type: ignore[union-attr]
-
-
 def test_layers_with_dense_copies_still_stack_for_the_compiled_step(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Wide passes may make the copies before the first compiled step stacks q/k/v: the
+    """A prompt may make the copies before the first compiled step stacks q/k/v: the
     stack's probe compares the kernels the stack runs, so it still stacks (a package
     built with stacked layers needs them)."""
     from aici_cli.models.quant import fused_linear
 
     monkeypatch.setattr(fused_linear, "_VERDICTS", {})
-    monkeypatch.setattr(dense_copies, "BUILD_AFTER", 1)
     monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
     parts = [_layer(n, 64, seed) for seed, n in enumerate((128, 64, 64))]
     # Copies that differ from the kernel's weights: a probe that reached them would fail.
@@ -265,26 +263,3 @@ def test_layers_with_dense_copies_still_stack_for_the_compiled_step(
     assert isinstance(stacked, Int4Linear)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(stacked(x), torch.cat([_kernel(p, x) for p in parts], dim=-1))
-
-
-def test_the_copy_is_made_once_the_rows_fed_cost_what_it_costs(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ski rental: making the copy costs one pass of K rows through each layer's kernel,
-    so it is made once wide passes fed the size-weighted mean of the K's (where the codes
-    do not unpack: from unpacked codes it costs `UNPACKED_COPY_ROWS`)."""
-    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
-    monkeypatch.setattr(dense_copies, "_unpacked_exact", lambda: False)
-    layers = [_layer(128, 64), _layer(64, 256)]  # 8,192 and 16,384 weights
-    wide = WideRows(layers)
-    assert wide.copy_rows == (8192 * 64 + 16384 * 256) // (8192 + 16384) == 192
-    wide.before_pass(100)
-    assert wide.state == "counting"
-    wide.before_pass(100)
-    assert wide.state == "dense"
-    monkeypatch.undo()
-    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
-    unpacked = WideRows([_layer(128, 64, 1), _layer(64, 256, 1)])
-    if dense_copies._unpacked_exact():  # this machine's layout unpacks
-        assert unpacked.copy_rows == dense_copies.UNPACKED_COPY_ROWS
-        unpacked.before_pass(dense_copies.UNPACKED_COPY_ROWS)
-        assert unpacked.state == "dense"
