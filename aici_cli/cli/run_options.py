@@ -168,6 +168,11 @@ RUN_PARAMS: tuple[Callable[[Any], Any], ...] = (
                  help="Prefill every prompt in full, even where a row already holds the keys of "
                       "its start (a shared few-shot prefix or system prompt). For comparison: "
                       "outputs are the same either way."),
+    click.option("--wide-prefill", is_flag=True,
+                 help="Run a 16-bit run's prompt tokens on the dense copies in one GEMM a pass "
+                      "instead of tiles of 128 rows: ~1.5x faster prefill of long prompts on "
+                      "CPUs with AMX, but a line's text may then depend on the lines beside it "
+                      "(made_with.batch_variant names it; docs/speed.md)."),
     click.option("--lookahead", type=click.IntRange(1, 100_000), default=64, show_default=True,
                  help="Lines read ahead of admission, so that lines whose prefix is cached run "
                       "first (results are written as lines finish; `index` keeps each line's "

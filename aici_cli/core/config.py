@@ -22,6 +22,10 @@ class EngineConfig:
     draft_tokens: int = 4
     # Reuse the keys a row holds for a new line whose prompt starts the same (rows.py).
     prefix_cache: bool = True
+    # A 16-bit run's prompt tokens on the dense copies in one GEMM a pass, not in tiles of
+    # one shape (models/quant/prompt_tokens.py): faster prefill where the copies pay (AMX),
+    # a line's text then depending on the lines that share its passes.
+    wide_prefill: bool = False
     # Lines read ahead of admission, to admit those whose prefix is cached first.
     lookahead: int = 64
     # Logprobs from the model's distribution ("raw", as OpenAI and vLLM) or from the one

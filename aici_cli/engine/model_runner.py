@@ -49,7 +49,8 @@ class ModelRunner:
     def __init__(self, lm: LoadedModel, cache: RowCache, config: EngineConfig,
                  now: Now) -> None:
         self.cache = cache
-        self.model_pass = ModelPass(lm, cache, config.deterministic, config.compile)
+        self.model_pass = ModelPass(lm, cache, config.deterministic, config.compile,
+                                    config.wide_prefill)
         self.masks = TokenMasks(config.batch_size, lm.vocab_size, torch.device(lm.device))
         self.masked_logprobs = config.logprobs_mode == "masked"
         self.projection = MaskedProjection.for_model(lm.model, lm.vocab_size,

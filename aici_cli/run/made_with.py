@@ -13,9 +13,10 @@ than beside the file: a torn or partly resumed file, and resumes across local an
 
 Not recorded, because they do not change what is asked, only how it is computed:
 `--batch-size`, `--device`, `--dtype`, `--deterministic`, `--draft-tokens`, `--no-ff`,
-`--no-prefix-cache`, `--lookahead`, the Ray options, timeouts and output options. Some of
-them change a line's tokens in the last bits of its logits (see docs/reliability.md,
-"Reproducible results") exactly as another batch does, which no run controls either.
+`--no-prefix-cache`, `--wide-prefill`, `--lookahead`, the Ray options, timeouts and
+output options. Some of them change a line's tokens in the last bits of its logits (see
+docs/reliability.md, "Reproducible results") exactly as another batch does, which no run
+controls either.
 
 Torch-free.
 """
@@ -116,18 +117,22 @@ def batch_variant_paths(engine: EngineConfig, quantize: str, dtype: str) -> list
     - `compiled-steps`: the compiled one-token step of such a run, whose attention is
       not the eager passes';
     - `long-prompts`: prompts longer than the attention's PER_QUERY_MAX (256 tokens) on
-      SDPA, whose bits depend on where the prefix cache cut them."""
+      SDPA, whose bits depend on where the prefix cache cut them;
+    - `wide-prefill`: a 16-bit quantised run's prompt tokens in one dense GEMM a pass
+      (`--wide-prefill`), which rounds a row by the pass's width."""
     if engine.deterministic:
         return []
+    wide = ["wide-prefill"] if engine.wide_prefill and quantize != "none" \
+        and dtype != "float32" else []
     int_kernels = quantize != "none" and dtype in ("float32", "bfloat16")
     if int_kernels:
-        return ["long-prompts"] if engine.prefix_cache else []
+        return wide + (["long-prompts"] if engine.prefix_cache else [])
     paths = ["attention"]
     if quantize == "none":
         paths.append("dense-gemm")
     if engine.compile != "off":
         paths.append("compiled-steps")
-    return paths
+    return paths + wide
 
 
 def mismatch(made: dict[str, Any], now: dict[str, Any], keys: set[str] | None = None

@@ -77,11 +77,13 @@ class PassOutput:
 
 class ModelPass:
     def __init__(self, lm: LoadedModel, cache: RowCache, deterministic: bool = False,
-                 compile: str = "off") -> None:
+                 compile: str = "off", wide_prefill: bool = False) -> None:
         """`deterministic`: the deterministic mode's passes, batch-invariant
         (`--deterministic`, see engine/forward/deterministic.py);
-        `compile`: when one-token steps run compiled (compiled.py)."""
+        `compile`: when one-token steps run compiled (compiled.py); `wide_prefill`: prompt
+        tokens on dense copies in one GEMM a pass, not in tiles (`--wide-prefill`)."""
         self.lm = lm
+        self.wide_prefill = wide_prefill
         self.cache = cache
         self.fits: int | None = None  # rows that fit in one pass, once one ran out of memory
         self.prompt: list[int] = []  # the running pass's prompt tokens per row (`run`)
@@ -177,7 +179,8 @@ class ModelPass:
         self.wide.before_pass(sum(n for _, n in runs))
         if not self.wide.dense:
             return self._forward_pass(inputs, project)
-        with prompt_tokens.feeding([r for r in runs if r[1]], start, inputs.input_ids.device):
+        with prompt_tokens.feeding([r for r in runs if r[1]], start, inputs.input_ids.device,
+                                   tiled=not self.wide_prefill):
             return self._forward_pass(inputs, project)
 
     def _forward_pass(self, inputs: ForwardInputs, project: bool) -> torch.Tensor:

@@ -40,18 +40,20 @@ _local = threading.local()
 @dataclass(frozen=True)
 class PromptTokens:
     """The pass's prompt tokens: `index` [P] int64, their positions among its `total`
-    packed tokens (P >= 1)."""
+    packed tokens (P >= 1); `tiled` False: in one GEMM of P rows (`--wide-prefill`)."""
 
     index: torch.Tensor
     total: int
+    tiled: bool = True
 
     def run(self, x: torch.Tensor, dense: torch.Tensor, others: object) -> torch.Tensor:
         """x [total, K] -> [total, N]: the prompt tokens' rows on `dense` [N, K] in tiles,
         the rest through `others` (a callable [rows, K] -> [rows, N], the int kernel)."""
+        gemm = tiled_linear if self.tiled else F.linear
         if self.index.shape[0] == self.total:
-            return tiled_linear(x, dense)
+            return gemm(x, dense)
         y = x.new_empty(self.total, dense.shape[0])
-        y[self.index] = tiled_linear(x[self.index], dense)
+        y[self.index] = gemm(x[self.index], dense)
         rest = torch.ones(self.total, dtype=torch.bool, device=x.device)
         rest[self.index] = False
         y[rest] = others(x[rest])  # type: ignore[operator]
@@ -76,14 +78,15 @@ def current() -> PromptTokens | None:
 
 
 @contextmanager
-def feeding(counts: list[tuple[int, int]], total: int, device: torch.device
-            ) -> Iterator[None]:
+def feeding(counts: list[tuple[int, int]], total: int, device: torch.device,
+            tiled: bool = True) -> Iterator[None]:
     """Within the block, a pass of `total` packed tokens whose prompt tokens are the
-    `(start, n)` runs of `counts` (a row's first n tokens from position start)."""
+    `(start, n)` runs of `counts` (a row's first n tokens from position start); `tiled`
+    False: they run in one GEMM (`--wide-prefill`)."""
     positions = [p for start, n in counts for p in range(start, start + n)]
     previous = current()
     _local.tokens = (PromptTokens(torch.tensor(positions, dtype=torch.long, device=device),
-                                  total) if positions else None)
+                                  total, tiled) if positions else None)
     try:
         yield
     finally:

@@ -263,3 +263,32 @@ def test_layers_with_dense_copies_still_stack_for_the_compiled_step(
     assert isinstance(stacked, Int4Linear)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     assert torch.equal(stacked(x), torch.cat([_kernel(p, x) for p in parts], dim=-1))
+
+
+def test_wide_prefill_runs_a_passs_prompt_tokens_in_one_gemm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--wide-prefill`: the prompt tokens in one GEMM of their count, as the CLI sets it,
+    and the result names the path (made_with.batch_variant)."""
+    import click
+
+    from aici_cli.cli.main import main
+    from aici_cli.cli.run_config import run_config
+    from aici_cli.run.made_with import batch_variant_paths
+
+    monkeypatch.setattr(dense_copies, "MIN_SPEEDUP", 0.0)
+    layer = _layer(128, 64)
+    WideRows([layer]).before_pass(1)
+    assert layer.dense is not None
+    x = torch.randn(300, 64, dtype=torch.bfloat16)
+    with prompt_tokens.feeding([(0, 290)], 300, x.device, tiled=False):
+        y = layer(x)
+    assert torch.equal(y[:290], torch.nn.functional.linear(x[:290], layer.dense))
+    assert torch.equal(y[290:], _kernel(layer, x[290:]))
+
+    command = main.get_command(click.Context(main), "run")
+    assert isinstance(command, click.Command)
+    for args, wide in (([], False), (["--wide-prefill"], True)):
+        engine = run_config(**command.make_context("run", ["in.jsonl", *args]).params).engine
+        assert engine.wide_prefill is wide
+        assert ("wide-prefill" in batch_variant_paths(engine, "int4", "bfloat16")) is wide
+        assert "wide-prefill" not in batch_variant_paths(engine, "int4", "float32")
