@@ -75,7 +75,8 @@ class Engine:
         self.finishing = Finishing(lm.tokenizer, config.schema_retries, now)
         self.runner = ModelRunner(lm, cache, config, now)
         self.scheduler = Scheduler(
-            RowTable(config.batch_size, config.prefix_cache),
+            RowTable(config.batch_size, config.prefix_cache,
+                     prompt_kernels=self.runner.model_pass.wide is not None),
             self.intake,
             Launcher(self.intake, decisions, self.eos, config.step_stats, now, now(), tracer),
             Update(decisions, masked_logprobs, self.token_bytes, now, tracer),

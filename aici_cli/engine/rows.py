@@ -68,6 +68,18 @@ class Prepared:
         return cls(job, prompt, np.asarray(prompt, dtype=np.int64), earlier or [])
 
 
+def prompt_keys(n: int, held_prompt: int, prompt: int) -> int:
+    """Of `n` common tokens, how many a line whose prompt is `prompt` tokens long may take
+    from a row whose first `held_prompt` keys were its line's prompt: as many as keep each
+    key's kind, a prompt token's key for a prompt token and a generated token's for a
+    generated one. A 16-bit run computes the two kinds on different kernels
+    (models/quant/prompt_tokens.py), and a line's keys must be those it would compute
+    itself, or its text would depend on which line ran before it (a prompt that quotes
+    another line's answer). Equal prompt lengths (a fork's branches, a line's samples)
+    keep every common key."""
+    return n if held_prompt == prompt else min(n, held_prompt, prompt)
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two token arrays."""
     n = min(len(a), len(b))
@@ -81,11 +93,18 @@ Copy = tuple[int, int, int]  # (src, dst, n): row dst takes row src's first n sl
 
 
 class RowTable:
-    def __init__(self, size: int, prefix_cache: bool = True) -> None:
+    def __init__(self, size: int, prefix_cache: bool = True,
+                 prompt_kernels: bool = False) -> None:
+        """`prompt_kernels`: prompt tokens may run other kernels than generated ones (a
+        16-bit run's dense copies): a line takes a key of its own kind only
+        (`prompt_keys`)."""
         self.prefix_cache = prefix_cache
+        self.prompt_kernels = prompt_kernels
         self.gens: list[Generation | None] = [None] * size
-        # Tokens whose keys an idle row still holds (valid until it is overwritten).
+        # Tokens whose keys an idle row still holds (valid until it is overwritten), and
+        # how many of them were its line's prompt (`prompt_keys`).
         self.held: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(size)]
+        self.held_prompt = [0] * size
         # When each row was last released (a counter): the eviction's tie-break.
         self.released_at = [0] * size
         self._releases = 0
@@ -102,8 +121,7 @@ class RowTable:
         """The row's generation finished: its keys stay, for a later line to take."""
         gen = self.gens[row]
         if gen is not None and self.prefix_cache:
-            self.held[row] = np.asarray((gen.prompt + gen.output)[: gen.length],
-                                        dtype=np.int64)
+            self._hold(row, gen)
         self._releases += 1
         self.released_at[row] = self._releases
         self.gens[row] = None
@@ -117,6 +135,11 @@ class RowTable:
     def place(self, gen: Generation, ahead: Sequence[Prepared]) -> None:
         """Give `gen` the idle row that serves it best (`row_for`)."""
         self.gens[self.row_for(np.asarray(gen.cacheable(), dtype=np.int64), ahead)] = gen
+
+    def _prompt_len(self, row: int) -> int:
+        """How many of the tokens `row`'s cache holds were its line's prompt."""
+        gen = self.gens[row]
+        return self.held_prompt[row] if gen is None else len(gen.prompt)
 
     def _rows_tokens(self) -> list[np.ndarray]:
         """What each row's cache holds now: a live generation's fed tokens, or an idle
@@ -187,9 +210,13 @@ class RowTable:
             self.gens[dst], self.gens[src] = gen, None
             self.held[dst] = np.zeros(0, dtype=np.int64)  # the live generation defines it
             if self.prefix_cache:
-                self.held[src] = np.asarray((gen.prompt + gen.output)[: gen.length],
-                                            dtype=np.int64)
+                self._hold(src, gen)
         return copies
+
+    def _hold(self, row: int, gen: Generation) -> None:
+        """`row` keeps the keys `gen` fed, for a later line to take."""
+        self.held[row] = np.asarray((gen.prompt + gen.output)[: gen.length], dtype=np.int64)
+        self.held_prompt[row] = len(gen.prompt)
 
     # ---------------------------------------------------------------------- the pass
 
@@ -232,7 +259,11 @@ class RowTable:
         best_row, best = row, 0
         for other, tokens in enumerate(self._rows_tokens()):
             # Its own row: the keys kept there, or already taken in place.
-            n = common_prefix(prompt, tokens if other != row or gen.length else self.held[row])
+            own = other == row and not gen.length
+            n = common_prefix(prompt, self.held[row] if own else tokens)
+            if self.prompt_kernels:
+                held = self.held_prompt[row] if own else self._prompt_len(other)
+                n = prompt_keys(n, held, len(gen.prompt))
             if n > best or (n == best and other == row):
                 best_row, best = other, n
         best = min(best, gen.cache_limit())

@@ -153,3 +153,27 @@ def test_the_compiled_step_gives_the_eager_bits_at_any_row_count(lm_int4: Loaded
         differ = [k for k in eager if fast[k] != eager[k]]
         assert differ == [], f"batch {batch_size}: {differ}: {fast[differ[0]]} != " \
                              f"{eager[differ[0]]}"
+
+
+def test_a_prompt_that_quotes_another_lines_answer_gets_its_own_keys(
+        lm_int4: LoadedModel) -> None:
+    """Line B's prompt is line A's prompt and answer: run after A in A's row, B may take
+    A's keys, but only of its own kind (a 16-bit run computes prompt tokens on the dense
+    copies, generated ones on the int kernels: rows.prompt_keys), so its tokens and
+    logprobs are those of B alone."""
+    a = make_jobs([12])[0]
+    answer = Engine(lm_int4, EngineConfig(batch_size=1))
+    done: list[dict[str, Any]] = []
+    answer.run([a], done.append)
+    b = dataclasses.replace(a, index=2, id="quotes", prompt=a.prompt + done[0]["text"])
+    alone = tokens(lm_int4, [b], 1)
+    engine = Engine(lm_int4, EngineConfig(batch_size=1, lookahead=1))
+    results: list[dict[str, Any]] = []
+    engine.run([a, b], results.append)
+    after = next(r for r in results if r["id"] == "quotes")
+    assert [(e["id"], e["logprob"]) for e in after["logprobs"]] == alone["quotes"]
+    prompt_a = len(lm_int4.tokenizer(a.prompt)["input_ids"])
+    cached = after["stats"]["cached_tokens"]
+    assert cached > 0  # it took A's keys
+    if engine.scheduler.table.prompt_kernels:
+        assert cached <= prompt_a  # only A's prompt's
