@@ -4,7 +4,8 @@
 at once, a compiler process each (one after another, the cores but one would wait; the
 int kernels' C++ file, against torch's headers, takes ~80% of their ~12 s), then the
 link, in a temporary folder beside the library, renamed into place (another process
-may build the same one at once).
+may build the same one at once). A folder left by a process that ended mid-build is
+removed by the next build once no build can still be using it (`sweep_stale`).
 
 `once` finds a value (a library's path, or why there is none) once a process under one
 lock: the first caller runs the finding while later ones wait for its value.
@@ -17,14 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import TypeVar
 
 TIMEOUT_S = 300  # a compiler process that takes longer hangs
+TEMP_PREFIX = ".int-"  # a build's temporary folder beside the library
+# A temporary build folder older than this belongs to no running build (its compile and
+# its link each time out at TIMEOUT_S).
+STALE_S = 3 * TIMEOUT_S
 T = TypeVar("T")
 
 _FOUND: dict[Hashable, object] = {}
@@ -62,7 +69,8 @@ def compile_library(built: Path, cc: str, c_files: list[tuple[Path, list[str]]],
     not in a few words (the first failing file's, in the order given, with its
     compiler's last line)."""
     built.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".int-", dir=built.parent) as tmp:
+    sweep_stale(built.parent)
+    with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX, dir=built.parent) as tmp:
         steps = [[cc, *c_flags, *flags, "-c", str(source)] for source, flags in c_files]
         steps.append([cxx, *cxx_flags, "-c", str(cxx_file)])
         objects = [str(Path(tmp) / f"{Path(step[-1]).name}.o") for step in steps]
@@ -76,6 +84,23 @@ def compile_library(built: Path, cc: str, c_files: list[tuple[Path, list[str]]],
             return f"building its library failed ({_tail(done.stderr)})"
         os.replace(out, built)
     return None
+
+
+def sweep_stale(folder: Path, older_than_s: float = STALE_S) -> int:
+    """Remove the temporary build folders in `folder` that no build can still be using
+    (older than `older_than_s`: a build's compilers time out long before), left by a
+    process that ended while its background build ran (the thread is a daemon: nothing
+    cleans up after it). Returns how many it removed."""
+    removed = 0
+    now = time.time()
+    for path in folder.glob(f"{TEMP_PREFIX}*"):
+        try:
+            if path.is_dir() and now - path.stat().st_mtime > older_than_s:
+                shutil.rmtree(path, ignore_errors=True)
+                removed += 1
+        except OSError:  # another process swept it first
+            continue
+    return removed
 
 
 def _at_once(commands: list[list[str]]) -> str | None:

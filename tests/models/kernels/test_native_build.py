@@ -8,6 +8,7 @@ stands in (the real build is the session's first step, tests/conftest.py)."""
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 import threading
@@ -191,3 +192,44 @@ def test_the_int_kernels_probe_runs_beside_the_kernel_choice(
                         lambda *a: kernel_probe.KernelChoice("float32", "none"))
     model_load._probed(tmp_path, cpu, "auto", "none", torch.float32, "none")
     assert seen == []
+
+
+@pytest.mark.subprocess
+def test_a_build_folder_left_by_a_killed_process_is_swept_by_the_next_build(
+        tmp_path: Path) -> None:
+    """A process killed while its build ran leaves its temporary folder (no cleanup runs);
+    the next build removes it once no build can still be using it, and keeps a folder a
+    build may be using now."""
+    slow = tmp_path / "slow-cc"
+    slow.write_text("#!/bin/sh\nsleep 60\n")
+    slow.chmod(0o755)
+    fails = tmp_path / "failing-cc"
+    fails.write_text("#!/bin/sh\necho 'no such flag' >&2\nexit 1\n")
+    fails.chmod(0o755)
+    folder = tmp_path / "kernels"
+    built = folder / "libx.so"
+    source = tmp_path / "x.c"
+    source.write_text("int x;\n")
+    code = ("import sys; from pathlib import Path; "
+            "from aici_cli.models.kernels.native_build import compile_library; "
+            f"compile_library(Path({str(built)!r}), {str(slow)!r}, [(Path({str(source)!r}), [])],"
+            f" [], {str(slow)!r}, Path({str(source)!r}), [], [])")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not list(folder.glob(f"{native_build.TEMP_PREFIX}*")):
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait()
+    [left] = folder.glob(f"{native_build.TEMP_PREFIX}*")
+    old = time.time() - native_build.STALE_S - 60
+    os.utime(left, (old, old))
+    running = folder / f"{native_build.TEMP_PREFIX}running"  # a build of now
+    running.mkdir()
+    problem = native_build.compile_library(built, str(fails), [(source, [])], [], str(fails),
+                                           source, [], [])
+    assert problem is not None and "no such flag" in problem
+    assert not left.exists() and running.exists()
+    assert not built.exists()
