@@ -377,9 +377,9 @@ def test_result_timings_come_from_the_engine_clock(lm: LoadedModel,
     ticking = Engine(lm, EngineConfig(batch_size=2), now=lambda: clock.t)
     original = ticking.runner.model_pass.run
 
-    def slow_pass(*args: Any) -> Any:
+    def slow_pass(*args: Any, **kwargs: Any) -> Any:
         clock.advance(10)  # every forward pass takes exactly 10 ms
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(ticking.runner.model_pass, "run", slow_pass)
     results: list[dict[str, Any]] = []
@@ -404,9 +404,9 @@ def test_a_line_of_several_rows_counts_a_shared_pass_once(
     ticking = Engine(lm, EngineConfig(batch_size=4, draft_tokens=0), now=lambda: clock.t)
     original = ticking.runner.model_pass.run
 
-    def slow_pass(*args: Any) -> Any:
+    def slow_pass(*args: Any, **kwargs: Any) -> Any:
         clock.advance(10)
-        return original(*args)
+        return original(*args, **kwargs)
 
     monkeypatch.setattr(ticking.runner.model_pass, "run", slow_pass)
     if kind == "score":

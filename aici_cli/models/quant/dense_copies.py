@@ -18,7 +18,8 @@ the lines beside it (`prompt_tokens`: a prompt token, in tiles of a fixed shape;
 other token on the int kernels). The choice whether copies are made at all is taken once,
 before the run's first prompt token is computed: a trial on the model's largest int4
 layer, a tile of `prompt_tokens.TILE_ROWS` rows on the copy against as many rows on the
-int kernel, must show at least `MIN_SPEEDUP`, the copy must fit `budget_bytes`, and the
+int kernel, must show at least `MIN_SPEEDUP` (measured once a machine, layer shape and
+dtype, and cached: `measured_speedup`), the copy must fit `budget_bytes`, and the
 kernel probe must pass this machine's dense kernels (the unquantised mode at the run's
 dtype). A choice taken later (as a rental once enough prompt rows had run) would give the
 run's first lines other bits than its later ones.
@@ -36,18 +37,22 @@ the compiled one-token step (its stacked layers are other modules) nor `--determ
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import time
 from typing import Any
 
 import torch
 
+from aici_cli.core.cache_paths import cache_dir
 from aici_cli.models.cache import packed_layers
 from aici_cli.models.kernels import int_mm, probe
 from aici_cli.models.quant import prompt_tokens, quantize
 from aici_cli.models.quant.quantize import GROUP, Int4Linear
 
 MIN_SPEEDUP = 1.5  # the dense tiles' speed-up the trial must show
+TRIAL_VERSION = 1  # of the trial's cached measurements (`measured_speedup`)
 MAX_BYTES = 4 << 30  # and the copy's size at most this, and a quarter of free memory
 
 
@@ -186,18 +191,18 @@ class WideRows:
         if refused is not None:
             self.state, self.reason = "int4", refused
             return
-        trial = max(self.layers, key=lambda layer: layer.in_features * layer.out_features)
+        trial = self.trial_layer()
         started = time.perf_counter()
         try:
-            made = dense_weight(trial)  # once: the trial, then the copy itself
-            speedup = _trial(trial, made, prompt_tokens.TILE_ROWS)
+            speedup, made = measured_speedup(trial)
             self.reason = f"the dense GEMM against the int4 kernel: {speedup:.1f}x at " \
                 f"{prompt_tokens.TILE_ROWS} rows"
             if speedup < MIN_SPEEDUP:
                 self.state = "int4"
                 return
             for layer in self.layers:
-                layer.dense = made if layer is trial else dense_weight(layer)
+                layer.dense = made if layer is trial and made is not None \
+                    else dense_weight(layer)
         except (MemoryError, RuntimeError) as e:  # fail safe: the int4 kernel, as before
             for layer in self.layers:
                 layer.dense = None
@@ -206,6 +211,10 @@ class WideRows:
             return
         self.build_s = time.perf_counter() - started
         self.state = "dense"
+
+    def trial_layer(self) -> Int4Linear:
+        """The layer the trial times: the largest."""
+        return max(self.layers, key=lambda layer: layer.in_features * layer.out_features)
 
     def _probe_refuses(self) -> str | None:
         """Why this machine's dense kernels must not run here: the kernel probe's verdict
@@ -228,6 +237,39 @@ def dense_verdict(config: Any, dtype: torch.dtype) -> probe.Verdict:
     asks it first, so that a run does not wait for the probe's child)."""
     mode = probe.current_mode("cpu", str(dtype).removeprefix("torch."), "none")
     return probe.verdict(mode, probe.Shapes.of_config(config))
+
+
+def measured_speedup(layer: Int4Linear) -> tuple[float, torch.Tensor | None]:
+    """The trial's speed-up of `layer`'s tiles on its dense copy over its int kernel, as
+    first measured on this machine for its shape and dtype (cached: a timing near the
+    threshold would otherwise choose the kernel of a run's prompt tokens, and with it its
+    lines' text, by the machine's load at the run's start), and the copy where it was
+    made for the measurement now."""
+    key = json.dumps({"trial": TRIAL_VERSION, "torch": torch.__version__,
+                      "machine": probe.fingerprint("cpu"),
+                      "shape": [layer.out_features, layer.in_features],
+                      "dtype": str(layer.scale_zero.dtype), "vnni": layer.vnni,
+                      "rows": prompt_tokens.TILE_ROWS}, sort_keys=True)
+    path = cache_dir() / "dense-trials" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return float(cached["speedup"]), None
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    made = dense_weight(layer)
+    speedup = _trial(layer, made, prompt_tokens.TILE_ROWS)
+    try:  # the first measurement stays: a run that measured at once keeps its own
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "speedup": speedup}) + "\n")
+        try:
+            os.link(tmp, path)
+        finally:
+            tmp.unlink()
+    except OSError:
+        pass  # an unwritable cache, or measured by another run first
+    return speedup, made
 
 
 def _trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:

@@ -292,3 +292,29 @@ def test_wide_prefill_runs_a_passs_prompt_tokens_in_one_gemm(
         assert engine.wide_prefill is wide
         assert ("wide-prefill" in batch_variant_paths(engine, "int4", "bfloat16")) is wide
         assert "wide-prefill" not in batch_variant_paths(engine, "int4", "float32")
+
+
+def test_the_trials_measurement_is_taken_once_a_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs on one machine choose alike: the first run's measured speed-up is cached
+    for the layer's shape and dtype, so a second run (under another load) reads it instead
+    of timing again; another shape is measured."""
+    monkeypatch.setenv("AICI_BATCH_CACHE", str(tmp_path))
+    timed: list[int] = []
+
+    def trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:
+        timed.append(layer.out_features)
+        return 1.75 if len(timed) == 1 else 0.5  # a later timing would say otherwise
+
+    monkeypatch.setattr(dense_copies, "_trial", trial)
+    first, made = dense_copies.measured_speedup(_layer(128, 64))
+    assert (first, timed) == (1.75, [128]) and made is not None
+    again, made = dense_copies.measured_speedup(_layer(128, 64, seed=1))
+    assert (again, timed, made) == (1.75, [128], None)
+    layers = [_layer(128, 64, seed) for seed in range(2)]
+    wide = WideRows(layers)
+    wide.before_pass(1)
+    assert wide.dense and "1.8x" in (wide.reason or "")  # read, not timed: dense
+    assert all(layer.dense is not None for layer in layers)
+    other, _ = dense_copies.measured_speedup(_layer(64, 64))
+    assert (other, timed) == (0.5, [128, 64])
