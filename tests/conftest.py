@@ -157,11 +157,10 @@ def _starts_no_process(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # What every test shares of the cache folder: what a run makes once and that changes no
 # run's output (converted models, compiled components and kernels, the machine checks'
-# verdicts and the dense copies' trial, OCI pulls, their locks). The compiled steps are each test's own: a package
-# one test built makes a later test's `--compile auto` run start compiled, with the
-# compiled step's rounding (and the draft gate's other choice), so a suite's outcome
-# would hang on its order and on what `make demo` (`aici-batch prepare`) left in the
-# cache before it.
+# verdicts and the dense copies' trial, OCI pulls, their locks). The compiled steps are
+# each test's own: a package one test built makes a later test's `--compile auto` run
+# start compiled (and the draft gate choose otherwise), so a suite's outcome would hang
+# on its order and on what `make demo` (`aici-batch prepare`) left in the cache before it.
 SHARED_CACHE = cache_dir()
 SHARED_CACHE_ENTRIES = ("models", "components", "kernel-probe", "kernels", "invariance", "oci",
                         "dense-trials", "locks")
