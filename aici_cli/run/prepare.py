@@ -42,7 +42,7 @@ from aici_cli.core.job import Job
 from aici_cli.engine import Engine, builders_turn, step_row_counts
 from aici_cli.models.kernels import probe
 from aici_cli.models.load import LoadedModel, load_model
-from aici_cli.models.quant.dense_copies import WideRows, dense_verdict, measured_speedup
+from aici_cli.models.quant.dense_copies import WideRows, dense_verdict, measured_trial
 
 # Tokens each synthetic line generates: the prompt's pass, then one-token steps, the
 # first of which builds (or loads) the bucket's package.
@@ -79,7 +79,7 @@ def prepare(config: RunConfig, say: Callable[[str], None] = lambda _: None) -> P
         dense_verdict(lm.model.config, lm.dtype)  # what a run's first prompt pass asks
     wide = WideRows.for_model(lm.model)
     if wide is not None:  # the trial's measurement, taken here on a machine at rest
-        measured_speedup(wide.trial_layer())
+        measured_trial(wide.trial_layer())
     loaded = time.perf_counter()
     # No drafts: a pass with a draft runs eager, and the tiny prompts below repeat
     # themselves, so their rows would draft instead of taking the one-token step.

@@ -18,11 +18,12 @@ the lines beside it (`prompt_tokens`: a prompt token, in tiles of a fixed shape;
 other token on the int kernels). The choice whether copies are made at all is taken once,
 before the run's first prompt token is computed: a trial on the model's largest int4
 layer, a tile of `prompt_tokens.TILE_ROWS` rows on the copy against as many rows on the
-int kernel, must show at least `MIN_SPEEDUP` (measured once a machine, layer shape and
-dtype, and cached: `measured_speedup`), the copy must fit `budget_bytes`, and the
-kernel probe must pass this machine's dense kernels (the unquantised mode at the run's
-dtype). A choice taken later (as a rental once enough prompt rows had run) would give the
-run's first lines other bits than its later ones.
+int kernel, must show at least `MIN_SPEEDUP`, and the tiles must keep each row's bits
+whatever its place and its neighbours (`prompt_tokens.moved_row`; both measured once a
+machine, layer shape and dtype, and cached: `measured_trial`), the copy must fit
+`budget_bytes`, and the kernel probe must pass this machine's dense kernels (the
+unquantised mode at the run's dtype). A choice taken later (as a rental once enough
+prompt rows had run) would give the run's first lines other bits than its later ones.
 
 A dense copy costs memory (two bytes a weight: 212 MB for the default model's 210 int4
 layers) and time to make (`dense_weight`: the kernel's weights rounded to the activation
@@ -41,6 +42,7 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -193,14 +195,19 @@ class WideRows:
         trial = self.trial_layer()
         started = time.perf_counter()
         try:
-            speedup, made = measured_speedup(trial)
-            self.reason = f"the dense GEMM against the int4 kernel: {speedup:.1f}x at " \
-                f"{prompt_tokens.TILE_ROWS} rows"
-            if speedup < MIN_SPEEDUP:
+            found = measured_trial(trial)
+            self.reason = f"the dense GEMM against the int4 kernel: {found.speedup:.1f}x " \
+                f"at {prompt_tokens.TILE_ROWS} rows"
+            if found.speedup < MIN_SPEEDUP:
                 self.state = "int4"
                 return
+            if found.moved is not None:
+                self.state = "int4"
+                self.reason = "the dense GEMM rounds a row by the rows beside it in a tile " \
+                    f"here ({found.moved}): prompt tokens stay on the int kernels"
+                return
             for layer in self.layers:
-                layer.dense = made if layer is trial and made is not None \
+                layer.dense = found.made if layer is trial and found.made is not None \
                     else dense_weight(layer)
         except (MemoryError, RuntimeError) as e:  # fail safe: the int4 kernel, as before
             for layer in self.layers:
@@ -238,12 +245,23 @@ def dense_verdict(config: Any, dtype: torch.dtype) -> probe.Verdict:
     return probe.verdict(mode, probe.Shapes.of_config(config))
 
 
-def measured_speedup(layer: Int4Linear) -> tuple[float, torch.Tensor | None]:
-    """The trial's speed-up of `layer`'s tiles on its dense copy over its int kernel, as
-    first measured on this machine for its shape and dtype (cached: a timing near the
-    threshold would otherwise choose the kernel of a run's prompt tokens, and with it its
-    lines' text, by the machine's load at the run's start), and the copy where it was
-    made for the measurement now."""
+@dataclass(frozen=True)
+class Trial:
+    """What the trial found for a layer on this machine: the speed-up of its tiles on the
+    dense copy over its int kernel, and where the tiles round a row by its place or its
+    neighbours (`prompt_tokens.moved_row`; None: nowhere). `made`: the copy, where it was
+    made for the trial now (None: read from the cache)."""
+
+    speedup: float
+    moved: str | None
+    made: torch.Tensor | None = None
+
+
+def measured_trial(layer: Int4Linear) -> Trial:
+    """The trial of `layer` as first measured on this machine for its shape and dtype
+    (cached: a timing near the threshold would otherwise choose the kernel of a run's
+    prompt tokens, and with it its lines' text, by the machine's load at the run's
+    start)."""
     key = json.dumps({"trial": TRIAL_VERSION, "torch": torch.__version__,
                       "machine": probe.fingerprint("cpu"),
                       "shape": [layer.out_features, layer.in_features],
@@ -253,22 +271,24 @@ def measured_speedup(layer: Int4Linear) -> tuple[float, torch.Tensor | None]:
     try:
         cached = json.loads(path.read_text())
         if cached.get("key") == key:
-            return float(cached["speedup"]), None
+            return Trial(float(cached["speedup"]), cached.get("moved"))
     except (OSError, ValueError, TypeError, KeyError):
         pass
     made = dense_weight(layer)
-    speedup = _trial(layer, made, prompt_tokens.TILE_ROWS)
+    found = Trial(_trial(layer, made, prompt_tokens.TILE_ROWS),
+                  prompt_tokens.moved_row(made), made)
     try:  # the first measurement stays: a run that measured at once keeps its own
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "speedup": speedup}) + "\n")
+        tmp.write_text(json.dumps({"key": key, "speedup": found.speedup,
+                                   "moved": found.moved}) + "\n")
         try:
             os.link(tmp, path)
         finally:
             tmp.unlink()
     except OSError:
         pass  # an unwritable cache, or measured by another run first
-    return speedup, made
+    return found
 
 
 def _trial(layer: Int4Linear, dense: torch.Tensor, rows: int) -> float:

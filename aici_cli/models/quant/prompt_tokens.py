@@ -72,6 +72,30 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out[:rows]
 
 
+def moved_row(weight: torch.Tensor) -> str | None:
+    """Where this machine's dense GEMM gives a row of a tile other bits by its place or
+    its neighbours (for `weight` [N, K], as a tile runs it): None where it does not, else
+    which row moved. oneDNN's AMX and AVX-512 kernels keep a row's bits in a GEMM of one
+    shape; a BLAS whose micro-kernel takes rows in blocks that do not divide the tile (6
+    on some AVX2 kernels) would round the last rows otherwise. Checked before any copy is
+    made (`dense_copies`), so that prompt tokens on the copies are row-independent on
+    every machine that takes them: a few tiles' GEMMs."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(TILE_ROWS + 3, weight.shape[1], generator=generator).to(weight.dtype)
+    whole = tiled_linear(x, weight)  # two tiles, the second padded
+    shifted = tiled_linear(torch.roll(x, 5, dims=0), weight)
+    others = torch.randn_like(x, dtype=torch.float32).to(weight.dtype)
+    for p in (0, 1, 2, 5, TILE_ROWS // 2, TILE_ROWS - 2, TILE_ROWS - 1, TILE_ROWS):
+        alone = tiled_linear(x[p : p + 1], weight)[0]
+        beside = others.clone()
+        beside[p] = x[p]
+        if not (torch.equal(whole[p], alone)
+                and torch.equal(shifted[(p + 5) % x.shape[0]], alone)
+                and torch.equal(tiled_linear(beside, weight)[p], alone)):
+            return f"row {p} of {TILE_ROWS}"
+    return None
+
+
 def current() -> PromptTokens | None:
     """The prompt tokens of the pass running on this thread (None: none, or no pass)."""
     return getattr(_local, "tokens", None)
