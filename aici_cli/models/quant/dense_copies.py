@@ -54,7 +54,7 @@ from aici_cli.models.quant import prompt_tokens, quantize
 from aici_cli.models.quant.quantize import GROUP, Int4Linear
 
 MIN_SPEEDUP = 1.5  # the dense tiles' speed-up the trial must show
-TRIAL_VERSION = 1  # of the trial's cached measurements (`measured_speedup`)
+TRIAL_VERSION = 1  # of the trial's cached measurements (`measured_trial`)
 MAX_BYTES = 4 << 30  # and the copy's size at most this, and a quarter of free memory
 
 
